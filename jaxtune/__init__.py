@@ -1,0 +1,10 @@
+"""jaxtune: QLoRA fine-tuning of Llama-family models in JAX / Flax NNX.
+
+The public surface is small on purpose: load, add adapters, (train), export.
+"""
+
+from converters.hf_in import CheckpointError, from_pretrained
+from jaxtune.config import ConfigError, ModelConfig
+from jaxtune.lora import apply_lora
+
+__all__ = ["CheckpointError", "ConfigError", "ModelConfig", "apply_lora", "from_pretrained"]

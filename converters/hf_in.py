@@ -1,0 +1,236 @@
+"""Hugging Face safetensors checkpoint -> jaxtune model, one tensor at a time.
+
+The model is first built abstractly (``nnx.eval_shape``: shapes only, no memory). Each tensor
+is then read on its own from the safetensors files, checked against the shape the config
+implies, quantized to NF4 on the accelerator if it is a frozen linear weight, and written into
+its (layer-stacked, sharded) buffer on the devices. Host memory therefore peaks near the
+largest single tensor, never near the model.
+"""
+
+import functools
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from safetensors import SafetensorError, safe_open
+
+from converters import table as tables
+from jaxtune import nf4, sharding
+from jaxtune.config import ConfigError, ModelConfig
+from jaxtune.models.llama import Llama
+
+log = logging.getLogger("jaxtune")
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+MODELS = {"llama": Llama}
+
+
+class CheckpointError(ValueError):
+  """A checkpoint jaxtune cannot load; the message names the file or tensor and the fix."""
+
+
+def resolve_checkpoint(path_or_hub_id: str | Path) -> Path:
+  """A local checkpoint directory, downloading from the Hub when given a repo id."""
+  path = Path(path_or_hub_id).expanduser()
+  if path.is_dir():
+    return path
+  text = str(path_or_hub_id)
+  looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
+  if not looks_like_hub_id:
+    raise CheckpointError(f"checkpoint directory {text} does not exist; check the path.")
+  try:
+    from huggingface_hub import snapshot_download
+
+    return Path(
+      snapshot_download(
+        text,
+        allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"],
+      )
+    )
+  except Exception as e:  # the hub raises many types; all mean "could not fetch"
+    raise CheckpointError(
+      f"{text} is neither a local directory nor a reachable Hugging Face repo ({type(e).__name__}); "
+      "check the id, log in with `hf auth login` for gated models, or pass a local directory."
+    ) from e
+
+
+def safetensors_files(ckpt: Path) -> list[Path]:
+  """The checkpoint's safetensors files, from model.safetensors.index.json when sharded."""
+  index = ckpt / "model.safetensors.index.json"
+  if index.is_file():
+    try:
+      weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError) as e:
+      raise CheckpointError(f"{index} is not a valid safetensors index; re-download it.") from e
+    files = [ckpt / name for name in dict.fromkeys(weight_map.values())]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+      raise CheckpointError(
+        f"{ckpt} lacks {', '.join(missing)} listed in its index; the download is incomplete."
+      )
+    return files
+  files = sorted(ckpt.glob("*.safetensors"))
+  if not files:
+    raise CheckpointError(
+      f"no *.safetensors files in {ckpt}; jaxtune reads safetensors checkpoints only "
+      "(convert .bin files with transformers' save_pretrained(safe_serialization=True))."
+    )
+  return files
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, Path, np.ndarray]]:
+  """(name, file, array) one at a time; the caller drops each before the next is read."""
+  for file in files:
+    try:
+      with safe_open(str(file), framework="numpy") as f:
+        for name in f.keys():
+          yield name, file, f.get_tensor(name)
+    except SafetensorError as e:
+      raise CheckpointError(f"{file} is truncated or corrupt ({e}); re-download it.") from e
+
+
+def from_pretrained(
+  path_or_hub_id: str | Path,
+  quantization: str | None = "nf4",
+  dtype: str = "bfloat16",
+  mesh: Mesh | None = None,
+) -> nnx.Module:
+  """Load a HF checkpoint (dir or hub id) as a jaxtune model, NF4 frozen linears by default."""
+  if quantization not in ("nf4", None, "none"):
+    raise ValueError(f"quantization must be 'nf4' or None, got {quantization!r}.")
+  if dtype not in DTYPES:
+    raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
+  quantized = quantization == "nf4"
+  ckpt = resolve_checkpoint(path_or_hub_id)
+  cfg = ModelConfig.from_hf(ckpt)
+  files = safetensors_files(ckpt)
+  compute = DTYPES[dtype]
+
+  abstract = nnx.eval_shape(
+    lambda: MODELS[cfg.model_type](cfg, quantized=quantized, dtype=compute, rngs=nnx.Rngs(0))
+  )
+  graphdef, state = nnx.split(abstract)
+  variables = dict(state.flat_state())
+  loader = _Loader(variables, mesh)
+  table = tables.TABLES[cfg.model_type]
+
+  for name, file, tensor in iter_tensors(files):
+    m = tables.match(table, name)
+    if m is None:
+      if tables.IGNORED.match(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+        continue
+      raise CheckpointError(
+        f"tensor {name} in {file.name} is not part of a {cfg.model_type} model as its "
+        "config.json describes it; the checkpoint and config do not belong together."
+      )
+    if m.layer is not None and m.layer >= cfg.num_layers:
+      raise CheckpointError(
+        f"tensor {name} in {file.name} is for layer {m.layer}, but config.json says "
+        f"num_hidden_layers={cfg.num_layers}."
+      )
+    if m.entry.kind == "linear":
+      loader.put_linear(name, m.target, m.layer, tensor, quantized)
+    else:
+      loader.put(name, m.target, m.layer, tensor)
+
+  missing = loader.missing()
+  if missing:
+    shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    raise CheckpointError(f"{ckpt} lacks weights for {shown}; the checkpoint is incomplete.")
+  model = nnx.merge(graphdef, nnx.from_flat_state(loader.state()))
+  model.checkpoint_dir = str(ckpt)
+  return model
+
+
+class _Loader:
+  """Device buffers for every variable, filled one tensor (one layer slice) at a time."""
+
+  def __init__(self, variables: dict, mesh: Mesh | None):
+    self.variables = variables
+    self.mesh = mesh
+    self.buffers: dict[tuple, jax.Array] = {}
+    self.filled: dict[tuple, set] = {path: set() for path in variables}
+
+  def _sharding(self, path, drop_layer=False):
+    var = self.variables[path]
+    value = var.get_value()
+    axes = tuple(var.get_metadata().get("axes") or (None,) * value.ndim)
+    shape = value.shape
+    if drop_layer:
+      axes, shape = axes[1:], shape[1:]
+    return sharding.sharding_for(axes, shape, self.mesh)
+
+  def _write(self, path, layer, value: jax.Array, hf_name: str):
+    var = self.variables[path]
+    abstract = var.get_value()
+    stacked = "layers" in (var.get_metadata().get("axes") or ())
+    expected = abstract.shape[1:] if stacked else abstract.shape
+    if tuple(value.shape) != tuple(expected):
+      raise CheckpointError(
+        f"tensor {hf_name} has shape {tuple(value.shape)}, but config.json implies "
+        f"{tuple(expected)}; the checkpoint and config do not belong together."
+      )
+    value = value.astype(abstract.dtype)
+    if not stacked:
+      self.buffers[path] = jax.device_put(value, self._sharding(path))
+      self.filled[path].add(None)
+      return
+    if path not in self.buffers:
+      self.buffers[path] = _zeros(abstract.shape, abstract.dtype, self._sharding(path))
+    slice_value = jax.device_put(value, self._sharding(path, drop_layer=True))
+    self.buffers[path] = _set_layer(self.buffers[path], slice_value, layer)
+    self.filled[path].add(layer)
+
+  def put(self, hf_name, target, layer, tensor):
+    path = tuple(target)
+    if path not in self.variables:
+      raise CheckpointError(f"tensor {hf_name} has no place in this model's configuration.")
+    self._write(path, layer, jnp.asarray(tensor), hf_name)
+
+  def put_linear(self, hf_name, target, layer, tensor, quantized):
+    if not quantized or target == ("lm_head",):
+      self.put(hf_name, (*target, "weight"), layer, tensor)
+      return
+    codes_path = (*target, "codes")
+    if codes_path not in self.variables:
+      raise CheckpointError(f"tensor {hf_name} has no place in this model's configuration.")
+    codes_shape = self.variables[codes_path].get_value().shape[-2:]
+    expected = (codes_shape[0], codes_shape[1] * 2)
+    if tuple(tensor.shape) != expected:
+      raise CheckpointError(
+        f"tensor {hf_name} has shape {tuple(tensor.shape)}, but config.json implies "
+        f"{expected}; the checkpoint and config do not belong together."
+      )
+    q = nf4.quantize_linear(jnp.asarray(tensor))
+    for field, value in zip(("codes", "absmax", "nested_absmax", "offset"), q, strict=True):
+      self._write((*target, field), layer, value, hf_name)
+
+  def missing(self) -> list[str]:
+    out = []
+    for path, var in self.variables.items():
+      stacked = "layers" in (var.get_metadata().get("axes") or ())
+      want = set(range(var.get_value().shape[0])) if stacked else {None}
+      if not want <= self.filled[path]:
+        out.append(".".join(path))
+    return out
+
+  def state(self):
+    return [(path, var.replace(self.buffers[path])) for path, var in self.variables.items()]
+
+
+def _zeros(shape, dtype, out_sharding):
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=out_sharding)()
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(buffer: jax.Array, value: jax.Array, layer) -> jax.Array:
+  return jax.lax.dynamic_update_index_in_dim(buffer, value, layer, axis=0)
+
+
+__all__ = ["CheckpointError", "ConfigError", "from_pretrained"]

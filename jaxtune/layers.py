@@ -1,0 +1,128 @@
+"""The building blocks of every model: linear (dense or NF4, with optional LoRA), norm, embedding.
+
+Every variable carries ``axes``: one logical name per dimension (DESIGN.md, Mesh). Layers that
+live inside the scanned stack are built with ``layers=L`` and get a leading ``layers`` axis;
+inside the scan each sees its own slice and the code below reads as if there were one layer.
+Weights keep PyTorch's [out, in] orientation so that the converter table is an identity on
+layout and bitsandbytes' bytes can be stored as they are.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtune import nf4
+
+
+def _stacked(layers: int | None, shape: tuple[int, ...], axes: tuple) -> tuple[tuple, tuple]:
+  if layers is None:
+    return shape, axes
+  return (layers, *shape), ("layers", *axes)
+
+
+class Linear(nnx.Module):
+  """y = x W^T (+ b) (+ scale * dropout(x) A B). W is frozen: NF4 storage or a dense Param."""
+
+  def __init__(
+    self,
+    in_features: int,
+    out_features: int,
+    *,
+    axes: tuple[str | None, str | None],
+    quantized: bool,
+    use_bias: bool = False,
+    layers: int | None = None,
+    param_dtype=jnp.float32,
+    rngs: nnx.Rngs,
+  ):
+    self.in_features = in_features
+    self.out_features = out_features
+    self.axes = axes
+    self.layers = layers
+    self.quantized = quantized
+    shape, vaxes = _stacked(layers, (out_features, in_features), axes)
+    if quantized:
+      if in_features % nf4.BLOCKSIZE:
+        raise ValueError(
+          f"NF4 needs the input size of a linear layer to be a multiple of {nf4.BLOCKSIZE}, "
+          f"got {in_features}; load this model with quantization=None."
+        )
+      # Starts as exact zeros (code 7 is 0.0); from_pretrained fills it from a checkpoint.
+      lead = shape[:-2]
+      self.codes = nf4.NF4Storage(
+        jnp.full((*lead, out_features, in_features // 2), 0x77, jnp.uint8), axes=vaxes
+      )
+      self.absmax = nf4.NF4Storage(
+        jnp.zeros((*lead, out_features, in_features // nf4.BLOCKSIZE), jnp.uint8), axes=vaxes
+      )
+      self.nested_absmax = nf4.NF4Storage(
+        jnp.zeros((*lead, nf4.nested_size(out_features, in_features)), jnp.float32),
+        axes=vaxes[:-2] + (None,),
+      )
+      self.offset = nf4.NF4Storage(jnp.zeros(lead, jnp.float32), axes=vaxes[:-2])
+    else:
+      std = 1.0 / math.sqrt(in_features)
+      weight = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
+      self.weight = nnx.Param(weight.astype(param_dtype), axes=vaxes)
+    if use_bias:
+      bshape, baxes = _stacked(layers, (out_features,), axes[:1])
+      self.bias = nnx.Param(jnp.zeros(bshape, param_dtype), axes=baxes)
+    else:
+      self.bias = None
+    self.lora_a = nnx.data(None)  # LoRAParam once apply_lora runs
+    self.lora_b = nnx.data(None)
+    self.lora_scale = 0.0
+    self.lora_dropout = 0.0
+
+  def dense_weight(self, dtype) -> jax.Array:
+    """The frozen weight [out, in] in ``dtype`` (dequantized if NF4)."""
+    if self.quantized:
+      return nf4.dequantize_linear(
+        self.codes[...], self.absmax[...], self.nested_absmax[...], self.offset[...], dtype
+      )
+    return self.weight[...].astype(dtype)
+
+  def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+    y = jnp.einsum("...i,oi->...o", x, self.dense_weight(x.dtype))
+    if self.bias is not None:
+      y = y + self.bias[...].astype(y.dtype)
+    if self.lora_a is not None:
+      h = x
+      if self.lora_dropout > 0.0 and dropout_key is not None:
+        keep = jax.random.bernoulli(dropout_key, 1.0 - self.lora_dropout, x.shape)
+        h = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(x.dtype)
+      a = self.lora_a[...].astype(x.dtype)
+      b = self.lora_b[...].astype(x.dtype)
+      y = y + (self.lora_scale * ((h @ a) @ b)).astype(y.dtype)
+    return y
+
+
+class RMSNorm(nnx.Module):
+  """x / rms(x) * w, computed in float32 and cast back, as transformers' LlamaRMSNorm."""
+
+  def __init__(
+    self, dim: int, *, eps: float, layers: int | None = None, param_dtype=jnp.float32
+  ):
+    shape, axes = _stacked(layers, (dim,), ("embed",))
+    self.weight = nnx.Param(jnp.ones(shape, param_dtype), axes=axes)
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    h = x.astype(jnp.float32)
+    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+    return self.weight[...].astype(x.dtype) * h.astype(x.dtype)
+
+
+class Embed(nnx.Module):
+  def __init__(self, vocab: int, dim: int, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    table = jax.random.normal(rngs.params(), (vocab, dim), jnp.float32) * 0.02
+    self.embedding = nnx.Param(table.astype(param_dtype), axes=("vocab", "embed"))
+
+  def __call__(self, ids: jax.Array, dtype) -> jax.Array:
+    return jnp.take(self.embedding[...], ids, axis=0).astype(dtype)
+
+  def attend(self, x: jax.Array) -> jax.Array:
+    """Logits through the tied embedding: [..., D] -> [..., V]."""
+    return jnp.einsum("...d,vd->...v", x, self.embedding[...].astype(x.dtype))

@@ -1,0 +1,69 @@
+"""Shared helpers: tiny, seeded transformers checkpoints written to disk as a user would have them."""
+
+import os
+
+# Tests fake 8 CPU devices for the mesh tests; must be set before jax initialises.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def tiny_llama_config(**overrides):
+  from transformers import LlamaConfig
+
+  kw = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=192,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+  )
+  kw.update(overrides)
+  return LlamaConfig(**kw)
+
+
+def build_hf_llama(seed=0, **overrides):
+  """A random LlamaForCausalLM in fp32 with norm weights perturbed so a wrong norm shows."""
+  from transformers import LlamaForCausalLM
+
+  torch.manual_seed(seed)
+  cfg = tiny_llama_config(**overrides)
+  cfg._attn_implementation = "eager"
+  model = LlamaForCausalLM(cfg).float().eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight"):
+        p.add_(0.3 * torch.randn_like(p))
+  return model
+
+
+@pytest.fixture
+def hf_llama_dir(tmp_path):
+  """Factory: write a tiny HF Llama checkpoint and return (dir, torch model)."""
+
+  def make(seed=0, max_shard_size=None, **overrides):
+    model = build_hf_llama(seed, **overrides)
+    out = tmp_path / f"llama_{seed}_{len(os.listdir(tmp_path))}"
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    return out, model
+
+  return make
+
+
+def torch_logits(model, ids: np.ndarray) -> np.ndarray:
+  with torch.no_grad():
+    return model(torch.from_numpy(ids).long()).logits.float().numpy()
+
+
+def max_rel_err(got, want) -> float:
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.abs(got - want).max() / np.abs(want).max())
