@@ -1,0 +1,156 @@
+"""LoRA: a separate pytree, zero-initialised B, and gradients equal to PEFT's."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from flax import nnx
+
+import jaxtune
+from jaxtune.lora import iter_linears
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _ids(seed=0):
+  return np.random.default_rng(seed).integers(0, 256, (2, 24))
+
+
+def _loss(model, ids):
+  logits = model(ids[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+
+def test_split_yields_adapters_as_their_own_pytree(hf_llama_dir):
+  path, _ = hf_llama_dir()
+  model = jaxtune.apply_lora(jaxtune.from_pretrained(path), rank=4, targets=("q_proj", "v_proj"))
+  _, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  lora_paths = {p for p, _ in lora.flat_state()}
+  assert len(lora_paths) == 4  # q and v, A and B each (stacked over layers)
+  assert all(p[-1] in ("lora_a", "lora_b") for p in lora_paths)
+  assert not any(p[-1].startswith("lora") for p, _ in frozen.flat_state())
+  for p, v in lora.flat_state():
+    assert v.get_value().dtype == jnp.float32
+    if p[-1] == "lora_b":
+      assert not np.any(np.asarray(v.get_value()))
+
+
+def test_b_zero_leaves_output_unchanged(hf_llama_dir):
+  path, _ = hf_llama_dir(seed=1)
+  ids = jnp.asarray(_ids(1))
+  base = jaxtune.from_pretrained(path, dtype="float32")
+  before = base(ids)
+  lora = jaxtune.apply_lora(base, rank=8, alpha=32, dropout=0.1, seed=3)
+  # Adding an exact zero; only XLA's choice of fusion may move the last bit.
+  np.testing.assert_allclose(np.asarray(lora(ids)), np.asarray(before), rtol=1e-6, atol=1e-6)
+  # And a non-zero B does change it, so the adapters are really in the path.
+  lora.layers.mlp.down_proj.lora_b[...] = jnp.ones_like(lora.layers.mlp.down_proj.lora_b[...])
+  assert not np.allclose(np.asarray(lora(ids)), np.asarray(before))
+
+
+def test_gradient_touches_only_adapters(hf_llama_dir):
+  path, _ = hf_llama_dir(seed=2)
+  model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float32"), rank=4)
+  for _, linear in iter_linears(model):
+    if linear.lora_b is not None:
+      linear.lora_b[...] = 0.01 * jnp.ones_like(linear.lora_b[...])
+  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  ids = jnp.asarray(_ids(2))
+
+  def loss_of(lora_state, frozen_state):
+    return _loss(nnx.merge(graphdef, lora_state, frozen_state), ids)
+
+  grads = jax.grad(loss_of)(lora, frozen)
+  norms = [float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)]
+  assert len(norms) == 2 * 7 and all(n > 0 for n in norms)
+  # An optimizer over the LoRA pytree cannot reach anything else.
+  tx = optax.adamw(1e-2)
+  opt_state = tx.init(lora)
+  updates, _ = tx.update(grads, opt_state, lora)
+  new_lora = optax.apply_updates(lora, updates)
+  assert jax.tree.structure(new_lora) == jax.tree.structure(lora)
+  trained = nnx.merge(graphdef, new_lora, frozen)
+  for (p, a), (_, b) in zip(
+    nnx.state(trained, nnx.Not(nnx.LoRAParam)).flat_state(), frozen.flat_state(), strict=True
+  ):
+    np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(p))
+
+
+@pytest.mark.parametrize(
+  "rslora,rank_pattern", [(False, None), (True, None), (False, {"down_proj": 8, "q_proj": 2})]
+)
+def test_gradients_match_peft(hf_llama_dir, rslora, rank_pattern):
+  from peft import LoraConfig, get_peft_model
+
+  path, hf = hf_llama_dir(seed=3)
+  rank, alpha = 4, 12
+  peft_model = get_peft_model(
+    hf,
+    LoraConfig(
+      r=rank, lora_alpha=alpha, target_modules=list(TARGETS), lora_dropout=0.0,
+      use_rslora=rslora, rank_pattern=rank_pattern or {},
+    ),
+  )
+  torch.manual_seed(0)
+  with torch.no_grad():
+    for name, p in peft_model.named_parameters():
+      if "lora_" in name:
+        p.copy_(0.05 * torch.randn_like(p))
+
+  model = jaxtune.apply_lora(
+    jaxtune.from_pretrained(path, quantization=None, dtype="float32"),
+    rank=rank, alpha=alpha, rslora=rslora, rank_pattern=rank_pattern,
+  )
+  modules = dict(peft_model.named_modules())
+
+  def torch_name(path_, layer):
+    inner = ".".join(path_).replace("layers.", f"layers.{layer}.", 1)
+    return f"base_model.model.model.{inner}"
+
+  for path_, linear in iter_linears(model):
+    if linear.lora_a is None:
+      continue
+    a = np.stack([modules[torch_name(path_, l)].lora_A["default"].weight.detach().numpy().T
+                  for l in range(linear.layers)])
+    b = np.stack([modules[torch_name(path_, l)].lora_B["default"].weight.detach().numpy().T
+                  for l in range(linear.layers)])
+    assert linear.lora_a[...].shape == a.shape, path_
+    linear.lora_a[...] = jnp.asarray(a)
+    linear.lora_b[...] = jnp.asarray(b)
+
+  ids = _ids(3)
+  out = peft_model(torch.from_numpy(ids[:, :-1]).long())
+  torch_loss = torch.nn.functional.cross_entropy(
+    out.logits.reshape(-1, out.logits.shape[-1]), torch.from_numpy(ids[:, 1:]).reshape(-1).long()
+  )
+  torch_loss.backward()
+
+  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  loss, grads = jax.value_and_grad(
+    lambda lo: _loss(nnx.merge(graphdef, lo, frozen), jnp.asarray(ids))
+  )(lora)
+  np.testing.assert_allclose(float(loss), torch_loss.item(), rtol=1e-5)
+  grad_of = dict(grads.flat_state())
+  compared = 0
+  for path_, linear in iter_linears(model):
+    if linear.lora_a is None:
+      continue
+    for field, torch_attr in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
+      g = np.asarray(grad_of[(*path_, field)].get_value())
+      want = np.stack([
+        getattr(modules[torch_name(path_, l)], torch_attr)["default"].weight.grad.numpy().T
+        for l in range(linear.layers)
+      ])
+      scale = np.abs(want).max()
+      assert scale > 0
+      assert np.abs(g - want).max() / scale <= 1e-5, (path_, field)
+      compared += 1
+  assert compared == 14
+
+
+def test_unknown_target_is_a_clear_error(hf_llama_dir):
+  path, _ = hf_llama_dir()
+  with pytest.raises(ValueError, match=r"\['qkv_proj'\] are not linear layers"):
+    jaxtune.apply_lora(jaxtune.from_pretrained(path), targets=("qkv_proj",))
