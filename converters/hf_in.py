@@ -15,10 +15,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from safetensors import SafetensorError, safe_open
 
 from converters import table as tables
 from jaxtune import nf4, sharding
@@ -55,7 +55,8 @@ def resolve_checkpoint(path_or_hub_id: str | Path) -> Path:
     )
   except Exception as e:  # the hub raises many types; all mean "could not fetch"
     raise CheckpointError(
-      f"{text} is neither a local directory nor a reachable Hugging Face repo ({type(e).__name__}); "
+      f"{text} is neither a local directory nor a reachable Hugging Face repo "
+      f"({type(e).__name__}); "
       "check the id, log in with `hf auth login` for gated models, or pass a local directory."
     ) from e
 
@@ -84,15 +85,79 @@ def safetensors_files(ckpt: Path) -> list[Path]:
   return files
 
 
+_ST_DTYPES = {
+  "F32": np.float32,
+  "F16": np.float16,
+  "BF16": ml_dtypes.bfloat16,
+  "F64": np.float64,
+  "I64": np.int64,
+  "I32": np.int32,
+  "I16": np.int16,
+  "I8": np.int8,
+  "U8": np.uint8,
+  "BOOL": np.bool_,
+}
+
+
 def iter_tensors(files: list[Path]) -> Iterator[tuple[str, Path, np.ndarray]]:
-  """(name, file, array) one at a time; the caller drops each before the next is read."""
+  """(name, file, array) one at a time, read with plain file reads.
+
+  Not memory-mapped on purpose: a mapped multi-GB shard shows up whole in the process's
+  resident memory while it is open. Here only the tensor being converted is ever resident.
+  """
   for file in files:
-    try:
-      with safe_open(str(file), framework="numpy") as f:
-        for name in f.keys():
-          yield name, file, f.get_tensor(name)
-    except SafetensorError as e:
-      raise CheckpointError(f"{file} is truncated or corrupt ({e}); re-download it.") from e
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+      header = _read_header(f, file, size)
+      for name, info in header.items():
+        if name == "__header_size__":
+          continue
+        try:
+          dtype = _ST_DTYPES[info["dtype"]]
+          begin, end = (int(x) for x in info["data_offsets"])
+          shape = tuple(int(x) for x in info["shape"])
+        except (KeyError, TypeError, ValueError) as e:
+          raise CheckpointError(
+            f"{file} is truncated or corrupt (bad entry {name}); re-download it."
+          ) from e
+        start = 8 + header["__header_size__"] + begin
+        nbytes = end - begin
+        if start + nbytes > size or nbytes != int(np.prod(shape)) * np.dtype(dtype).itemsize:
+          raise CheckpointError(
+            f"{file} is truncated or corrupt (tensor {name} runs past the end of the file or has "
+            "the wrong size); re-download it."
+          )
+        buffer = np.empty(nbytes, np.uint8)
+        f.seek(start)
+        if f.readinto(buffer) != nbytes:
+          raise CheckpointError(f"{file} is truncated or corrupt (short read); re-download it.")
+        yield name, file, buffer.view(dtype).reshape(shape)
+        del buffer
+
+
+def _read_header(f, file: Path, size: int) -> dict:
+  raw = f.read(8)
+  if len(raw) < 8:
+    raise CheckpointError(f"{file} is truncated or corrupt (no header); re-download it.")
+  n = int.from_bytes(raw, "little")
+  if n <= 0 or 8 + n > size or n > 100_000_000:
+    raise CheckpointError(f"{file} is truncated or corrupt (bad header size); re-download it.")
+  try:
+    header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+      raise ValueError("header is not a JSON object")
+  except (ValueError, UnicodeDecodeError) as e:
+    raise CheckpointError(
+      f"{file} is truncated or corrupt (unreadable header); re-download it."
+    ) from e
+  header.pop("__header_size__", None)
+  header["__header_size__"] = n
+  # Entries in file order, so reads move forward through the file.
+  ordered = sorted(
+    (k for k in header if not k.startswith("__")),
+    key=lambda k: header[k].get("data_offsets", [0])[0] if isinstance(header[k], dict) else 0,
+  )
+  return {"__header_size__": n, **{k: header[k] for k in ordered}}
 
 
 def from_pretrained(
@@ -166,7 +231,8 @@ class _Loader:
       axes, shape = axes[1:], shape[1:]
     return sharding.sharding_for(axes, shape, self.mesh)
 
-  def _write(self, path, layer, value: jax.Array, hf_name: str):
+  def _write(self, path, layer, value, hf_name: str):
+    """Place one tensor (numpy from the file, or a jax array) into its variable's buffer."""
     var = self.variables[path]
     abstract = var.get_value()
     stacked = "layers" in (var.get_metadata().get("axes") or ())
@@ -176,7 +242,10 @@ class _Loader:
         f"tensor {hf_name} has shape {tuple(value.shape)}, but config.json implies "
         f"{tuple(expected)}; the checkpoint and config do not belong together."
       )
-    value = value.astype(abstract.dtype)
+    if isinstance(value, np.ndarray):
+      value = value.astype(abstract.dtype, copy=False)  # one host copy at most, then to device
+    else:
+      value = value.astype(abstract.dtype)
     if not stacked:
       self.buffers[path] = jax.device_put(value, self._sharding(path))
       self.filled[path].add(None)
@@ -191,7 +260,7 @@ class _Loader:
     path = tuple(target)
     if path not in self.variables:
       raise CheckpointError(f"tensor {hf_name} has no place in this model's configuration.")
-    self._write(path, layer, jnp.asarray(tensor), hf_name)
+    self._write(path, layer, tensor, hf_name)
 
   def put_linear(self, hf_name, target, layer, tensor, quantized):
     if not quantized or target == ("lm_head",):

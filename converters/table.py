@@ -39,8 +39,12 @@ LLAMA = (
     "layers.post_attention_layernorm.weight",
     "param",
   ),
-  Entry("model.layers.{layer}.self_attn.{proj}.weight", "layers.self_attn.{proj}", "linear", ATTN_PROJ),
-  Entry("model.layers.{layer}.self_attn.{proj}.bias", "layers.self_attn.{proj}.bias", "param", ATTN_PROJ),
+  Entry(
+    "model.layers.{layer}.self_attn.{proj}.weight", "layers.self_attn.{proj}", "linear", ATTN_PROJ
+  ),
+  Entry(
+    "model.layers.{layer}.self_attn.{proj}.bias", "layers.self_attn.{proj}.bias", "param", ATTN_PROJ
+  ),
   Entry("model.layers.{layer}.mlp.{proj}.weight", "layers.mlp.{proj}", "linear", MLP_PROJ),
   Entry("model.layers.{layer}.mlp.{proj}.bias", "layers.mlp.{proj}.bias", "param", MLP_PROJ),
 )

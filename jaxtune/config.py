@@ -82,7 +82,9 @@ class ModelConfig:
       if path.is_dir():
         path = path / "config.json"
       if not path.is_file():
-        raise ConfigError(f"no config.json at {path}; point to a Hugging Face checkpoint directory.")
+        raise ConfigError(
+          f"no config.json at {path}; point to a Hugging Face checkpoint directory."
+        )
       try:
         config = json.loads(path.read_text())
       except json.JSONDecodeError as e:
@@ -116,11 +118,17 @@ class ModelConfig:
         mlp_bias=bool(config.get("mlp_bias", False)),
       )
     except KeyError as e:
-      raise ConfigError(f"config.json lacks the key {e.args[0]!r} that a {model_type} needs.") from e
+      raise ConfigError(
+        f"config.json lacks the key {e.args[0]!r} that a {model_type} needs."
+      ) from e
     if heads % kv_heads:
-      raise ConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}.")
+      raise ConfigError(
+        f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}."
+      )
     if cfg.hidden_act not in ("silu", "swish"):
-      raise ConfigError(f"hidden_act {cfg.hidden_act!r} is not supported for {model_type}; expected silu.")
+      raise ConfigError(
+        f"hidden_act {cfg.hidden_act!r} is not supported for {model_type}; expected silu."
+      )
     return cfg
 
 
@@ -143,4 +151,6 @@ def _rope_from_hf(config: dict[str, Any]) -> RopeConfig:
       high_freq_factor=float(params["high_freq_factor"]),
       original_max_position_embeddings=int(params["original_max_position_embeddings"]),
     )
-  raise ConfigError(f"rope scaling type {kind!r} is not supported; jaxtune supports default and llama3.")
+  raise ConfigError(
+    f"rope scaling type {kind!r} is not supported; jaxtune supports default and llama3."
+  )

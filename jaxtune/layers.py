@@ -102,9 +102,7 @@ class Linear(nnx.Module):
 class RMSNorm(nnx.Module):
   """x / rms(x) * w, computed in float32 and cast back, as transformers' LlamaRMSNorm."""
 
-  def __init__(
-    self, dim: int, *, eps: float, layers: int | None = None, param_dtype=jnp.float32
-  ):
+  def __init__(self, dim: int, *, eps: float, layers: int | None = None, param_dtype=jnp.float32):
     shape, axes = _stacked(layers, (dim,), ("embed",))
     self.weight = nnx.Param(jnp.ones(shape, param_dtype), axes=axes)
     self.eps = eps

@@ -59,8 +59,7 @@ def apply_lora(
   unknown = sorted((set(targets) | set(rank_pattern)) - found)
   if unknown:
     raise ValueError(
-      f"LoRA target(s) {unknown} are not linear layers of this model; "
-      f"choose from {sorted(found)}."
+      f"LoRA target(s) {unknown} are not linear layers of this model; choose from {sorted(found)}."
     )
   if not 0.0 <= dropout < 1.0:
     raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout}.")

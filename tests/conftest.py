@@ -1,4 +1,4 @@
-"""Shared helpers: tiny, seeded transformers checkpoints written to disk as a user would have them."""
+"""Shared helpers: tiny, seeded transformers checkpoints written to disk as users have them."""
 
 import os
 

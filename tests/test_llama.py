@@ -66,7 +66,10 @@ def test_old_style_rope_scaling_config_parses():
       num_hidden_layers=1,
       num_attention_heads=2,
       rope_theta=500000.0,
-      rope_scaling={"type": "llama3", **{k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}},
+      rope_scaling={
+        "type": "llama3",
+        **{k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"},
+      },
     )
   )
   assert cfg.rope.kind == "llama3" and cfg.rope.theta == 500000.0 and cfg.head_dim == 32
@@ -92,8 +95,11 @@ def test_nf4_logits_match_transformers_on_dequantized_weights(hf_llama_dir):
       continue
     for layer in range(linear.codes.shape[0]):
       w = nf4.dequantize_linear(
-        linear.codes[layer], linear.absmax[layer], linear.nested_absmax[layer],
-        linear.offset[layer], jnp.float32,
+        linear.codes[layer],
+        linear.absmax[layer],
+        linear.nested_absmax[layer],
+        linear.offset[layer],
+        jnp.float32,
       )
       name = "model." + ".".join(path_).replace("layers.", f"layers.{layer}.", 1)
       with torch.no_grad():
@@ -127,8 +133,14 @@ def test_every_parameter_has_logical_axes(hf_llama_dir):
 
 def test_nf4_storage_is_not_a_param():
   cfg = ModelConfig.from_hf(
-    dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
-         num_hidden_layers=2, num_attention_heads=2)
+    dict(
+      model_type="llama",
+      vocab_size=64,
+      hidden_size=64,
+      intermediate_size=128,
+      num_hidden_layers=2,
+      num_attention_heads=2,
+    )
   )
   model = Llama(cfg, quantized=True, rngs=nnx.Rngs(0))
   params = nnx.state(model, nnx.Param)
@@ -145,15 +157,32 @@ def _param_count(hf_config: dict) -> int:
 
 
 LLAMA_31_8B = dict(
-  model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
-  rope_theta=500000.0, tie_word_embeddings=False,
-  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+  model_type="llama",
+  vocab_size=128256,
+  hidden_size=4096,
+  intermediate_size=14336,
+  num_hidden_layers=32,
+  num_attention_heads=32,
+  num_key_value_heads=8,
+  rms_norm_eps=1e-5,
+  rope_theta=500000.0,
+  tie_word_embeddings=False,
+  rope_scaling={
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+  },
 )
 LLAMA_32_1B = dict(
-  LLAMA_31_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-  num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+  LLAMA_31_8B,
+  hidden_size=2048,
+  intermediate_size=8192,
+  num_hidden_layers=16,
+  num_key_value_heads=8,
+  head_dim=64,
+  tie_word_embeddings=True,
 )
 
 
@@ -164,7 +193,8 @@ def test_full_size_shapes_without_allocating():
   cfg = ModelConfig.from_hf(LLAMA_31_8B)
   abstract = nnx.eval_shape(lambda: Llama(cfg, quantized=True, rngs=nnx.Rngs(0)))
   codes = sum(
-    int(np.prod(x.shape)) for p, x in nnx.to_flat_state(nnx.state(abstract, nf4.NF4Storage))
+    int(np.prod(x.shape))
+    for p, x in nnx.to_flat_state(nnx.state(abstract, nf4.NF4Storage))
     if p[-1] == "codes"
   )
   linear_params = cfg.num_layers * sum(o * i for o, i in cfg.linear_shapes().values())

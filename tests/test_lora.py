@@ -75,7 +75,9 @@ def test_gradient_touches_only_adapters(hf_llama_dir):
   for (p, a), (_, b) in zip(
     nnx.state(trained, nnx.Not(nnx.LoRAParam)).flat_state(), frozen.flat_state(), strict=True
   ):
-    np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(p))
+    np.testing.assert_array_equal(
+      np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(p)
+    )
 
 
 @pytest.mark.parametrize(
@@ -89,8 +91,12 @@ def test_gradients_match_peft(hf_llama_dir, rslora, rank_pattern):
   peft_model = get_peft_model(
     hf,
     LoraConfig(
-      r=rank, lora_alpha=alpha, target_modules=list(TARGETS), lora_dropout=0.0,
-      use_rslora=rslora, rank_pattern=rank_pattern or {},
+      r=rank,
+      lora_alpha=alpha,
+      target_modules=list(TARGETS),
+      lora_dropout=0.0,
+      use_rslora=rslora,
+      rank_pattern=rank_pattern or {},
     ),
   )
   torch.manual_seed(0)
@@ -101,7 +107,10 @@ def test_gradients_match_peft(hf_llama_dir, rslora, rank_pattern):
 
   model = jaxtune.apply_lora(
     jaxtune.from_pretrained(path, quantization=None, dtype="float32"),
-    rank=rank, alpha=alpha, rslora=rslora, rank_pattern=rank_pattern,
+    rank=rank,
+    alpha=alpha,
+    rslora=rslora,
+    rank_pattern=rank_pattern,
   )
   modules = dict(peft_model.named_modules())
 
@@ -112,10 +121,18 @@ def test_gradients_match_peft(hf_llama_dir, rslora, rank_pattern):
   for path_, linear in iter_linears(model):
     if linear.lora_a is None:
       continue
-    a = np.stack([modules[torch_name(path_, l)].lora_A["default"].weight.detach().numpy().T
-                  for l in range(linear.layers)])
-    b = np.stack([modules[torch_name(path_, l)].lora_B["default"].weight.detach().numpy().T
-                  for l in range(linear.layers)])
+    a = np.stack(
+      [
+        modules[torch_name(path_, l)].lora_A["default"].weight.detach().numpy().T
+        for l in range(linear.layers)
+      ]
+    )
+    b = np.stack(
+      [
+        modules[torch_name(path_, l)].lora_B["default"].weight.detach().numpy().T
+        for l in range(linear.layers)
+      ]
+    )
     assert linear.lora_a[...].shape == a.shape, path_
     linear.lora_a[...] = jnp.asarray(a)
     linear.lora_b[...] = jnp.asarray(b)
@@ -139,10 +156,12 @@ def test_gradients_match_peft(hf_llama_dir, rslora, rank_pattern):
       continue
     for field, torch_attr in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
       g = np.asarray(grad_of[(*path_, field)].get_value())
-      want = np.stack([
-        getattr(modules[torch_name(path_, l)], torch_attr)["default"].weight.grad.numpy().T
-        for l in range(linear.layers)
-      ])
+      want = np.stack(
+        [
+          getattr(modules[torch_name(path_, l)], torch_attr)["default"].weight.grad.numpy().T
+          for l in range(linear.layers)
+        ]
+      )
       scale = np.abs(want).max()
       assert scale > 0
       assert np.abs(g - want).max() / scale <= 1e-5, (path_, field)

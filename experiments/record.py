@@ -1,0 +1,47 @@
+"""Append measurements to experiments/results.jsonl and a table to experiments/RESULTS.md."""
+
+import datetime
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import jax
+
+HERE = Path(__file__).parent
+
+
+def device_name() -> str:
+  d = jax.devices()[0]
+  return getattr(d, "device_kind", d.platform)
+
+
+def record(bench: str, rows: list[dict], title: str, note: str = "") -> None:
+  """Rows are dicts of shape/config fields and figures (units in the keys)."""
+  meta = {
+    "bench": bench,
+    "device": device_name(),
+    "date": datetime.date.today().isoformat(),
+    "jax": jax.__version__,
+    "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+  }
+  with open(HERE / "results.jsonl", "a") as f:
+    for row in rows:
+      f.write(json.dumps({**meta, **row}) + "\n")
+  keys = list(rows[0])
+  lines = [
+    f"\n## {title}\n",
+    f"{meta['date']}, {meta['device']}, jax {meta['jax']}, `{meta['command']}`\n",
+  ]
+  if note:
+    lines.append(note + "\n")
+  lines.append("| " + " | ".join(keys) + " |")
+  lines.append("|" + "---|" * len(keys))
+  for row in rows:
+    lines.append("| " + " | ".join(_fmt(row[k]) for k in keys) + " |")
+  with open(HERE / "RESULTS.md", "a") as f:
+    f.write("\n".join(lines) + "\n")
+
+
+def _fmt(v) -> str:
+  return f"{v:.4g}" if isinstance(v, float) else str(v)
