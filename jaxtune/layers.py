@@ -76,13 +76,14 @@ class Linear(nnx.Module):
     self.lora_scale = 0.0
     self.lora_dropout = 0.0
 
-  def dense_weight(self, dtype) -> jax.Array:
-    """The frozen weight [out, in] in ``dtype`` (dequantized if NF4)."""
+  def dense_weight(self, dtype, layer: int | None = None) -> jax.Array:
+    """The frozen weight [out, in] in ``dtype`` (dequantized if NF4); one layer if stacked."""
+    pick = (lambda v: v[...]) if layer is None else (lambda v: v[layer])
     if self.quantized:
       return nf4.dequantize_linear(
-        self.codes[...], self.absmax[...], self.nested_absmax[...], self.offset[...], dtype
+        pick(self.codes), pick(self.absmax), pick(self.nested_absmax), pick(self.offset), dtype
       )
-    return self.weight[...].astype(dtype)
+    return pick(self.weight).astype(dtype)
 
   def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
     y = jnp.einsum("...i,oi->...o", x, self.dense_weight(x.dtype))

@@ -1,0 +1,142 @@
+"""jaxtune model -> Hugging Face: merged safetensors for transformers, or a PEFT adapter dir.
+
+Merged weights are the dequantized base plus scale * (A B)^T, written through the same name
+table the loader reads, as sharded safetensors with the original config and tokenizer.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
+
+from converters import table as tables
+
+_NP = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}
+_TOKENIZER_FILES = (
+  "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+  "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt",
+)
+
+
+def _module(model, path: tuple[str, ...]):
+  node = model
+  for name in path:
+    node = getattr(node, name)
+  return node
+
+
+def _layer(x, layer):
+  return x if layer is None else x[layer]
+
+
+def merged_weight(linear, layer) -> jax.Array:
+  """float32 [out, in]: frozen weight plus the LoRA update, of one layer if stacked."""
+  w = linear.dense_weight(jnp.float32, layer)
+  if linear.lora_a is not None:
+    a = _layer(linear.lora_a[...], layer)
+    b = _layer(linear.lora_b[...], layer)
+    w = w + linear.lora_scale * (a @ b).T
+  return w
+
+
+def _copy_side_files(model, out: Path) -> None:
+  src = Path(getattr(model, "checkpoint_dir", "") or "")
+  for name in _TOKENIZER_FILES:
+    if (src / name).is_file():
+      shutil.copy2(src / name, out / name)
+
+
+def export_merged(model: nnx.Module, out_dir: str | Path, dtype: str = "bfloat16",
+                  max_shard_bytes: int = 4 << 30) -> Path:
+  """Write a checkpoint transformers' from_pretrained loads (LoRA merged in)."""
+  out = Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  cfg = model.config
+  table = tables.TABLES[cfg.model_type]
+  shards, current, size = [], {}, 0
+  for name, target, layer, entry in tables.hf_names(table, cfg.num_layers):
+    if target == ("lm_head",) and model.lm_head is None:
+      continue
+    try:
+      node = _module(model, target[:-1] if entry.kind == "param" else target)
+    except AttributeError:
+      continue
+    if entry.kind == "linear":
+      value = merged_weight(node, layer)
+    else:
+      var = getattr(node, target[-1], None)
+      if var is None:  # e.g. a bias this model does not have
+        continue
+      value = _layer(var[...], layer)
+    array = np.asarray(jax.device_get(value.astype(jnp.float32))).astype(_NP[dtype])
+    current[name] = array
+    size += array.nbytes
+    if size >= max_shard_bytes:
+      shards.append(current)
+      current, size = {}, 0
+  if current:
+    shards.append(current)
+  weight_map = {}
+  for i, shard in enumerate(shards, 1):
+    fname = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+    save_file(shard, str(out / fname), metadata={"format": "pt"})
+    weight_map.update({k: fname for k in shard})
+  if len(shards) > 1:
+    (out / "model.safetensors.index.json").write_text(
+      json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2)
+    )
+  src_config = Path(getattr(model, "checkpoint_dir", "") or "") / "config.json"
+  config = json.loads(src_config.read_text()) if src_config.is_file() else {"model_type": cfg.model_type}
+  config.pop("quantization_config", None)
+  config["torch_dtype"] = dtype
+  (out / "config.json").write_text(json.dumps(config, indent=2))
+  _copy_side_files(model, out)
+  return out
+
+
+def export_peft(model: nnx.Module, out_dir: str | Path) -> Path:
+  """adapter_model.safetensors + adapter_config.json in PEFT's names and layout."""
+  lora_cfg = getattr(model, "lora_config", None)
+  if lora_cfg is None:
+    raise ValueError("this model has no LoRA adapters; call jaxtune.apply_lora first.")
+  out = Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  cfg = model.config
+  tensors = {}
+  for name, target, layer, entry in tables.hf_names(tables.TABLES[cfg.model_type], cfg.num_layers):
+    if entry.kind != "linear" or target == ("lm_head",):
+      continue
+    linear = _module(model, target)
+    if linear.lora_a is None:
+      continue
+    prefix = "base_model.model." + name.removesuffix(".weight")
+    a = np.asarray(_layer(linear.lora_a[...], layer), np.float32)  # [in, r]
+    b = np.asarray(_layer(linear.lora_b[...], layer), np.float32)  # [r, out]
+    tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a.T)
+    tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b.T)
+  save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+  adapter_config = {
+    "peft_type": "LORA",
+    "task_type": "CAUSAL_LM",
+    "base_model_name_or_path": str(getattr(model, "checkpoint_dir", "") or ""),
+    "r": lora_cfg.rank,
+    "lora_alpha": lora_cfg.alpha,
+    "lora_dropout": lora_cfg.dropout,
+    "target_modules": list(lora_cfg.targets),
+    "use_rslora": lora_cfg.rslora,
+    "rank_pattern": dict(lora_cfg.rank_pattern),
+    "alpha_pattern": {},
+    "bias": "none",
+    "fan_in_fan_out": False,
+    "inference_mode": True,
+    "init_lora_weights": True,
+    "modules_to_save": None,
+  }
+  (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+  return out

@@ -1,0 +1,76 @@
+"""Random-weight Llama checkpoints in HF format, written tensor by tensor (no torch needed).
+
+For the built-in default model and for benchmarks that need full-size shapes on a machine
+without downloads. Layout and names are exactly what transformers' save_pretrained writes.
+"""
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+_NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}
+
+
+def tensor_shapes(cfg: dict):
+  """(name, PyTorch shape) of every tensor of a Llama checkpoint with this config.json."""
+  d, f = cfg["hidden_size"], cfg["intermediate_size"]
+  h = cfg.get("head_dim") or d // cfg["num_attention_heads"]
+  q, kv = cfg["num_attention_heads"] * h, cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * h
+  yield "model.embed_tokens.weight", (cfg["vocab_size"], d)
+  for i in range(cfg["num_hidden_layers"]):
+    p = f"model.layers.{i}."
+    yield p + "input_layernorm.weight", (d,)
+    yield p + "post_attention_layernorm.weight", (d,)
+    attn = (("q_proj", (q, d)), ("k_proj", (kv, d)), ("v_proj", (kv, d)), ("o_proj", (d, q)))
+    for name, shape in attn:
+      yield p + f"self_attn.{name}.weight", shape
+    for name, shape in (("gate_proj", (f, d)), ("up_proj", (f, d)), ("down_proj", (d, f))):
+      yield p + f"mlp.{name}.weight", shape
+  yield "model.norm.weight", (d,)
+  if not cfg.get("tie_word_embeddings"):
+    yield "lm_head.weight", (cfg["vocab_size"], d)
+
+
+def write_random_checkpoint(
+  out: Path, cfg: dict, *, seed: int = 0, dtype: str = "bfloat16", shard_bytes: int = 2 << 30
+) -> Path:
+  """config.json + safetensors shards (+ index when more than one) with seeded random weights."""
+  out = Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "config.json").write_text(json.dumps({**cfg, "torch_dtype": dtype}, indent=2))
+  rng = np.random.default_rng(seed)
+  np_dtype = _NP_DTYPES[dtype]
+  shards: list[dict] = [{}]
+  size = 0
+  files: dict[str, str] = {}
+
+  def flush(last: bool):
+    nonlocal size
+    if not shards[-1]:
+      return
+    n = len(shards)
+    name = "model.safetensors" if last and n == 1 else f"model-{n:05d}.safetensors"
+    save_file(shards[-1], str(out / name), metadata={"format": "pt"})
+    files.update({k: name for k in shards[-1]})
+    shards[-1] = {}
+    shards.append({})
+    size = 0
+
+  for name, shape in tensor_shapes(cfg):
+    if len(shape) == 1:
+      t = np.ones(shape, np.float32) + np.float32(0.1) * rng.standard_normal(shape, np.float32)
+    else:
+      t = rng.standard_normal(shape, dtype=np.float32) * np.float32(shape[-1] ** -0.5)
+    shards[-1][name] = t.astype(np_dtype)
+    size += shards[-1][name].nbytes
+    if size >= shard_bytes:
+      flush(last=False)
+  flush(last=True)
+  if len(set(files.values())) > 1:
+    (out / "model.safetensors.index.json").write_text(
+      json.dumps({"metadata": {}, "weight_map": files}, indent=2)
+    )
+  return out

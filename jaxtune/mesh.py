@@ -1,0 +1,87 @@
+"""``--mesh`` strings -> a ``jax.sharding.Mesh`` with axes (data, tensor, pipe).
+
+  "8"                          data=8
+  "2x4"                        data=2, tensor=4
+  "2x2x2"                      data=2, tensor=2, pipe=2
+  "data=2,tensor=4"            explicit (``pipeline`` is accepted for ``pipe``)
+"""
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+AXES = ("data", "tensor", "pipe")
+
+
+class MeshError(ValueError):
+  """A mesh that cannot be built; the message says what to pass instead."""
+
+
+def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
+  """Axis sizes from a mesh string; None means all devices data-parallel."""
+  if spec is None or str(spec).strip() == "":
+    return {"data": num_devices, "tensor": 1, "pipe": 1}
+  text = str(spec).strip().lower()
+  sizes = {"data": 1, "tensor": 1, "pipe": 1}
+  try:
+    if "=" in text:
+      for part in text.split(","):
+        name, value = (x.strip() for x in part.split("="))
+        name = "pipe" if name == "pipeline" else name
+        if name not in sizes:
+          raise MeshError(f"unknown mesh axis {name!r} in --mesh {spec}; use data, tensor, pipe.")
+        sizes[name] = int(value)
+    else:
+      values = [int(v) for v in text.split("x")]
+      if len(values) > 3:
+        raise MeshError(f"--mesh {spec} has {len(values)} axes; at most data x tensor x pipe.")
+      sizes.update(zip(AXES, values, strict=False))
+  except ValueError as e:
+    if isinstance(e, MeshError):
+      raise
+    raise MeshError(
+      f"cannot read --mesh {spec}; write e.g. 8, 2x4, 2x2x2 or data=2,tensor=4."
+    ) from e
+  if any(v < 1 for v in sizes.values()):
+    raise MeshError(f"--mesh {spec}: every axis needs at least 1 device.")
+  return sizes
+
+
+def make_mesh(spec: str | None, devices=None) -> Mesh:
+  devices = list(devices if devices is not None else jax.devices())
+  sizes = parse_mesh(spec, len(devices))
+  product = math.prod(sizes.values())
+  if product > len(devices):
+    raise MeshError(
+      f"--mesh {spec} asks for {product} devices but JAX sees {len(devices)} "
+      f"({devices[0].platform}); use a mesh whose sizes multiply to {len(devices)}."
+    )
+  if product != len(devices):
+    raise MeshError(
+      f"--mesh {spec} multiplies to {product} devices but JAX sees {len(devices)}; "
+      f"the product must equal {len(devices)} (or limit the devices, e.g. CUDA_VISIBLE_DEVICES)."
+    )
+  if sizes["pipe"] != 1:
+    raise MeshError(
+      "pipeline parallelism (pipe > 1) is not available yet; use data and tensor axes, "
+      "e.g. --mesh 2x4."
+    )
+  grid = np.array(devices).reshape(sizes["data"], sizes["tensor"], sizes["pipe"])
+  return Mesh(grid, AXES)
+
+
+def check_model_fits(mesh: Mesh, num_heads: int, num_kv_heads: int, global_batch: int) -> None:
+  """Divisibility the tensor and data axes need, checked before any compute."""
+  tp, dp = mesh.shape["tensor"], mesh.shape["data"]
+  if num_heads % tp or num_kv_heads % tp:
+    raise MeshError(
+      f"tensor={tp} does not divide the model's {num_heads} attention heads and "
+      f"{num_kv_heads} key/value heads; pick a tensor size that divides both."
+    )
+  if global_batch % dp:
+    raise MeshError(
+      f"the batch of {global_batch} sequences does not split over data={dp}; "
+      f"make --batch-size a multiple of {dp}."
+    )

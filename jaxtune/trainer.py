@@ -1,0 +1,174 @@
+"""The training step and loop: schedule, step, log, checkpoint.
+
+``train_step`` is one pure jitted function of (lora_state, opt_state, frozen_state, batch,
+key); the adapters and optimizer state are donated so their buffers are updated in place.
+Everything with side effects (logging, checkpoints, progress) lives in ``train`` around it.
+"""
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxtune import sharding
+from jaxtune.data import IGNORE, Dataset
+from jaxtune.run_config import RunConfig
+
+
+def make_optimizer(run: RunConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  warmup = max(0, min(run.warmup_steps, run.steps - 1))
+  decay_steps = max(1, run.steps - warmup)
+  if run.schedule == "cosine":
+    decay = optax.cosine_decay_schedule(run.learning_rate, decay_steps)
+  elif run.schedule == "linear":
+    decay = optax.linear_schedule(run.learning_rate, 0.0, decay_steps)
+  elif run.schedule == "constant":
+    decay = optax.constant_schedule(run.learning_rate)
+  else:
+    raise ValueError(f"schedule must be cosine, linear or constant, got {run.schedule!r}.")
+  schedule = optax.join_schedules(
+    [optax.linear_schedule(0.0, run.learning_rate, warmup), decay], [warmup]
+  )
+  return optax.chain(
+    optax.clip_by_global_norm(run.max_grad_norm),
+    optax.adamw(schedule, weight_decay=run.weight_decay),
+  ), schedule
+
+
+def loss_sums(graphdef, lora, frozen, batch, key):
+  """(sum of token losses, number of loss tokens) of one micro-batch."""
+  model = nnx.merge(graphdef, lora, frozen)
+  logits = model(batch["input_ids"], segment_ids=batch["segment_ids"], dropout_key=key)
+  labels = batch["labels"]
+  mask = labels != IGNORE
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels, 0))
+  return jnp.sum(ce * mask), jnp.sum(mask)
+
+
+def make_train_step(graphdef, tx, data_sharding=None):
+  def train_step(lora, opt_state, frozen, batch, key):
+    """batch leaves are [accum, micro, T]; the loss is normalised over all of them."""
+
+    def micro(carry, xs):
+      grads, loss_sum, count = carry
+      mb, k = xs
+      (l, n), g = jax.value_and_grad(loss_sums, argnums=1, has_aux=True)(
+        graphdef, lora, frozen, mb, k
+      )
+      # flush each micro-batch's gradient into the running sum right away.
+      grads = jax.tree.map(jnp.add, grads, g)
+      return (grads, loss_sum + l, count + n), None
+
+    accum = batch["input_ids"].shape[0]
+    keys = jax.random.split(key, accum)
+    zeros = jax.tree.map(jnp.zeros_like, lora)
+    (grads, loss_sum, count), _ = jax.lax.scan(
+      micro, (zeros, jnp.float32(0.0), jnp.int32(0)), (batch, keys)
+    )
+    denom = jnp.maximum(count, 1).astype(jnp.float32)
+    grads = jax.tree.map(lambda g: g / denom, grads)
+    updates, opt_state = tx.update(grads, opt_state, lora)
+    lora = optax.apply_updates(lora, updates)
+    metrics = {
+      "loss": loss_sum / denom,
+      "grad_norm": optax.global_norm(grads),
+      "tokens": count,
+    }
+    return lora, opt_state, metrics
+
+  return jax.jit(train_step, donate_argnums=(0, 1))
+
+
+def place(model, mesh: Mesh | None):
+  """Split the model and put every piece on its sharding; returns (graphdef, lora, frozen)."""
+  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  if mesh is not None:
+    lora = jax.device_put(lora, sharding.state_shardings(lora, mesh))
+    frozen = jax.device_put(frozen, sharding.state_shardings(frozen, mesh))
+  return graphdef, lora, frozen
+
+
+def batch_sharding(mesh: Mesh | None):
+  if mesh is None:
+    return None
+  return NamedSharding(mesh, PartitionSpec(None, "data", None))
+
+
+class Progress:
+  """One line that updates in place on a terminal; plain lines otherwise."""
+
+  def __init__(self, total: int):
+    self.total = total
+    self.tty = sys.stderr.isatty()
+
+  def update(self, step: int, metrics: dict):
+    width = 30
+    done = int(width * step / self.total)
+    text = (
+      f"step {step}/{self.total} [{'#' * done}{'.' * (width - done)}] "
+      f"loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} {metrics['tokens_per_s']:.0f} tok/s"
+    )
+    if self.tty:
+      print("\r" + text, end="" if step < self.total else "\n", file=sys.stderr, flush=True)
+    else:
+      print(text, file=sys.stderr, flush=True)
+
+
+def train(model, dataset: Dataset, run: RunConfig, mesh: Mesh | None, checkpoints=None):
+  """Run the loop; returns (trained model, list of per-step metrics)."""
+  model.remat = run.remat
+  graphdef, lora, frozen = place(model, mesh)
+  tx, schedule = make_optimizer(run)
+  opt_state = tx.init(lora)
+  key = jax.random.key(run.seed)
+  start = 0
+  if checkpoints is not None:
+    restored = checkpoints.restore_latest(lora, opt_state)
+    if restored is not None:
+      lora, opt_state, start, key = restored
+      if mesh is not None:
+        lora = jax.device_put(lora, sharding.state_shardings(lora, mesh))
+  step_fn = make_train_step(graphdef, tx)
+  shard = batch_sharding(mesh)
+  out = Path(run.out)
+  history = []
+  progress = Progress(run.steps)
+  with open(out / "metrics.jsonl", "a") as metrics_file:
+    for step in range(start, run.steps):
+      t0 = time.perf_counter()
+      host = dataset.batch(step, run.batch_size, run.grad_accum, run.seed)
+      batch = {k: jax.device_put(v, shard) if shard else jnp.asarray(v) for k, v in host.items()}
+      step_key = jax.random.fold_in(key, step)
+      lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, step_key)
+      loss = float(m["loss"])  # waits for the step
+      dt = time.perf_counter() - t0
+      row = {
+        "step": step + 1,
+        "loss": loss,
+        "lr": float(schedule(step)),
+        "grad_norm": float(m["grad_norm"]),
+        "tokens": int(m["tokens"]),
+        "tokens_per_s": int(np.prod(host["input_ids"].shape)) / dt,
+      }
+      if not math.isfinite(loss):
+        raise FloatingPointError(
+          f"loss became {loss} at step {step + 1}; lower --learning-rate or check the data."
+        )
+      history.append(row)
+      if (step + 1) % run.log_every == 0 or step + 1 == run.steps:
+        metrics_file.write(json.dumps(row) + "\n")
+        metrics_file.flush()
+        progress.update(step + 1, row)
+      if checkpoints is not None and ((step + 1) % run.save_every == 0 or step + 1 == run.steps):
+        checkpoints.save(step + 1, lora, opt_state, key)
+  if checkpoints is not None:
+    checkpoints.wait()
+  return nnx.merge(graphdef, lora, frozen), history
