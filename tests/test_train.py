@@ -1,0 +1,178 @@
+"""Training: mesh equivalence on 8 fake CPU devices, export round trips, the default run."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from conftest import max_rel_err
+
+import jaxtune
+from jaxtune import data, default_model, mesh as meshlib, trainer
+from jaxtune.run_config import RunConfig
+
+
+def _tiny_dir(hf_llama_dir):
+  # 8 heads / 4 kv heads so that tensor=4 divides both; hidden 256 keeps NF4 blocks whole.
+  path, hf = hf_llama_dir(
+    seed=11, hidden_size=256, intermediate_size=512, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=32, num_hidden_layers=2,
+  )
+  return path, hf
+
+
+def _dataset(vocab=256, n=16, t=32, seed=0):
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(0, vocab, (n, t)).astype(np.int32)
+  labels = np.roll(ids, -1, axis=1)
+  labels[:, -1] = data.IGNORE
+  labels[: n // 2, : t // 3] = data.IGNORE  # uneven masks make the normalisation matter
+  return data.Dataset(ids, labels, np.ones_like(ids))
+
+
+def _losses(path, mesh_spec, tmp_path, steps=3, accum=2, quantization="nf4"):
+  tmp_path.mkdir(parents=True, exist_ok=True)
+  run = RunConfig(
+    out=str(tmp_path / f"run_{mesh_spec}"), steps=steps, batch_size=16, grad_accum=accum,
+    learning_rate=1e-2, warmup_steps=0, dtype="float32", lora_rank=4, remat="full",
+    quantization=quantization,
+  )
+  (tmp_path / f"run_{mesh_spec}").mkdir(exist_ok=True)
+  devices = jax.devices() if mesh_spec != "1" else jax.devices()[:1]
+  mesh = meshlib.make_mesh(mesh_spec, devices)
+  model = jaxtune.from_pretrained(path, quantization=quantization, dtype="float32", mesh=mesh)
+  model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
+  _, history = trainer.train(model, _dataset(), run, mesh if mesh.size > 1 else None)
+  return np.array([h["loss"] for h in history])
+
+
+def test_mesh_losses_equal_single_device(hf_llama_dir, tmp_path):
+  assert jax.device_count() == 8
+  path, _ = _tiny_dir(hf_llama_dir)
+  single = _losses(path, "1", tmp_path)
+  assert single[-1] < single[0]  # it learns, so the comparison is not of constants
+  for spec in ("2x4", "8", "1x8", "data=2,tensor=4"):
+    np.testing.assert_allclose(_losses(path, spec, tmp_path), single, rtol=2e-5, err_msg=spec)
+
+
+def test_grad_accumulation_normalises_over_all_micro_batches(hf_llama_dir, tmp_path):
+  path, _ = _tiny_dir(hf_llama_dir)
+  one = _losses(path, "1", tmp_path / "a", steps=2, accum=1)
+  four = _losses(path, "1", tmp_path / "b", steps=2, accum=8)
+  np.testing.assert_allclose(four, one, rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+  "spec,match",
+  [
+    ("3x2", "multiplies to 6 devices but JAX sees 8"),
+    ("4x4", "asks for 16 devices but JAX sees 8"),
+    ("2x2x2", "pipeline parallelism"),
+    ("data=2,model=4", "unknown mesh axis"),
+    ("two", "cannot read --mesh"),
+  ],
+)
+def test_bad_meshes(spec, match):
+  with pytest.raises(meshlib.MeshError, match=match):
+    meshlib.make_mesh(spec)
+
+
+def test_indivisible_heads_and_batch():
+  mesh = meshlib.make_mesh("1x8")
+  with pytest.raises(meshlib.MeshError, match="does not divide the model's 4 attention heads"):
+    meshlib.check_model_fits(mesh, 4, 4, 8)
+  with pytest.raises(meshlib.MeshError, match="does not split over data=8"):
+    meshlib.check_model_fits(meshlib.make_mesh("8"), 8, 8, 4)
+
+
+def test_export_round_trips_to_transformers_and_peft(hf_llama_dir, tmp_path):
+  from peft import PeftModel
+  from transformers import LlamaForCausalLM
+
+  path, _ = _tiny_dir(hf_llama_dir)
+  mesh = meshlib.make_mesh("2x4")
+  model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32", mesh=mesh)
+  model = jaxtune.apply_lora(model, rank=4, alpha=8)
+  run = RunConfig(out=str(tmp_path), steps=3, batch_size=8, learning_rate=1e-2, warmup_steps=0,
+                  dtype="float32", lora_rank=4)
+  model, _ = trainer.train(model, _dataset(), run, mesh)
+  ids = np.random.default_rng(5).integers(0, 256, (2, 20))
+  ours = np.asarray(model(jnp.asarray(ids)))
+
+  merged_dir = jaxtune.export_merged(model, tmp_path / "merged", dtype="float32")
+  hf = LlamaForCausalLM.from_pretrained(merged_dir, torch_dtype=torch.float32).eval()
+  with torch.no_grad():
+    theirs = hf(torch.from_numpy(ids)).logits.numpy()
+  assert max_rel_err(theirs, ours) <= 1e-5
+
+  # PEFT on the original (unquantized) checkpoint: same adapters, base without NF4 error.
+  peft_dir = jaxtune.export_peft(model, tmp_path / "peft")
+  base = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+  peft_model = PeftModel.from_pretrained(base, peft_dir).eval()
+  dense = jaxtune.from_pretrained(path, quantization=None, dtype="float32")
+  dense = jaxtune.apply_lora(dense, rank=4, alpha=8)
+  for (_, a), (_, b) in zip(jaxtune.lora.iter_linears(dense), jaxtune.lora.iter_linears(model),
+                            strict=True):
+    if a.lora_a is not None:
+      a.lora_a[...] = jax.device_get(b.lora_a[...])
+      a.lora_b[...] = jax.device_get(b.lora_b[...])
+  with torch.no_grad():
+    peft_logits = peft_model(torch.from_numpy(ids)).logits.numpy()
+  assert max_rel_err(peft_logits, np.asarray(dense(jnp.asarray(ids)))) <= 1e-5
+  # The adapters are trained (non-zero B), so the PEFT check is not of the base alone.
+  assert any(np.abs(np.asarray(b.lora_b[...])).max() > 0
+             for _, b in jaxtune.lora.iter_linears(model) if b.lora_b is not None)
+
+
+def test_data_errors(tmp_path):
+  tok_dir = default_model.ensure_default_checkpoint(tmp_path / "ckpt")
+  from transformers import AutoTokenizer
+
+  tok = AutoTokenizer.from_pretrained(tok_dir)
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("\n")
+  with pytest.raises(data.DataError, match="holds no examples"):
+    data.load_jsonl(empty, tok, 32)
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text(json.dumps({"text": "hello"}) + "\n{oops\n")
+  with pytest.raises(data.DataError, match="bad.jsonl:2 is not valid JSON"):
+    data.load_jsonl(bad, tok, 32)
+  masked = tmp_path / "masked.jsonl"
+  masked.write_text(json.dumps({"messages": [{"role": "user", "content": "hi " * 50},
+                                             {"role": "assistant", "content": "yo"}]}) + "\n")
+  with pytest.raises(data.DataError, match="every label .* is masked"):
+    data.load_jsonl(masked, tok, 8)
+  ds = data.load_jsonl(masked, tok, 256)
+  # Loss only on the assistant turn: its tokens (and the closing eos) and nothing before.
+  labelled = ds.labels[0][ds.labels[0] != data.IGNORE]
+  assert tok.decode(labelled) == "yo<|eos|>"
+
+
+def test_default_run_learns_and_exports(tmp_path):
+  out = tmp_path / "run"
+  env_cmd = [sys.executable, "-m", "jaxtune.train", "--out", str(out), "--steps", "40"]
+  proc = subprocess.run(env_cmd, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "outputs in" in proc.stdout
+  rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+  assert len(rows) == 40
+  first, last = np.mean([r["loss"] for r in rows[:5]]), np.mean([r["loss"] for r in rows[-5:]])
+  assert last < 0.6 * first
+  assert (out / "export" / "model.safetensors").is_file() and (out / "config.yaml").is_file()
+
+
+def test_existing_run_dir_is_not_overwritten(tmp_path):
+  out = tmp_path / "run"
+  (out / "checkpoints" / "5").mkdir(parents=True)
+  proc = subprocess.run(
+    [sys.executable, "-m", "jaxtune.train", "--out", str(out), "--steps", "1"],
+    capture_output=True, text=True, timeout=300,
+  )
+  assert proc.returncode == 2
+  assert "already holds checkpoints; pass --resume" in proc.stderr
+  assert "Traceback" not in proc.stderr
+  assert (out / "checkpoints" / "5").is_dir()
