@@ -19,8 +19,14 @@ from converters import table as tables
 
 _NP = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}
 _TOKENIZER_FILES = (
-  "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-  "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt",
+  "tokenizer.json",
+  "tokenizer_config.json",
+  "special_tokens_map.json",
+  "tokenizer.model",
+  "chat_template.jinja",
+  "generation_config.json",
+  "vocab.json",
+  "merges.txt",
 )
 
 
@@ -52,8 +58,9 @@ def _copy_side_files(model, out: Path) -> None:
       shutil.copy2(src / name, out / name)
 
 
-def export_merged(model: nnx.Module, out_dir: str | Path, dtype: str = "bfloat16",
-                  max_shard_bytes: int = 4 << 30) -> Path:
+def export_merged(
+  model: nnx.Module, out_dir: str | Path, dtype: str = "bfloat16", max_shard_bytes: int = 4 << 30
+) -> Path:
   """Write a checkpoint transformers' from_pretrained loads (LoRA merged in)."""
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
@@ -84,7 +91,9 @@ def export_merged(model: nnx.Module, out_dir: str | Path, dtype: str = "bfloat16
     shards.append(current)
   weight_map = {}
   for i, shard in enumerate(shards, 1):
-    fname = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+    fname = (
+      "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+    )
     save_file(shard, str(out / fname), metadata={"format": "pt"})
     weight_map.update({k: fname for k in shard})
   if len(shards) > 1:
@@ -92,7 +101,9 @@ def export_merged(model: nnx.Module, out_dir: str | Path, dtype: str = "bfloat16
       json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2)
     )
   src_config = Path(getattr(model, "checkpoint_dir", "") or "") / "config.json"
-  config = json.loads(src_config.read_text()) if src_config.is_file() else {"model_type": cfg.model_type}
+  config = (
+    json.loads(src_config.read_text()) if src_config.is_file() else {"model_type": cfg.model_type}
+  )
   config.pop("quantization_config", None)
   config["torch_dtype"] = dtype
   (out / "config.json").write_text(json.dumps(config, indent=2))

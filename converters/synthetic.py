@@ -18,7 +18,10 @@ def tensor_shapes(cfg: dict):
   """(name, PyTorch shape) of every tensor of a Llama checkpoint with this config.json."""
   d, f = cfg["hidden_size"], cfg["intermediate_size"]
   h = cfg.get("head_dim") or d // cfg["num_attention_heads"]
-  q, kv = cfg["num_attention_heads"] * h, cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * h
+  q, kv = (
+    cfg["num_attention_heads"] * h,
+    cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * h,
+  )
   yield "model.embed_tokens.weight", (cfg["vocab_size"], d)
   for i in range(cfg["num_hidden_layers"]):
     p = f"model.layers.{i}."

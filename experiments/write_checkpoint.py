@@ -47,14 +47,22 @@ SHAPES = {
 
 def hf_config(shape: dict) -> dict:
   return {
-    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0, "max_position_embeddings": 8192, "hidden_act": "silu",
-    "bos_token_id": 1, "eos_token_id": 2, **shape,
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "hidden_act": "silu",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    **shape,
   }
 
 
 def write(out: Path, shape_name: str, seed: int = 0, shard_bytes: int = 2 << 30) -> Path:
-  return write_random_checkpoint(out, hf_config(SHAPES[shape_name]), seed=seed, shard_bytes=shard_bytes)
+  return write_random_checkpoint(
+    out, hf_config(SHAPES[shape_name]), seed=seed, shard_bytes=shard_bytes
+  )
 
 
 if __name__ == "__main__":

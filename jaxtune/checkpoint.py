@@ -24,7 +24,8 @@ class Checkpoints:
     # The data position is the step: batches are a pure function of it (data.Dataset.batch).
     meta = {"step": step, "data_position": step}
     self.manager.save(
-      step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+      step,
+      args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
     )
 
   def wait(self) -> None:
@@ -43,7 +44,14 @@ class Checkpoints:
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
     restored = self.manager.restore(
       step,
-      args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
+      args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+      ),
     )
     state = restored["state"]
-    return state["lora"], state["opt_state"], int(restored["meta"]["step"]), jax.random.wrap_key_data(state["key"])
+    return (
+      state["lora"],
+      state["opt_state"],
+      int(restored["meta"]["step"]),
+      jax.random.wrap_key_data(state["key"]),
+    )

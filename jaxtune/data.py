@@ -126,7 +126,9 @@ def _encode_chat(tokenizer, messages, train_on_prompt, path, lineno):
   except DataError:
     raise
   except Exception as e:  # jinja errors from a template that rejects this conversation
-    raise DataError(f"{path}:{lineno}: the chat template cannot render these messages ({e}).") from e
+    raise DataError(
+      f"{path}:{lineno}: the chat template cannot render these messages ({e})."
+    ) from e
   enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
   ids = list(enc["input_ids"])
   if train_on_prompt:

@@ -29,7 +29,7 @@ CONFIG = {
   "rope_theta": 10000.0,
   "hidden_act": "silu",
   "tie_word_embeddings": False,
-    "bos_token_id": 0,
+  "bos_token_id": 0,
   "eos_token_id": 1,
   "pad_token_id": 2,
 }

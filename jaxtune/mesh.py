@@ -1,9 +1,9 @@
 """``--mesh`` strings -> a ``jax.sharding.Mesh`` with axes (data, tensor, pipe).
 
-  "8"                          data=8
-  "2x4"                        data=2, tensor=4
-  "2x2x2"                      data=2, tensor=2, pipe=2
-  "data=2,tensor=4"            explicit (``pipeline`` is accepted for ``pipe``)
+"8"                          data=8
+"2x4"                        data=2, tensor=4
+"2x2x2"                      data=2, tensor=2, pipe=2
+"data=2,tensor=4"            explicit (``pipeline`` is accepted for ``pipe``)
 """
 
 import math

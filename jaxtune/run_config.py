@@ -33,7 +33,13 @@ class RunConfig:
   lora_alpha: float = 16.0
   lora_dropout: float = 0.0
   lora_targets: tuple[str, ...] = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
   )
   rslora: bool = False
   remat: str = "full"  # none | full | dots | dots_no_batch

@@ -25,39 +25,57 @@ def load_tokenizer(ckpt: Path):
   try:
     from transformers import AutoTokenizer
   except ImportError as e:
-    raise UserError("training needs transformers for the tokenizer: pip install 'jaxtune[hf]'.") from e
+    raise UserError(
+      "training needs transformers for the tokenizer: pip install 'jaxtune[hf]'."
+    ) from e
   try:
     return AutoTokenizer.from_pretrained(str(ckpt))
   except (OSError, ValueError) as e:
-    raise UserError(f"cannot load a tokenizer from {ckpt} ({e}); the checkpoint needs tokenizer files.") from e
+    raise UserError(
+      f"cannot load a tokenizer from {ckpt} ({e}); the checkpoint needs tokenizer files."
+    ) from e
 
 
 def run_training(run: RunConfig, resume: bool = False) -> Path:
   import jaxtune
-  from jaxtune import checkpoint, data, default_model, mesh as meshlib, trainer
   from converters.hf_in import resolve_checkpoint
+  from jaxtune import checkpoint, data, default_model, trainer
+  from jaxtune import mesh as meshlib
 
   out = Path(run.out)
   ckpt_dir = out / "checkpoints"
   if ckpt_dir.exists() and any(ckpt_dir.iterdir()) and not resume:
-    raise UserError(
-      f"{out} already holds checkpoints; pass --resume to continue, or a new --out."
-    )
+    raise UserError(f"{out} already holds checkpoints; pass --resume to continue, or a new --out.")
   if run.batch_size % run.grad_accum:
-    raise UserError(f"--batch-size {run.batch_size} must be a multiple of --grad-accum {run.grad_accum}.")
+    raise UserError(
+      f"--batch-size {run.batch_size} must be a multiple of --grad-accum {run.grad_accum}."
+    )
   try:
     mesh = meshlib.make_mesh(run.mesh)
-    model_path = resolve_checkpoint(run.model) if run.model else default_model.ensure_default_checkpoint()
+    model_path = (
+      resolve_checkpoint(run.model) if run.model else default_model.ensure_default_checkpoint()
+    )
     cfg = jaxtune.ModelConfig.from_hf(model_path)
-    meshlib.check_model_fits(mesh, cfg.num_heads, cfg.num_kv_heads, run.batch_size // run.grad_accum)
+    meshlib.check_model_fits(
+      mesh, cfg.num_heads, cfg.num_kv_heads, run.batch_size // run.grad_accum
+    )
     tokenizer = load_tokenizer(model_path)
-    dataset = data.load_jsonl(run.data or default_model.DATASET, tokenizer, run.seq_len, run.train_on_prompt)
+    dataset = data.load_jsonl(
+      run.data or default_model.DATASET, tokenizer, run.seq_len, run.train_on_prompt
+    )
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(run.replace(model=str(model_path)).to_yaml())
-    model = jaxtune.from_pretrained(model_path, quantization=run.quantization, dtype=run.dtype, mesh=mesh)
+    model = jaxtune.from_pretrained(
+      model_path, quantization=run.quantization, dtype=run.dtype, mesh=mesh
+    )
     model = jaxtune.apply_lora(
-      model, rank=run.lora_rank, alpha=run.lora_alpha, targets=run.lora_targets,
-      dropout=run.lora_dropout, rslora=run.rslora, seed=run.seed,
+      model,
+      rank=run.lora_rank,
+      alpha=run.lora_alpha,
+      targets=run.lora_targets,
+      dropout=run.lora_dropout,
+      rslora=run.rslora,
+      seed=run.seed,
     )
   except (MeshError, CheckpointError, ConfigError, DataError, ValueError) as e:
     raise UserError(str(e)) from e

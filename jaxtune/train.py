@@ -44,7 +44,8 @@ _HELP = {
 
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-    prog="python -m jaxtune.train", description=__doc__,
+    prog="python -m jaxtune.train",
+    description=__doc__,
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
   p.add_argument("--config", help="YAML file of run settings; flags override it")
@@ -67,7 +68,8 @@ def resolve_config(argv=None) -> tuple[RunConfig, bool]:
   args = build_parser().parse_args(argv)
   run = RunConfig.from_yaml(args.config) if args.config else RunConfig()
   overrides = {
-    f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig)
+    f.name: getattr(args, f.name)
+    for f in dataclasses.fields(RunConfig)
     if getattr(args, f.name) is not None
   }
   run = run.replace(**overrides)

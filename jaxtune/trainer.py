@@ -133,9 +133,18 @@ def train(model, dataset: Dataset, run: RunConfig, mesh: Mesh | None, checkpoint
   if checkpoints is not None:
     restored = checkpoints.restore_latest(lora, opt_state)
     if restored is not None:
+      # Back onto the shardings a fresh start would use (scalars such as Adam's count
+      # replicated), so the step sees the same placement either way.
+      def like(fresh):
+        if mesh is not None and fresh.ndim == 0:
+          return NamedSharding(mesh, PartitionSpec())
+        return fresh.sharding
+
+      target = jax.tree.map(like, (lora, opt_state))
       lora, opt_state, start, key = restored
+      lora, opt_state = jax.device_put((lora, opt_state), target)
       if mesh is not None:
-        lora = jax.device_put(lora, sharding.state_shardings(lora, mesh))
+        key = jax.device_put(key, NamedSharding(mesh, PartitionSpec()))
   step_fn = make_train_step(graphdef, tx)
   shard = batch_sharding(mesh)
   out = Path(run.out)

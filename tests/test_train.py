@@ -12,15 +12,21 @@ import torch
 from conftest import max_rel_err
 
 import jaxtune
-from jaxtune import data, default_model, mesh as meshlib, trainer
+from jaxtune import data, default_model, trainer
+from jaxtune import mesh as meshlib
 from jaxtune.run_config import RunConfig
 
 
 def _tiny_dir(hf_llama_dir):
   # 8 heads / 4 kv heads so that tensor=4 divides both; hidden 256 keeps NF4 blocks whole.
   path, hf = hf_llama_dir(
-    seed=11, hidden_size=256, intermediate_size=512, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=32, num_hidden_layers=2,
+    seed=11,
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    num_hidden_layers=2,
   )
   return path, hf
 
@@ -37,8 +43,15 @@ def _dataset(vocab=256, n=16, t=32, seed=0):
 def _losses(path, mesh_spec, tmp_path, steps=3, accum=2, quantization="nf4"):
   tmp_path.mkdir(parents=True, exist_ok=True)
   run = RunConfig(
-    out=str(tmp_path / f"run_{mesh_spec}"), steps=steps, batch_size=16, grad_accum=accum,
-    learning_rate=1e-2, warmup_steps=0, dtype="float32", lora_rank=4, remat="full",
+    out=str(tmp_path / f"run_{mesh_spec}"),
+    steps=steps,
+    batch_size=16,
+    grad_accum=accum,
+    learning_rate=1e-2,
+    warmup_steps=0,
+    dtype="float32",
+    lora_rank=4,
+    remat="full",
     quantization=quantization,
   )
   (tmp_path / f"run_{mesh_spec}").mkdir(exist_ok=True)
@@ -97,8 +110,15 @@ def test_export_round_trips_to_transformers_and_peft(hf_llama_dir, tmp_path):
   mesh = meshlib.make_mesh("2x4")
   model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32", mesh=mesh)
   model = jaxtune.apply_lora(model, rank=4, alpha=8)
-  run = RunConfig(out=str(tmp_path), steps=3, batch_size=8, learning_rate=1e-2, warmup_steps=0,
-                  dtype="float32", lora_rank=4)
+  run = RunConfig(
+    out=str(tmp_path),
+    steps=3,
+    batch_size=8,
+    learning_rate=1e-2,
+    warmup_steps=0,
+    dtype="float32",
+    lora_rank=4,
+  )
   model, _ = trainer.train(model, _dataset(), run, mesh)
   ids = np.random.default_rng(5).integers(0, 256, (2, 20))
   ours = np.asarray(model(jnp.asarray(ids)))
@@ -115,8 +135,9 @@ def test_export_round_trips_to_transformers_and_peft(hf_llama_dir, tmp_path):
   peft_model = PeftModel.from_pretrained(base, peft_dir).eval()
   dense = jaxtune.from_pretrained(path, quantization=None, dtype="float32")
   dense = jaxtune.apply_lora(dense, rank=4, alpha=8)
-  for (_, a), (_, b) in zip(jaxtune.lora.iter_linears(dense), jaxtune.lora.iter_linears(model),
-                            strict=True):
+  for (_, a), (_, b) in zip(
+    jaxtune.lora.iter_linears(dense), jaxtune.lora.iter_linears(model), strict=True
+  ):
     if a.lora_a is not None:
       a.lora_a[...] = jax.device_get(b.lora_a[...])
       a.lora_b[...] = jax.device_get(b.lora_b[...])
@@ -124,8 +145,11 @@ def test_export_round_trips_to_transformers_and_peft(hf_llama_dir, tmp_path):
     peft_logits = peft_model(torch.from_numpy(ids)).logits.numpy()
   assert max_rel_err(peft_logits, np.asarray(dense(jnp.asarray(ids)))) <= 1e-5
   # The adapters are trained (non-zero B), so the PEFT check is not of the base alone.
-  assert any(np.abs(np.asarray(b.lora_b[...])).max() > 0
-             for _, b in jaxtune.lora.iter_linears(model) if b.lora_b is not None)
+  assert any(
+    np.abs(np.asarray(b.lora_b[...])).max() > 0
+    for _, b in jaxtune.lora.iter_linears(model)
+    if b.lora_b is not None
+  )
 
 
 def test_data_errors(tmp_path):
@@ -142,8 +166,17 @@ def test_data_errors(tmp_path):
   with pytest.raises(data.DataError, match="bad.jsonl:2 is not valid JSON"):
     data.load_jsonl(bad, tok, 32)
   masked = tmp_path / "masked.jsonl"
-  masked.write_text(json.dumps({"messages": [{"role": "user", "content": "hi " * 50},
-                                             {"role": "assistant", "content": "yo"}]}) + "\n")
+  masked.write_text(
+    json.dumps(
+      {
+        "messages": [
+          {"role": "user", "content": "hi " * 50},
+          {"role": "assistant", "content": "yo"},
+        ]
+      }
+    )
+    + "\n"
+  )
   with pytest.raises(data.DataError, match="every label .* is masked"):
     data.load_jsonl(masked, tok, 8)
   ds = data.load_jsonl(masked, tok, 256)
@@ -170,9 +203,55 @@ def test_existing_run_dir_is_not_overwritten(tmp_path):
   (out / "checkpoints" / "5").mkdir(parents=True)
   proc = subprocess.run(
     [sys.executable, "-m", "jaxtune.train", "--out", str(out), "--steps", "1"],
-    capture_output=True, text=True, timeout=300,
+    capture_output=True,
+    text=True,
+    timeout=300,
   )
   assert proc.returncode == 2
   assert "already holds checkpoints; pass --resume" in proc.stderr
   assert "Traceback" not in proc.stderr
   assert (out / "checkpoints" / "5").is_dir()
+
+
+def _metrics(out):
+  by_step = {}
+  for line in (out / "metrics.jsonl").read_text().splitlines():
+    row = json.loads(line)
+    by_step[row["step"]] = row["loss"]  # a resumed run rewrites the steps after the checkpoint
+  return [by_step[s] for s in sorted(by_step)]
+
+
+def test_kill_and_resume_reproduces_losses(tmp_path):
+  import time
+
+  common = ["--steps", "12", "--save-every", "4", "--export", "none", "--lora-dropout", "0.1"]
+  full = tmp_path / "full"
+  subprocess.run(
+    [sys.executable, "-m", "jaxtune.train", "--out", str(full), *common],
+    check=True,
+    capture_output=True,
+    timeout=600,
+  )
+
+  cut = tmp_path / "cut"
+  proc = subprocess.Popen(
+    [sys.executable, "-m", "jaxtune.train", "--out", str(cut), *common],
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
+  deadline = time.time() + 600
+  while not (cut / "checkpoints" / "8").is_dir() and time.time() < deadline:
+    assert proc.poll() is None, "training ended before it could be interrupted"
+    time.sleep(0.05)
+  proc.kill()
+  proc.wait()
+  assert (cut / "checkpoints" / "8").is_dir()
+  resumed = subprocess.run(
+    [sys.executable, "-m", "jaxtune.train", "--out", str(cut), *common, "--resume"],
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  np.testing.assert_allclose(_metrics(cut), _metrics(full), rtol=1e-6)
+  assert len(_metrics(full)) == 12
