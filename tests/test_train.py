@@ -197,6 +197,32 @@ def test_default_run_learns_and_exports(tmp_path):
   assert last < 0.6 * first
   assert (out / "export" / "model.safetensors").is_file() and (out / "config.yaml").is_file()
 
+  # The export CLI rebuilds the model from the run directory and writes the same weights.
+  again = tmp_path / "again"
+  cli = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "jaxtune.export",
+      "--checkpoint",
+      str(out),
+      "--format",
+      "merged",
+      "--out",
+      str(again),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert cli.returncode == 0, cli.stderr[-2000:]
+  from safetensors.numpy import load_file
+
+  a, b = load_file(out / "export" / "model.safetensors"), load_file(again / "model.safetensors")
+  assert a.keys() == b.keys()
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
 
 def test_existing_run_dir_is_not_overwritten(tmp_path):
   out = tmp_path / "run"

@@ -1,0 +1,55 @@
+"""python -m jaxtune.export: a training run's adapters -> merged HF checkpoint or PEFT adapter."""
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m jaxtune.export", description=__doc__)
+  p.add_argument("--checkpoint", required=True, help="run directory of jaxtune.train (its --out)")
+  p.add_argument("--format", required=True, choices=("merged", "peft"), help="what to write")
+  p.add_argument("--out", required=True, help="directory to write")
+  p.add_argument("--dtype", default="bfloat16", help="dtype of merged weights")
+  args = p.parse_args(argv)
+
+  import jaxtune
+  from jaxtune import checkpoint, trainer
+  from jaxtune.run_config import RunConfig
+  from jaxtune.session import UserError
+
+  run_dir = Path(args.checkpoint)
+  try:
+    if not (run_dir / "config.yaml").is_file():
+      raise UserError(f"{run_dir} has no config.yaml; pass the --out directory of a training run.")
+    run = RunConfig.from_yaml(run_dir / "config.yaml")
+    ckpts = checkpoint.Checkpoints(run_dir / "checkpoints", keep=run.keep_checkpoints)
+    if ckpts.latest_step() is None:
+      raise UserError(f"{run_dir}/checkpoints holds no checkpoint; train first.")
+    model = jaxtune.from_pretrained(run.model, quantization=run.quantization, dtype=run.dtype)
+    model = jaxtune.apply_lora(
+      model,
+      rank=run.lora_rank,
+      alpha=run.lora_alpha,
+      targets=run.lora_targets,
+      dropout=run.lora_dropout,
+      rslora=run.rslora,
+      seed=run.seed,
+    )
+    graphdef, lora, frozen = trainer.place(model, None)
+    tx, _ = trainer.make_optimizer(run)
+    lora, _, step, _ = ckpts.restore_latest(lora, tx.init(lora))
+    model = trainer.nnx.merge(graphdef, lora, frozen)
+    if args.format == "merged":
+      out = jaxtune.export_merged(model, args.out, dtype=args.dtype)
+    else:
+      out = jaxtune.export_peft(model, args.out)
+  except (UserError, ValueError, OSError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"exported step {step} as {args.format} to {Path(out).resolve()}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
