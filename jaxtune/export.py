@@ -16,7 +16,7 @@ def main(argv=None) -> int:
   import jaxtune
   from jaxtune import checkpoint, trainer
   from jaxtune.run_config import RunConfig
-  from jaxtune.session import UserError
+  from jaxtune.session import UserError, build_model
 
   run_dir = Path(args.checkpoint)
   try:
@@ -26,16 +26,7 @@ def main(argv=None) -> int:
     ckpts = checkpoint.Checkpoints(run_dir / "checkpoints", keep=run.keep_checkpoints)
     if ckpts.latest_step() is None:
       raise UserError(f"{run_dir}/checkpoints holds no checkpoint; train first.")
-    model = jaxtune.from_pretrained(run.model, quantization=run.quantization, dtype=run.dtype)
-    model = jaxtune.apply_lora(
-      model,
-      rank=run.lora_rank,
-      alpha=run.lora_alpha,
-      targets=run.lora_targets,
-      dropout=run.lora_dropout,
-      rslora=run.rslora,
-      seed=run.seed,
-    )
+    model = build_model(run, run.model)
     graphdef, lora, frozen = trainer.place(model, None)
     tx, _ = trainer.make_optimizer(run)
     lora, _, step, _ = ckpts.restore_latest(lora, tx.init(lora))

@@ -36,6 +36,24 @@ def load_tokenizer(ckpt: Path):
     ) from e
 
 
+def build_model(run: RunConfig, model_path, mesh=None):
+  """The run's model: the checkpoint loaded as the run asks, with its LoRA adapters added."""
+  import jaxtune
+
+  model = jaxtune.from_pretrained(
+    model_path, quantization=run.quantization, dtype=run.dtype, mesh=mesh
+  )
+  return jaxtune.apply_lora(
+    model,
+    rank=run.lora_rank,
+    alpha=run.lora_alpha,
+    targets=run.lora_targets,
+    dropout=run.lora_dropout,
+    rslora=run.rslora,
+    seed=run.seed,
+  )
+
+
 def run_training(run: RunConfig, resume: bool = False) -> Path:
   import jaxtune
   from converters.hf_in import resolve_checkpoint
@@ -65,18 +83,7 @@ def run_training(run: RunConfig, resume: bool = False) -> Path:
     )
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(run.replace(model=str(model_path)).to_yaml())
-    model = jaxtune.from_pretrained(
-      model_path, quantization=run.quantization, dtype=run.dtype, mesh=mesh
-    )
-    model = jaxtune.apply_lora(
-      model,
-      rank=run.lora_rank,
-      alpha=run.lora_alpha,
-      targets=run.lora_targets,
-      dropout=run.lora_dropout,
-      rslora=run.rslora,
-      seed=run.seed,
-    )
+    model = build_model(run, model_path, mesh)
   except (MeshError, CheckpointError, ConfigError, DataError, ValueError) as e:
     raise UserError(str(e)) from e
   print(
