@@ -16,8 +16,13 @@ def device_name() -> str:
   return getattr(d, "device_kind", d.platform)
 
 
-def record(bench: str, rows: list[dict], title: str, note: str = "") -> None:
-  """Rows are dicts of shape/config fields and figures (units in the keys)."""
+def record(bench: str, rows: list[dict], title: str, note: str = "", out_dir=None) -> None:
+  """Rows are dicts of shape/config fields and figures (units in the keys).
+
+  ``out_dir`` (default: this folder) is where results.jsonl and RESULTS.md are appended; on a
+  lent GPU pass $OUT and append the returned files here afterwards.
+  """
+  out_dir = Path(out_dir) if out_dir else HERE
   meta = {
     "bench": bench,
     "device": device_name(),
@@ -25,7 +30,7 @@ def record(bench: str, rows: list[dict], title: str, note: str = "") -> None:
     "jax": jax.__version__,
     "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
   }
-  with open(HERE / "results.jsonl", "a") as f:
+  with open(out_dir / "results.jsonl", "a") as f:
     for row in rows:
       f.write(json.dumps({**meta, **row}) + "\n")
   keys = list(rows[0])
@@ -39,7 +44,7 @@ def record(bench: str, rows: list[dict], title: str, note: str = "") -> None:
   lines.append("|" + "---|" * len(keys))
   for row in rows:
     lines.append("| " + " | ".join(_fmt(row[k]) for k in keys) + " |")
-  with open(HERE / "RESULTS.md", "a") as f:
+  with open(out_dir / "RESULTS.md", "a") as f:
     f.write("\n".join(lines) + "\n")
 
 

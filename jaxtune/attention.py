@@ -1,6 +1,11 @@
-"""Attention in plain XLA: causal, grouped-query, packed segments.
+"""Attention: causal, grouped-query, packed segments.
 
-This is the fallback path; the Pallas kernel of pallas_kernels/flash_attention plugs in here.
+Two implementations today (the Pallas kernel of pallas_kernels/flash_attention comes next):
+  "xla":   plain einsums with the full [T, T] mask; handles packed segments. The reference.
+  "fused": jax.nn.dot_product_attention, causal only (cuDNN's fused kernel on NVIDIA GPUs,
+           XLA elsewhere). Exact when each row holds one document followed by padding, since
+           causal attention never lets a real token see the padding after it; it does NOT
+           separate several packed documents, so packing must use "xla" until the kernel lands.
 """
 
 import jax
@@ -18,8 +23,21 @@ def make_mask(segment_ids: jax.Array) -> jax.Array:
   return (causal[None] & same)[:, None, None]
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float):
+IMPLEMENTATIONS = ("xla", "fused")
+
+
+def default_implementation() -> str:
+  return "fused" if jax.default_backend() == "gpu" else "xla"
+
+
+def attention(q, k, v, mask, scale: float, implementation: str = "xla"):
   """q [B, T, N, H], k/v [B, S, K, H] with N a multiple of K -> [B, T, N, H]."""
+  if implementation == "fused":
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True)
+  return _xla_attention(q, k, v, mask, scale)
+
+
+def _xla_attention(q, k, v, mask, scale):
   b, t, n, h = q.shape
   kv = k.shape[2]
   q = q.reshape(b, t, kv, n // kv, h)  # [B, T, K, G, H]

@@ -12,7 +12,7 @@ from pathlib import Path
 from converters.synthetic import write_random_checkpoint
 
 DATASET = Path(__file__).parent / "data_files" / "default.jsonl"
-VERSION = "v1"
+VERSION = "v2"
 
 CONFIG = {
   "architectures": ["LlamaForCausalLM"],

@@ -43,6 +43,7 @@ class RunConfig:
   )
   rslora: bool = False
   remat: str = "full"  # none | full | dots | dots_no_batch
+  attention: str | None = None  # xla | fused; None: fused on GPU, xla elsewhere
   # Output
   log_every: int = 1
   save_every: int = 50

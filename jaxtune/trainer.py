@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtune import sharding
+from jaxtune import attention, sharding
 from jaxtune.data import IGNORE, Dataset
 from jaxtune.run_config import RunConfig
 
@@ -124,7 +124,11 @@ class Progress:
 
 def train(model, dataset: Dataset, run: RunConfig, mesh: Mesh | None, checkpoints=None):
   """Run the loop; returns (trained model, list of per-step metrics)."""
-  model.remat = run.remat
+  model.set_runtime(
+    remat=run.remat,
+    attention_impl=run.attention or attention.default_implementation(),
+    activation_sharding=None if mesh is None else NamedSharding(mesh, PartitionSpec("data")),
+  )
   graphdef, lora, frozen = place(model, mesh)
   tx, schedule = make_optimizer(run)
   opt_state = tx.init(lora)

@@ -53,6 +53,7 @@ class Attention(nnx.Module):
     self.k_proj = _linear(cfg, "k_proj", bias=cfg.attention_bias, **kw)
     self.v_proj = _linear(cfg, "v_proj", bias=cfg.attention_bias, **kw)
     self.o_proj = _linear(cfg, "o_proj", bias=cfg.attention_bias, **kw)
+    self.attention_impl = "xla"  # set for the whole model by Llama.set_runtime
     self.num_heads = cfg.num_heads
     self.num_kv_heads = cfg.num_kv_heads
     self.head_dim = cfg.head_dim
@@ -63,7 +64,9 @@ class Attention(nnx.Module):
     k = self.k_proj(x, keys[1]).reshape(b, t, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x, keys[2]).reshape(b, t, self.num_kv_heads, self.head_dim)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-    out = attention.attention(q, k, v, mask, scale=self.head_dim**-0.5)  # [B, T, N, H]
+    out = attention.attention(  # [B, T, N, H]
+      q, k, v, mask, scale=self.head_dim**-0.5, implementation=self.attention_impl
+    )
     return self.o_proj(out.reshape(b, t, -1), keys[3])
 
 
@@ -113,6 +116,8 @@ class Llama(nnx.Module):
     self.quantized = quantized
     self.remat = "none"  # a key of REMAT_POLICIES; the trainer sets it
     self.scan_layers = True
+    # Sharding of the residual stream [B, T, D], constrained at each block boundary.
+    self.activation_sharding = None
     self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=param_dtype, rngs=rngs)
     self.layers = Block(cfg, quantized=quantized, param_dtype=param_dtype, rngs=rngs)
     self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
@@ -146,6 +151,8 @@ class Llama(nnx.Module):
 
     def step(x, xs):
       layer_state, key = xs
+      if self.activation_sharding is not None:
+        x = jax.lax.with_sharding_constraint(x, self.activation_sharding)
       return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, key), None
 
     if self.remat != "none":
@@ -158,6 +165,21 @@ class Llama(nnx.Module):
         key_i = None if layer_keys is None else layer_keys[i]
         x, _ = step(x, (jax.tree.map(pick, state), key_i))
     return self.norm(x)
+
+  def set_runtime(self, *, remat=None, attention_impl=None, activation_sharding=None):
+    """Runtime choices that change how, not what, the model computes."""
+    if remat is not None:
+      if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}.")
+      self.remat = remat
+    if attention_impl is not None:
+      if attention_impl not in attention.IMPLEMENTATIONS:
+        raise ValueError(
+          f"attention must be one of {', '.join(attention.IMPLEMENTATIONS)}, "
+          f"got {attention_impl!r}."
+        )
+      self.layers.self_attn.attention_impl = attention_impl
+    self.activation_sharding = activation_sharding
 
   def logits_from_hidden(self, h: jax.Array) -> jax.Array:
     if self.lm_head is None:

@@ -1,0 +1,61 @@
+"""The command line: every flag documented, shipped configs parse, flags override YAML."""
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxtune
+from jaxtune import attention
+from jaxtune.run_config import RunConfig
+from jaxtune.train import build_parser, resolve_config
+
+CONFIGS = sorted((Path(jaxtune.__file__).parent / "configs").glob("*.yaml"))
+
+
+def test_help_documents_every_setting():
+  text = build_parser().format_help()
+  for f in dataclasses.fields(RunConfig):
+    assert "--" + f.name.replace("_", "-") in text, f.name
+  for flag in ("--config", "--resume"):
+    assert flag in text
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_parse(path):
+  run = RunConfig.from_yaml(path)
+  assert run.model and run.steps > 0 and run.batch_size % run.grad_accum == 0
+
+
+def test_flags_override_yaml(tmp_path):
+  assert len(CONFIGS) >= 2
+  run, resume = resolve_config(["--config", str(CONFIGS[0]), "--steps", "7", "--lora-targets",
+                                "q_proj,v_proj", "--no-rslora", "--resume"])
+  assert run.steps == 7 and run.lora_targets == ("q_proj", "v_proj") and resume
+  assert run.model == RunConfig.from_yaml(CONFIGS[0]).model
+
+
+def test_unknown_yaml_key_is_named(tmp_path):
+  bad = tmp_path / "bad.yaml"
+  bad.write_text("steps: 3\nlearning_rte: 0.1\n")
+  with pytest.raises(ValueError, match="unknown run setting.*learning_rte"):
+    RunConfig.from_yaml(bad)
+
+
+def test_fused_attention_equals_xla_for_one_document_per_row():
+  rng = np.random.default_rng(0)
+  b, t, n, kv, h = 2, 24, 8, 2, 16
+  q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((b, t, kv, h)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((b, t, kv, h)), jnp.float32)
+  seg = np.ones((b, t), np.int32)
+  seg[1, 17:] = 0  # right padding
+  mask = attention.make_mask(jnp.asarray(seg))
+  xla = attention.attention(q, k, v, mask, 0.25, "xla")
+  fused = attention.attention(q, k, v, mask, 0.25, "fused")
+  real = seg.astype(bool)  # outputs at padding positions are never used
+  np.testing.assert_allclose(np.asarray(fused)[real], np.asarray(xla)[real], rtol=1e-5, atol=1e-5)
+  assert jax.default_backend() == "cpu"
