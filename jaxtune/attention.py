@@ -2,9 +2,10 @@
 
 Two implementations today (the Pallas kernel of pallas_kernels/flash_attention comes next):
   "xla":   plain einsums with the full [T, T] mask; handles packed segments. The reference.
-  "fused": jax.nn.dot_product_attention, causal only (cuDNN's fused kernel on NVIDIA GPUs,
-           XLA elsewhere). Exact when each row holds one document followed by padding, since
-           causal attention never lets a real token see the padding after it; it does NOT
+  "fused": jax.nn.dot_product_attention, causal only: cuDNN's fused kernel on NVIDIA GPUs
+           (asked for explicitly: left to choose, JAX picks its XLA version, which
+           materialises float32 scores), jax.nn's XLA version elsewhere. Exact when each
+           row holds one document followed by padding, since causal attention never lets a real token see the padding after it; it does NOT
            separate several packed documents, so packing must use "xla" until the kernel lands.
 """
 
@@ -33,7 +34,8 @@ def default_implementation() -> str:
 def attention(q, k, v, mask, scale: float, implementation: str = "xla"):
   """q [B, T, N, H], k/v [B, S, K, H] with N a multiple of K -> [B, T, N, H]."""
   if implementation == "fused":
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True)
+    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=impl)
   return _xla_attention(q, k, v, mask, scale)
 
 
