@@ -32,8 +32,18 @@ def test_shipped_configs_parse(path):
 
 def test_flags_override_yaml(tmp_path):
   assert len(CONFIGS) >= 2
-  run, resume = resolve_config(["--config", str(CONFIGS[0]), "--steps", "7", "--lora-targets",
-                                "q_proj,v_proj", "--no-rslora", "--resume"])
+  run, resume = resolve_config(
+    [
+      "--config",
+      str(CONFIGS[0]),
+      "--steps",
+      "7",
+      "--lora-targets",
+      "q_proj,v_proj",
+      "--no-rslora",
+      "--resume",
+    ]
+  )
   assert run.steps == 7 and run.lora_targets == ("q_proj", "v_proj") and resume
   assert run.model == RunConfig.from_yaml(CONFIGS[0]).model
 
