@@ -5,8 +5,9 @@ Two implementations today (the Pallas kernel of pallas_kernels/flash_attention c
   "fused": jax.nn.dot_product_attention, causal only: cuDNN's fused kernel on NVIDIA GPUs
            (asked for explicitly: left to choose, JAX picks its XLA version, which
            materialises float32 scores), jax.nn's XLA version elsewhere. Exact when each
-           row holds one document followed by padding, since causal attention never lets a real token see the padding after it; it does NOT
-           separate several packed documents, so packing must use "xla" until the kernel lands.
+           row holds one document followed by padding, since causal attention never lets
+           a real token see the padding after it; it does NOT separate
+           several packed documents, so packing must use "xla" until the kernel lands.
 """
 
 import jax
