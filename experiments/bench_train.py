@@ -108,6 +108,18 @@ def time_steps(model, b: int, args, attention: str, remat: str) -> dict:
   }
 
 
+def check_attention(model) -> None:
+  """The fused (cuDNN) and XLA attention give the same logits, or the timings mean nothing."""
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 256)))
+  out = {}
+  for impl in ("xla", "fused"):
+    model.set_runtime(attention_impl=impl)
+    out[impl] = np.asarray(model(ids))
+  err = np.abs(out["fused"] - out["xla"]).max() / np.abs(out["xla"]).max()
+  print(f"attention check: fused vs xla logits, max rel err {err:.2e}", flush=True)
+  assert err < 2e-2, err
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--shape", default="llama-3.2-1b")
@@ -143,6 +155,7 @@ def main():
       }
       print(f"{quantization}: loaded in {load['load_s']:.1f}s", flush=True)
       model = jaxtune.apply_lora(model, rank=16, alpha=16)
+      check_attention(model)
       for attention in args.attention.split(","):
         for remat in args.remat.split(","):
           for b in (int(x) for x in args.batches.split(",")):
