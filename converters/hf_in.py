@@ -22,13 +22,13 @@ from jax.sharding import Mesh
 
 from converters import table as tables
 from jaxtune import nf4, sharding
-from jaxtune.config import ConfigError, ModelConfig
-from jaxtune.models.llama import Llama
+from jaxtune.config import SUPPORTED_MODEL_TYPES, ConfigError, ModelConfig
+from jaxtune.models.decoder import Decoder
 
 log = logging.getLogger("jaxtune")
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
-MODELS = {"llama": Llama}
+MODELS = dict.fromkeys(SUPPORTED_MODEL_TYPES, Decoder)
 
 
 class CheckpointError(ValueError):

@@ -29,15 +29,20 @@ class Entry:
     return re.compile(pattern + "$")
 
 
-LLAMA = (
+# One table for every family: an entry whose target a model lacks (q_norm on a Llama, say)
+# is an error on the way in and skipped on the way out.
+DECODER = (
   Entry("model.embed_tokens.weight", "embed_tokens.embedding", "param"),
   Entry("model.norm.weight", "norm.weight", "param"),
   Entry("lm_head.weight", "lm_head", "linear"),
-  Entry("model.layers.{layer}.input_layernorm.weight", "layers.input_layernorm.weight", "param"),
-  Entry(
-    "model.layers.{layer}.post_attention_layernorm.weight",
-    "layers.post_attention_layernorm.weight",
-    "param",
+  *(
+    Entry(f"model.layers.{{layer}}.{norm}.weight", f"layers.{norm}.weight", "param")
+    for norm in (
+      "input_layernorm",
+      "post_attention_layernorm",
+      "pre_feedforward_layernorm",
+      "post_feedforward_layernorm",
+    )
   ),
   Entry(
     "model.layers.{layer}.self_attn.{proj}.weight", "layers.self_attn.{proj}", "linear", ATTN_PROJ
@@ -45,11 +50,17 @@ LLAMA = (
   Entry(
     "model.layers.{layer}.self_attn.{proj}.bias", "layers.self_attn.{proj}.bias", "param", ATTN_PROJ
   ),
+  Entry(
+    "model.layers.{layer}.self_attn.{proj}.weight",
+    "layers.self_attn.{proj}.weight",
+    "param",
+    ("q_norm", "k_norm"),
+  ),
   Entry("model.layers.{layer}.mlp.{proj}.weight", "layers.mlp.{proj}", "linear", MLP_PROJ),
   Entry("model.layers.{layer}.mlp.{proj}.bias", "layers.mlp.{proj}.bias", "param", MLP_PROJ),
 )
 
-TABLES = {"llama": LLAMA}
+TABLES = dict.fromkeys(("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"), DECODER)
 
 # Tensors some checkpoints carry that hold nothing a model needs (recomputed buffers).
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")

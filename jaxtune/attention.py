@@ -32,19 +32,31 @@ def default_implementation() -> str:
   return "fused" if jax.default_backend() == "gpu" else "xla"
 
 
-def attention(q, k, v, mask, scale: float, implementation: str = "xla"):
-  """q [B, T, N, H], k/v [B, S, K, H] with N a multiple of K -> [B, T, N, H]."""
+def attention(q, k, v, mask, scale: float, implementation: str = "xla", softcap=None):
+  """q [B, T, N, H], k/v [B, S, K, H] with N a multiple of K -> [B, T, N, H].
+
+  ``mask`` [B, 1, 1, T, S] is only read by "xla"; ``softcap`` (Gemma 2) needs "xla".
+  """
   if implementation == "fused":
     impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=impl)
-  return _xla_attention(q, k, v, mask, scale)
+  return _xla_attention(q, k, v, mask, scale, softcap)
 
 
-def _xla_attention(q, k, v, mask, scale):
+def window_mask(mask: jax.Array, window: jax.Array) -> jax.Array:
+  """Restrict [B, 1, 1, T, T] to keys fewer than ``window`` tokens back (0: no limit)."""
+  t = mask.shape[-1]
+  distance = jnp.arange(t)[:, None] - jnp.arange(t)[None, :]
+  return mask & ((window == 0) | (distance < window))
+
+
+def _xla_attention(q, k, v, mask, scale, softcap):
   b, t, n, h = q.shape
   kv = k.shape[2]
   q = q.reshape(b, t, kv, n // kv, h)  # [B, T, K, G, H]
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k).astype(jnp.float32) * scale
+  if softcap is not None:
+    scores = softcap * jnp.tanh(scores / softcap)
   scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgts,bskh->btkgh", probs, v)

@@ -101,16 +101,28 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-  """x / rms(x) * w, computed in float32 and cast back, as transformers' LlamaRMSNorm."""
+  """x / rms(x) scaled by w (or by 1 + w, Gemma), in float32, as transformers computes it."""
 
-  def __init__(self, dim: int, *, eps: float, layers: int | None = None, param_dtype=jnp.float32):
+  def __init__(
+    self,
+    dim: int,
+    *,
+    eps: float,
+    layers: int | None = None,
+    plus_one: bool = False,
+    param_dtype=jnp.float32,
+  ):
     shape, axes = _stacked(layers, (dim,), ("embed",))
-    self.weight = nnx.Param(jnp.ones(shape, param_dtype), axes=axes)
+    init = jnp.zeros if plus_one else jnp.ones  # both start as the identity scale
+    self.weight = nnx.Param(init(shape, param_dtype), axes=axes)
     self.eps = eps
+    self.plus_one = plus_one
 
   def __call__(self, x: jax.Array) -> jax.Array:
     h = x.astype(jnp.float32)
     h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+    if self.plus_one:  # Gemma scales in float32, then casts
+      return (h * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
     return self.weight[...].astype(x.dtype) * h.astype(x.dtype)
 
 

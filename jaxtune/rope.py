@@ -13,6 +13,8 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
   """float32 [head_dim / 2], with llama3 frequency scaling where configured."""
   exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
   inv = (1.0 / (np.float32(rope.theta) ** exponents)).astype(np.float32)
+  if rope.kind == "linear":
+    inv = (inv / np.float32(rope.factor)).astype(np.float32)
   if rope.kind == "llama3":
     old_len = rope.original_max_position_embeddings
     low_wavelen = old_len / rope.low_freq_factor

@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtune import attention, sharding
+from jaxtune import sharding
 from jaxtune.data import IGNORE, Dataset
 from jaxtune.run_config import RunConfig
 
@@ -126,7 +126,7 @@ def train(model, dataset: Dataset, run: RunConfig, mesh: Mesh | None, checkpoint
   """Run the loop; returns (trained model, list of per-step metrics)."""
   model.set_runtime(
     remat=run.remat,
-    attention_impl=run.attention or attention.default_implementation(),
+    attention_impl=run.attention or model.default_attention(),
     activation_sharding=None if mesh is None else NamedSharding(mesh, PartitionSpec("data")),
   )
   graphdef, lora, frozen = place(model, mesh)

@@ -12,7 +12,7 @@ import jaxtune
 from jaxtune import nf4
 from jaxtune.config import ModelConfig
 from jaxtune.layers import Linear
-from jaxtune.models.llama import Llama
+from jaxtune.models.decoder import Decoder
 
 LLAMA3_ROPE = {
   "rope_type": "llama3",
@@ -142,7 +142,7 @@ def test_nf4_storage_is_not_a_param():
       num_attention_heads=2,
     )
   )
-  model = Llama(cfg, quantized=True, rngs=nnx.Rngs(0))
+  model = Decoder(cfg, quantized=True, rngs=nnx.Rngs(0))
   params = nnx.state(model, nnx.Param)
   flat = [".".join(map(str, p)) for p, _ in params.flat_state()]
   assert flat and not any(p.endswith(("codes", "absmax", "offset")) for p in flat)
@@ -151,7 +151,7 @@ def test_nf4_storage_is_not_a_param():
 
 def _param_count(hf_config: dict) -> int:
   cfg = ModelConfig.from_hf(hf_config)
-  abstract = nnx.eval_shape(lambda: Llama(cfg, quantized=False, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: Decoder(cfg, quantized=False, rngs=nnx.Rngs(0)))
   leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
   return sum(int(np.prod(x.shape)) for x in leaves)
 
@@ -191,7 +191,7 @@ def test_full_size_shapes_without_allocating():
   assert _param_count(LLAMA_31_8B) == 8_030_261_248
   assert _param_count(LLAMA_32_1B) == 1_235_814_400
   cfg = ModelConfig.from_hf(LLAMA_31_8B)
-  abstract = nnx.eval_shape(lambda: Llama(cfg, quantized=True, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: Decoder(cfg, quantized=True, rngs=nnx.Rngs(0)))
   codes = sum(
     int(np.prod(x.shape))
     for p, x in nnx.to_flat_state(nnx.state(abstract, nf4.NF4Storage))

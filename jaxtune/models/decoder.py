@@ -1,18 +1,26 @@
-"""Llama 2 / 3 / 3.1 / 3.2 as Flax NNX modules with stacked, scanned layers.
+"""Decoder-only transformers (Llama 2/3, Qwen 2/2.5/3, Gemma 1/2/3) as Flax NNX modules.
+
+One module, not one per family: the families differ by switches in ModelConfig (q/k/v bias,
+q/k norms, (1 + w) norms, embedding scale, sandwich norms, softcaps, sliding windows, local
+rope). Layers are stacked and run under ``jax.lax.scan``; what differs from layer to layer
+(window size, which rope) is a scanned array, never a Python branch over layers.
 
 Module and attribute names follow transformers' (``layers.self_attn.q_proj``), so the
 converter table and LoRA targets read the same as a PEFT config.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxtune import attention, rope
-from jaxtune.config import ModelConfig
+from jaxtune.config import SLIDING, ModelConfig
 from jaxtune.layers import Embed, Linear, RMSNorm
 
-# Which projections' LoRA dropout keys come from which fold_in index, and their axes.
+# The order fixes which fold_in index each projection's LoRA dropout key gets.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _AXES = {
   "q_proj": ("heads", "embed"),
@@ -30,6 +38,8 @@ REMAT_POLICIES = {
   "dots": jax.checkpoint_policies.checkpoint_dots,
   "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 def _linear(cfg: ModelConfig, name: str, *, quantized, param_dtype, rngs, bias=False):
@@ -49,23 +59,33 @@ def _linear(cfg: ModelConfig, name: str, *, quantized, param_dtype, rngs, bias=F
 class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, quantized: bool, param_dtype, rngs: nnx.Rngs):
     kw = dict(quantized=quantized, param_dtype=param_dtype, rngs=rngs)
-    self.q_proj = _linear(cfg, "q_proj", bias=cfg.attention_bias, **kw)
-    self.k_proj = _linear(cfg, "k_proj", bias=cfg.attention_bias, **kw)
-    self.v_proj = _linear(cfg, "v_proj", bias=cfg.attention_bias, **kw)
-    self.o_proj = _linear(cfg, "o_proj", bias=cfg.attention_bias, **kw)
-    self.attention_impl = "xla"  # set for the whole model by Llama.set_runtime
+    self.q_proj = _linear(cfg, "q_proj", bias=cfg.qkv_bias, **kw)
+    self.k_proj = _linear(cfg, "k_proj", bias=cfg.qkv_bias, **kw)
+    self.v_proj = _linear(cfg, "v_proj", bias=cfg.qkv_bias, **kw)
+    self.o_proj = _linear(cfg, "o_proj", bias=cfg.o_bias, **kw)
+    if cfg.qk_norm:
+      norm = dict(eps=cfg.rms_norm_eps, layers=cfg.num_layers, plus_one=cfg.norm_plus_one)
+      self.q_norm = RMSNorm(cfg.head_dim, **norm, param_dtype=param_dtype)
+      self.k_norm = RMSNorm(cfg.head_dim, **norm, param_dtype=param_dtype)
+    else:
+      self.q_norm = self.k_norm = None
+    self.attention_impl = "xla"  # set for the whole model by Decoder.set_runtime
     self.num_heads = cfg.num_heads
     self.num_kv_heads = cfg.num_kv_heads
     self.head_dim = cfg.head_dim
+    self.scale = cfg.attention_scale
+    self.softcap = cfg.attn_logit_softcap
 
   def __call__(self, x, cos, sin, mask, keys):
     b, t, _ = x.shape
     q = self.q_proj(x, keys[0]).reshape(b, t, self.num_heads, self.head_dim)
     k = self.k_proj(x, keys[1]).reshape(b, t, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x, keys[2]).reshape(b, t, self.num_kv_heads, self.head_dim)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
     out = attention.attention(  # [B, T, N, H]
-      q, k, v, mask, scale=self.head_dim**-0.5, implementation=self.attention_impl
+      q, k, v, mask, self.scale, implementation=self.attention_impl, softcap=self.softcap
     )
     return self.o_proj(out.reshape(b, t, -1), keys[3])
 
@@ -76,31 +96,52 @@ class MLP(nnx.Module):
     self.gate_proj = _linear(cfg, "gate_proj", **kw)
     self.up_proj = _linear(cfg, "up_proj", **kw)
     self.down_proj = _linear(cfg, "down_proj", **kw)
+    self.activation = cfg.hidden_act
 
   def __call__(self, x, keys):
-    h = jax.nn.silu(self.gate_proj(x, keys[4])) * self.up_proj(x, keys[5])
+    h = _ACTIVATIONS[self.activation](self.gate_proj(x, keys[4])) * self.up_proj(x, keys[5])
     return self.down_proj(h, keys[6])
 
 
 class Block(nnx.Module):
-  """One decoder layer; built with a leading ``layers`` axis and run under scan."""
+  """One decoder layer; built with a leading ``layers`` axis and run under scan.
+
+  Llama/Qwen/Gemma 1: x + attn(norm(x)), then + mlp(post_attention_layernorm(x)).
+  Gemma 2/3 (sandwich): x + post_attention_layernorm(attn(input_layernorm(x))), then
+  + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x))).
+  """
 
   def __init__(self, cfg: ModelConfig, *, quantized: bool, param_dtype, rngs: nnx.Rngs):
-    norm = dict(eps=cfg.rms_norm_eps, layers=cfg.num_layers, param_dtype=param_dtype)
+    norm = dict(
+      eps=cfg.rms_norm_eps,
+      layers=cfg.num_layers,
+      plus_one=cfg.norm_plus_one,
+      param_dtype=param_dtype,
+    )
     self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
     self.self_attn = Attention(cfg, quantized=quantized, param_dtype=param_dtype, rngs=rngs)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
+    if cfg.sandwich_norms:
+      self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, **norm)
+      self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, **norm)
+    else:
+      self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
     self.mlp = MLP(cfg, quantized=quantized, param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, x, cos, sin, mask, key):
     keys = [None] * len(PROJECTIONS)
     if key is not None:
       keys = [jax.random.fold_in(key, i) for i in range(len(PROJECTIONS))]
-    x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, keys)
-    return x + self.mlp(self.post_attention_layernorm(x), keys)
+    if self.pre_feedforward_layernorm is None:
+      x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, keys)
+      return x + self.mlp(self.post_attention_layernorm(x), keys)
+    h = self.self_attn(self.input_layernorm(x), cos, sin, mask, keys)
+    x = x + self.post_attention_layernorm(h)
+    h = self.mlp(self.pre_feedforward_layernorm(x), keys)
+    return x + self.post_feedforward_layernorm(h)
 
 
-class Llama(nnx.Module):
+class Decoder(nnx.Module):
   def __init__(
     self,
     cfg: ModelConfig,
@@ -120,7 +161,9 @@ class Llama(nnx.Module):
     self.activation_sharding = None
     self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=param_dtype, rngs=rngs)
     self.layers = Block(cfg, quantized=quantized, param_dtype=param_dtype, rngs=rngs)
-    self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+    self.norm = RMSNorm(
+      cfg.hidden_size, eps=cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, param_dtype=param_dtype
+    )
     if cfg.tie_word_embeddings:
       self.lm_head = None
     else:
@@ -133,38 +176,60 @@ class Llama(nnx.Module):
         rngs=rngs,
       )
 
+  def _per_layer(self):
+    """(window [L] int32, 0 = full attention; local [L] bool: uses the local rope)."""
+    cfg = self.config
+    sliding = np.array([t == SLIDING for t in cfg.layer_types] or [False] * cfg.num_layers)
+    window = np.where(sliding, cfg.sliding_window or 0, 0).astype(np.int32)
+    local = sliding & (cfg.rope_local is not None)
+    return jnp.asarray(window), jnp.asarray(local)
+
   def hidden_states(self, input_ids, positions=None, segment_ids=None, dropout_key=None):
     """Final-norm hidden states [B, T, D] in the compute dtype."""
+    cfg = self.config
     b, t = input_ids.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     if segment_ids is None:
       segment_ids = jnp.ones((b, t), jnp.int32)
     x = self.embed_tokens(input_ids, self.dtype)
-    inv_freq = rope.inverse_frequencies(self.config.rope, self.config.head_dim)
-    cos, sin = rope.cos_sin(positions, inv_freq, self.dtype)
+    if cfg.embed_scale:  # Gemma rounds sqrt(hidden) to the compute dtype first
+      x = x * jnp.asarray(math.sqrt(cfg.hidden_size), self.dtype)
+    cos, sin = rope.cos_sin(positions, rope.inverse_frequencies(cfg.rope, cfg.head_dim), self.dtype)
+    local_rope = cfg.rope_local or cfg.rope
+    cos_l, sin_l = rope.cos_sin(
+      positions, rope.inverse_frequencies(local_rope, cfg.head_dim), self.dtype
+    )
     mask = attention.make_mask(segment_ids)
-    n = self.config.num_layers
+    window, local = self._per_layer()
+    n = cfg.num_layers
     layer_keys = None if dropout_key is None else jax.random.split(dropout_key, n)
 
     graphdef, state = nnx.split(self.layers)
 
     def step(x, xs):
-      layer_state, key = xs
+      layer_state, key, w, is_local = xs
       if self.activation_sharding is not None:
         x = jax.lax.with_sharding_constraint(x, self.activation_sharding)
-      return nnx.merge(graphdef, layer_state)(x, cos, sin, mask, key), None
+      layer_mask = attention.window_mask(mask, w)
+      c, s = jnp.where(is_local, cos_l, cos), jnp.where(is_local, sin_l, sin)
+      return nnx.merge(graphdef, layer_state)(x, c, s, layer_mask, key), None
 
     if self.remat != "none":
       step = jax.checkpoint(step, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+    xs = (state, layer_keys, window, local)
     if self.scan_layers:
-      x, _ = jax.lax.scan(step, x, (state, layer_keys))
+      x, _ = jax.lax.scan(step, x, xs)
     else:
       for i in range(n):
-        pick = lambda a, i=i: a[i]
-        key_i = None if layer_keys is None else layer_keys[i]
-        x, _ = step(x, (jax.tree.map(pick, state), key_i))
+        x, _ = step(x, jax.tree.map(lambda a, i=i: a[i], xs))
     return self.norm(x)
+
+  def default_attention(self) -> str:
+    """ "fused" where it computes the same function (GPU, no softcap, no window), else "xla"."""
+    if self.config.attn_logit_softcap or self.config.has_sliding_layers:
+      return "xla"
+    return attention.default_implementation()
 
   def set_runtime(self, *, remat=None, attention_impl=None, activation_sharding=None):
     """Runtime choices that change how, not what, the model computes."""
@@ -178,13 +243,22 @@ class Llama(nnx.Module):
           f"attention must be one of {', '.join(attention.IMPLEMENTATIONS)}, "
           f"got {attention_impl!r}."
         )
+      if attention_impl == "fused" and (
+        self.config.attn_logit_softcap or self.config.has_sliding_layers
+      ):
+        raise ValueError(
+          f"fused attention cannot apply {self.config.model_type}'s logit softcap or sliding "
+          "window; use --attention xla."
+        )
       self.layers.self_attn.attention_impl = attention_impl
     self.activation_sharding = activation_sharding
 
   def logits_from_hidden(self, h: jax.Array) -> jax.Array:
-    if self.lm_head is None:
-      return self.embed_tokens.attend(h)
-    return self.lm_head(h)
+    logits = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
+    cap = self.config.final_logit_softcap
+    if cap:
+      logits = cap * jnp.tanh(logits / cap)
+    return logits
 
   def __call__(self, input_ids, positions=None, segment_ids=None, dropout_key=None):
     """Logits [B, T, V] in float32."""
