@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from converters import bnb
 from converters import table as tables
 from jaxtune import nf4, sharding
 from jaxtune.config import SUPPORTED_MODEL_TYPES, ConfigError, ModelConfig
@@ -175,6 +176,10 @@ def from_pretrained(
   ckpt = resolve_checkpoint(path_or_hub_id)
   cfg = ModelConfig.from_hf(ckpt)
   files = safetensors_files(ckpt)
+  try:
+    prequantized_file = bnb.is_bnb_4bit(json.loads((ckpt / "config.json").read_text()))
+  except bnb.BnbError as e:
+    raise CheckpointError(str(e)) from e
   compute = DTYPES[dtype]
 
   abstract = nnx.eval_shape(
@@ -185,7 +190,22 @@ def from_pretrained(
   loader = _Loader(variables, mesh)
   table = tables.TABLES[cfg.model_type]
 
+  pending: dict[str, dict] = {}  # pieces of bnb-4bit Linears until all six have been read
   for name, file, tensor in iter_tensors(files):
+    prequantized = None
+    piece = bnb.split_name(name, tensor) if prequantized_file else None
+    if piece is not None:
+      base, part = piece
+      parts = pending.setdefault(base, {})
+      parts[part] = tensor
+      if len(parts) < len(bnb.PARTS):
+        continue
+      del pending[base]
+      try:
+        prequantized = bnb.unpack(base, parts)
+      except bnb.BnbError as e:
+        raise CheckpointError(f"{file.name}: {e}") from e
+      name, tensor = base, None
     m = tables.match(table, name)
     if m is None:
       if tables.IGNORED.match(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
@@ -200,10 +220,18 @@ def from_pretrained(
         f"num_hidden_layers={cfg.num_layers}."
       )
     if m.entry.kind == "linear":
-      loader.put_linear(name, m.target, m.layer, tensor, quantized)
+      loader.put_linear(name, m.target, m.layer, tensor, quantized, prequantized)
+    elif prequantized is not None:
+      raise CheckpointError(f"{name} is 4-bit quantized, but jaxtune keeps it unquantized.")
     else:
       loader.put(name, m.target, m.layer, tensor)
 
+  if pending:
+    some = sorted(pending)[0]
+    raise CheckpointError(
+      f"4-bit tensor {some} lacks {sorted(set(bnb.PARTS) - set(pending[some]))} in {ckpt}; "
+      "the checkpoint is incomplete."
+    )
   missing = loader.missing()
   if missing:
     shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
@@ -262,21 +290,36 @@ class _Loader:
       raise CheckpointError(f"tensor {hf_name} has no place in this model's configuration.")
     self._write(path, layer, tensor, hf_name)
 
-  def put_linear(self, hf_name, target, layer, tensor, quantized):
+  def put_linear(self, hf_name, target, layer, tensor, quantized, prequantized=None):
+    """A Linear's weight: dense ``tensor``, or ``prequantized`` = (flat NF4, [out, in]) from a
+    bnb-4bit file, whose bytes are kept as they are when the model is NF4 too."""
     if not quantized or target == ("lm_head",):
+      if prequantized is not None:
+        q, shape = prequantized
+        tensor = np.asarray(nf4.dequantize(q, shape, jnp.float32))
       self.put(hf_name, (*target, "weight"), layer, tensor)
       return
     codes_path = (*target, "codes")
     if codes_path not in self.variables:
       raise CheckpointError(f"tensor {hf_name} has no place in this model's configuration.")
-    codes_shape = self.variables[codes_path].get_value().shape[-2:]
-    expected = (codes_shape[0], codes_shape[1] * 2)
-    if tuple(tensor.shape) != expected:
+    out_features, half = self.variables[codes_path].get_value().shape[-2:]
+    expected = (out_features, half * 2)
+    shape = prequantized[1] if prequantized is not None else tuple(tensor.shape)
+    if tuple(shape) != expected:
       raise CheckpointError(
-        f"tensor {hf_name} has shape {tuple(tensor.shape)}, but config.json implies "
+        f"tensor {hf_name} has shape {tuple(shape)}, but config.json implies "
         f"{expected}; the checkpoint and config do not belong together."
       )
-    q = nf4.quantize_linear(jnp.asarray(tensor))
+    if prequantized is None:
+      q = nf4.quantize_linear(jnp.asarray(tensor))
+    else:
+      flat = prequantized[0]
+      q = nf4.NF4Quantized(
+        flat.codes.reshape(out_features, half),
+        flat.absmax.reshape(out_features, -1),
+        flat.nested_absmax,
+        np.asarray(flat.offset, np.float32),
+      )
     for field, value in zip(("codes", "absmax", "nested_absmax", "offset"), q, strict=True):
       self._write((*target, field), layer, value, hf_name)
 

@@ -15,9 +15,12 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
+from converters import bnb
 from converters import table as tables
+from jaxtune import nf4
 
 _NP = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}
+_JNP = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 _TOKENIZER_FILES = (
   "tokenizer.json",
   "tokenizer_config.json",
@@ -62,7 +65,39 @@ def export_merged(
   model: nnx.Module, out_dir: str | Path, dtype: str = "bfloat16", max_shard_bytes: int = 4 << 30
 ) -> Path:
   """Write a checkpoint transformers' from_pretrained loads (LoRA merged in)."""
-  out = Path(out_dir)
+  return _export(model, Path(out_dir), dtype, max_shard_bytes, bnb4=False)
+
+
+def export_bnb4(
+  model: nnx.Module, out_dir: str | Path, dtype: str = "bfloat16", max_shard_bytes: int = 4 << 30
+) -> Path:
+  """Write a bitsandbytes 4-bit checkpoint (as the ``*-bnb-4bit`` repos hold them).
+
+  NF4 linears without a trained adapter are written byte for byte as stored, so a bnb
+  checkpoint loaded and exported again comes back identical; linears with a non-zero LoRA
+  update are merged and quantized anew. Unquantized models are quantized here.
+  """
+  return _export(model, Path(out_dir), dtype, max_shard_bytes, bnb4=True)
+
+
+def _linear_tensors(linear, layer, name: str, dtype: str, bnb4: bool) -> dict[str, np.ndarray]:
+  if not bnb4 or linear.layers is None:  # lm_head stays dense, as bitsandbytes keeps it
+    return {name: _host(merged_weight(linear, layer), dtype)}
+  has_update = linear.lora_b is not None and bool(jnp.any(_layer(linear.lora_b[...], layer) != 0))
+  if linear.quantized and not has_update:
+    stored = (linear.codes, linear.absmax, linear.nested_absmax, linear.offset)
+    q = nf4.NF4Quantized(*(_layer(v[...], layer) for v in stored))
+  else:
+    q = nf4.quantize(merged_weight(linear, layer).astype(_JNP[dtype]))
+  packed = bnb.pack(q, (linear.out_features, linear.in_features), dtype)
+  return {name + suffix if suffix != "weight" else name: v for suffix, v in packed.items()}
+
+
+def _host(value, dtype: str) -> np.ndarray:
+  return np.asarray(jax.device_get(value.astype(jnp.float32))).astype(_NP[dtype])
+
+
+def _export(model, out: Path, dtype: str, max_shard_bytes: int, bnb4: bool) -> Path:
   out.mkdir(parents=True, exist_ok=True)
   cfg = model.config
   table = tables.TABLES[cfg.model_type]
@@ -75,15 +110,14 @@ def export_merged(
     except AttributeError:
       continue
     if entry.kind == "linear":
-      value = merged_weight(node, layer)
+      tensors = _linear_tensors(node, layer, name, dtype, bnb4)
     else:
       var = getattr(node, target[-1], None)
       if var is None:  # e.g. a bias this model does not have
         continue
-      value = _layer(var[...], layer)
-    array = np.asarray(jax.device_get(value.astype(jnp.float32))).astype(_NP[dtype])
-    current[name] = array
-    size += array.nbytes
+      tensors = {name: _host(_layer(var[...], layer), dtype)}
+    current.update(tensors)
+    size += sum(a.nbytes for a in tensors.values())
     if size >= max_shard_bytes:
       shards.append(current)
       current, size = {}, 0
@@ -105,6 +139,8 @@ def export_merged(
     json.loads(src_config.read_text()) if src_config.is_file() else {"model_type": cfg.model_type}
   )
   config.pop("quantization_config", None)
+  if bnb4:
+    config["quantization_config"] = bnb.quantization_config(dtype)
   config["torch_dtype"] = dtype
   (out / "config.json").write_text(json.dumps(config, indent=2))
   _copy_side_files(model, out)

@@ -4,7 +4,7 @@ The public surface is small on purpose: load, add adapters, (train), export.
 """
 
 from converters.hf_in import CheckpointError, from_pretrained
-from converters.hf_out import export_merged, export_peft
+from converters.hf_out import export_bnb4, export_merged, export_peft
 from jaxtune.config import ConfigError, ModelConfig
 from jaxtune.lora import apply_lora
 
@@ -13,6 +13,7 @@ __all__ = [
   "ConfigError",
   "ModelConfig",
   "apply_lora",
+  "export_bnb4",
   "export_merged",
   "export_peft",
   "from_pretrained",

@@ -8,9 +8,11 @@ from pathlib import Path
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m jaxtune.export", description=__doc__)
   p.add_argument("--checkpoint", required=True, help="run directory of jaxtune.train (its --out)")
-  p.add_argument("--format", required=True, choices=("merged", "peft"), help="what to write")
+  p.add_argument(
+    "--format", required=True, choices=("merged", "peft", "bnb4"), help="what to write"
+  )
   p.add_argument("--out", required=True, help="directory to write")
-  p.add_argument("--dtype", default="bfloat16", help="dtype of merged weights")
+  p.add_argument("--dtype", default="bfloat16", help="dtype of unquantized weights in the export")
   args = p.parse_args(argv)
 
   import jaxtune
@@ -33,6 +35,8 @@ def main(argv=None) -> int:
     model = trainer.nnx.merge(graphdef, lora, frozen)
     if args.format == "merged":
       out = jaxtune.export_merged(model, args.out, dtype=args.dtype)
+    elif args.format == "bnb4":
+      out = jaxtune.export_bnb4(model, args.out, dtype=args.dtype)
     else:
       out = jaxtune.export_peft(model, args.out)
   except (UserError, ValueError, OSError) as e:
