@@ -6,6 +6,7 @@ The public surface is small on purpose: load, add adapters, (train), export.
 from converters.hf_in import CheckpointError, from_pretrained
 from converters.hf_out import export_bnb4, export_merged, export_peft
 from jaxtune.config import ConfigError, ModelConfig
+from jaxtune.generate import generate
 from jaxtune.lora import apply_lora
 
 __all__ = [
@@ -17,4 +18,5 @@ __all__ = [
   "export_merged",
   "export_peft",
   "from_pretrained",
+  "generate",
 ]

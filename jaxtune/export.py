@@ -16,23 +16,10 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
 
   import jaxtune
-  from jaxtune import checkpoint, trainer
-  from jaxtune.run_config import RunConfig
-  from jaxtune.session import UserError, build_model
+  from jaxtune.session import UserError, load_trained
 
-  run_dir = Path(args.checkpoint)
   try:
-    if not (run_dir / "config.yaml").is_file():
-      raise UserError(f"{run_dir} has no config.yaml; pass the --out directory of a training run.")
-    run = RunConfig.from_yaml(run_dir / "config.yaml")
-    ckpts = checkpoint.Checkpoints(run_dir / "checkpoints", keep=run.keep_checkpoints)
-    if ckpts.latest_step() is None:
-      raise UserError(f"{run_dir}/checkpoints holds no checkpoint; train first.")
-    model = build_model(run, run.model)
-    graphdef, lora, frozen = trainer.place(model, None)
-    tx, _ = trainer.make_optimizer(run)
-    lora, _, step, _ = ckpts.restore_latest(lora, tx.init(lora))
-    model = trainer.nnx.merge(graphdef, lora, frozen)
+    model, step = load_trained(Path(args.checkpoint))
     if args.format == "merged":
       out = jaxtune.export_merged(model, args.out, dtype=args.dtype)
     elif args.format == "bnb4":

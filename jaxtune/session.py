@@ -54,6 +54,49 @@ def build_model(run: RunConfig, model_path, mesh=None):
   )
 
 
+def load_trained(run_dir: Path, quantization=..., dtype: str | None = None):
+  """A training run's model with its latest adapters restored; returns (model, step).
+
+  ``quantization`` and ``dtype`` default to what the run trained with.
+  """
+  from jaxtune import checkpoint, trainer
+
+  run_dir = Path(run_dir)
+  if not (run_dir / "config.yaml").is_file():
+    raise UserError(f"{run_dir} has no config.yaml; pass the --out directory of a training run.")
+  run = RunConfig.from_yaml(run_dir / "config.yaml")
+  if quantization is not ...:
+    run = run.replace(quantization=quantization)
+  if dtype is not None:
+    run = run.replace(dtype=dtype)
+  ckpts = checkpoint.Checkpoints(run_dir / "checkpoints", keep=run.keep_checkpoints)
+  if ckpts.latest_step() is None:
+    raise UserError(f"{run_dir}/checkpoints holds no checkpoint; train first.")
+  try:
+    model = build_model(run, run.model)
+  except (CheckpointError, ConfigError) as e:
+    raise UserError(str(e)) from e
+  graphdef, lora, frozen = trainer.place(model, None)
+  tx, _ = trainer.make_optimizer(run)
+  lora, _, step, _ = ckpts.restore_latest(lora, tx.init(lora))
+  return trainer.nnx.merge(graphdef, lora, frozen), step
+
+
+def load_run_model(run_dir, model_path, quantization, dtype):
+  """(model, checkpoint dir) for generation: a trained run's model, or a plain checkpoint."""
+  import jaxtune
+  from converters.hf_in import resolve_checkpoint
+
+  if run_dir:
+    model, _ = load_trained(Path(run_dir), quantization, dtype)
+    return model, Path(model.checkpoint_dir)
+  try:
+    ckpt = resolve_checkpoint(model_path)
+    return jaxtune.from_pretrained(ckpt, quantization=quantization, dtype=dtype), ckpt
+  except (CheckpointError, ConfigError) as e:
+    raise UserError(str(e)) from e
+
+
 def run_training(run: RunConfig, resume: bool = False) -> Path:
   import jaxtune
   from converters.hf_in import resolve_checkpoint

@@ -76,7 +76,9 @@ class Attention(nnx.Module):
     self.scale = cfg.attention_scale
     self.softcap = cfg.attn_logit_softcap
 
-  def __call__(self, x, cos, sin, mask, keys):
+  def __call__(self, x, cos, sin, mask, keys, cache=None):
+    """With ``cache`` = (k [B, S, K, H], v, start): write this chunk's keys and values at
+    slot ``start``, attend over the whole cache, and return (out, (k, v))."""
     b, t, _ = x.shape
     q = self.q_proj(x, keys[0]).reshape(b, t, self.num_heads, self.head_dim)
     k = self.k_proj(x, keys[1]).reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -84,10 +86,17 @@ class Attention(nnx.Module):
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    impl = self.attention_impl
+    if cache is not None:
+      k_cache, v_cache, start = cache
+      k = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=1)
+      v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=1)
+      impl = "xla"  # the mask over cache slots is not causal-from-zero
     out = attention.attention(  # [B, T, N, H]
-      q, k, v, mask, self.scale, implementation=self.attention_impl, softcap=self.softcap
+      q, k, v, mask, self.scale, implementation=impl, softcap=self.softcap
     )
-    return self.o_proj(out.reshape(b, t, -1), keys[3])
+    out = self.o_proj(out.reshape(b, t, -1), keys[3])
+    return out if cache is None else (out, (k, v))
 
 
 class MLP(nnx.Module):
@@ -128,17 +137,20 @@ class Block(nnx.Module):
       self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
     self.mlp = MLP(cfg, quantized=quantized, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x, cos, sin, mask, key):
+  def __call__(self, x, cos, sin, mask, key, cache=None):
+    """The layer's output; with a KV ``cache`` (see Attention), (output, new cache)."""
     keys = [None] * len(PROJECTIONS)
     if key is not None:
       keys = [jax.random.fold_in(key, i) for i in range(len(PROJECTIONS))]
+    h = self.self_attn(self.input_layernorm(x), cos, sin, mask, keys, cache)
+    h, new_cache = (h, None) if cache is None else h
     if self.pre_feedforward_layernorm is None:
-      x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, keys)
-      return x + self.mlp(self.post_attention_layernorm(x), keys)
-    h = self.self_attn(self.input_layernorm(x), cos, sin, mask, keys)
-    x = x + self.post_attention_layernorm(h)
-    h = self.mlp(self.pre_feedforward_layernorm(x), keys)
-    return x + self.post_feedforward_layernorm(h)
+      x = x + h
+      x = x + self.mlp(self.post_attention_layernorm(x), keys)
+    else:
+      x = x + self.post_attention_layernorm(h)
+      x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), keys))
+    return x if cache is None else (x, new_cache)
 
 
 class Decoder(nnx.Module):
@@ -184,46 +196,80 @@ class Decoder(nnx.Module):
     local = sliding & (cfg.rope_local is not None)
     return jnp.asarray(window), jnp.asarray(local)
 
+  def _embed(self, input_ids, positions):
+    cfg = self.config
+    x = self.embed_tokens(input_ids, self.dtype)
+    if cfg.embed_scale:  # Gemma rounds sqrt(hidden) to the compute dtype first
+      x = x * jnp.asarray(math.sqrt(cfg.hidden_size), self.dtype)
+    cos, sin = rope.cos_sin(positions, rope.inverse_frequencies(cfg.rope, cfg.head_dim), self.dtype)
+    local = cfg.rope_local or cfg.rope
+    local_cs = rope.cos_sin(positions, rope.inverse_frequencies(local, cfg.head_dim), self.dtype)
+    return x, (cos, sin), local_cs
+
+  def _layers(self, x, rope_global, rope_local, mask, dropout_key=None, q_offset=0, cache=None):
+    """Run the stacked layers under scan; with ``cache`` (k, v of [L, B, S, K, H]) also
+    return the updated cache."""
+    window, local = self._per_layer()
+    n = self.config.num_layers
+    layer_keys = None if dropout_key is None else jax.random.split(dropout_key, n)
+    graphdef, state = nnx.split(self.layers)
+
+    def step(x, xs):
+      layer_state, key, w, is_local, layer_cache = xs
+      if self.activation_sharding is not None:
+        x = jax.lax.with_sharding_constraint(x, self.activation_sharding)
+      layer_mask = attention.window_mask(mask, w, q_offset)
+      c = jnp.where(is_local, rope_local[0], rope_global[0])
+      s = jnp.where(is_local, rope_local[1], rope_global[1])
+      block = nnx.merge(graphdef, layer_state)
+      if layer_cache is None:
+        return block(x, c, s, layer_mask, key), None
+      return block(x, c, s, layer_mask, key, cache=(*layer_cache, q_offset))
+
+    if self.remat != "none":
+      step = jax.checkpoint(step, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+    xs = (state, layer_keys, window, local, cache)
+    if self.scan_layers:
+      return jax.lax.scan(step, x, xs)
+    outs = []
+    for i in range(n):
+      x, out = step(x, jax.tree.map(lambda a, i=i: a[i], xs))
+      outs.append(out)
+    return x, (None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *outs))
+
   def hidden_states(self, input_ids, positions=None, segment_ids=None, dropout_key=None):
     """Final-norm hidden states [B, T, D] in the compute dtype."""
-    cfg = self.config
     b, t = input_ids.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     if segment_ids is None:
       segment_ids = jnp.ones((b, t), jnp.int32)
-    x = self.embed_tokens(input_ids, self.dtype)
-    if cfg.embed_scale:  # Gemma rounds sqrt(hidden) to the compute dtype first
-      x = x * jnp.asarray(math.sqrt(cfg.hidden_size), self.dtype)
-    cos, sin = rope.cos_sin(positions, rope.inverse_frequencies(cfg.rope, cfg.head_dim), self.dtype)
-    local_rope = cfg.rope_local or cfg.rope
-    cos_l, sin_l = rope.cos_sin(
-      positions, rope.inverse_frequencies(local_rope, cfg.head_dim), self.dtype
-    )
+    x, rope_global, rope_local = self._embed(input_ids, positions)
     mask = attention.make_mask(segment_ids)
-    window, local = self._per_layer()
-    n = cfg.num_layers
-    layer_keys = None if dropout_key is None else jax.random.split(dropout_key, n)
-
-    graphdef, state = nnx.split(self.layers)
-
-    def step(x, xs):
-      layer_state, key, w, is_local = xs
-      if self.activation_sharding is not None:
-        x = jax.lax.with_sharding_constraint(x, self.activation_sharding)
-      layer_mask = attention.window_mask(mask, w)
-      c, s = jnp.where(is_local, cos_l, cos), jnp.where(is_local, sin_l, sin)
-      return nnx.merge(graphdef, layer_state)(x, c, s, layer_mask, key), None
-
-    if self.remat != "none":
-      step = jax.checkpoint(step, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-    xs = (state, layer_keys, window, local)
-    if self.scan_layers:
-      x, _ = jax.lax.scan(step, x, xs)
-    else:
-      for i in range(n):
-        x, _ = step(x, jax.tree.map(lambda a, i=i: a[i], xs))
+    x, _ = self._layers(x, rope_global, rope_local, mask, dropout_key)
     return self.norm(x)
+
+  def init_cache(self, batch: int, length: int):
+    """An empty KV cache: (k, v), each [L, B, length, K, H] in the compute dtype."""
+    cfg = self.config
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+    return jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
+
+  def forward_cached(self, input_ids, positions, cache, start, key_valid):
+    """Logits of the last position [B, V] (float32) and the cache with this chunk written.
+
+    input_ids/positions [B, T] fill cache slots start .. start + T - 1; key_valid [B, S]
+    marks the slots that hold real tokens (left padding is not).
+    """
+    t = input_ids.shape[1]
+    length = cache[0].shape[2]
+    x, rope_global, rope_local = self._embed(input_ids, positions)
+    query_slot = start + jnp.arange(t)
+    causal = jnp.arange(length)[None, :] <= query_slot[:, None]  # [T, S]
+    mask = (key_valid[:, None, :] & causal[None])[:, None, None]  # [B, 1, 1, T, S]
+    x, cache = self._layers(x, rope_global, rope_local, mask, q_offset=start, cache=cache)
+    logits = self.logits_from_hidden(self.norm(x[:, -1:]))
+    return logits[:, -1].astype(jnp.float32), cache
 
   def default_attention(self) -> str:
     """ "fused" where it computes the same function (GPU, no softcap, no window), else "xla"."""

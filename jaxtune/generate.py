@@ -1,0 +1,200 @@
+"""Text generation with a preallocated KV cache: jitted prefill, then one jitted decode step.
+
+  python -m jaxtune.generate --model DIR|HUB_ID [--adapter RUN_DIR] --prompt TEXT [--chat]
+
+Prompts of a batch are left-padded to one length; padding slots are masked out of attention
+and positions count real tokens only, so each row generates what it would alone.
+"""
+
+import argparse
+import functools
+import sys
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p"))
+def sample(logits, key, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):
+  """Next tokens [B] from logits [B, V]: greedy at temperature 0, else top-k / top-p sampling."""
+  if temperature == 0.0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits / temperature
+  if top_k:
+    kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  if top_p < 1.0:
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    cumulative = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p (always the most likely token).
+    drop_sorted = (cumulative - jax.nn.softmax(sorted_logits, axis=-1)) >= top_p
+    drop = (
+      jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
+    )
+    logits = jnp.where(drop, -jnp.inf, logits)
+  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def generate_ids(
+  model,
+  prompts: Sequence[Sequence[int]],
+  max_new_tokens: int = 64,
+  eos_token_ids: Sequence[int] = (),
+  temperature: float = 0.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  seed: int = 0,
+  pad_id: int = 0,
+) -> list[list[int]]:
+  """New token ids per prompt (up to and including an EOS, if one is generated)."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError("every prompt needs at least one token.")
+  b = len(prompts)
+  p_len = max(len(p) for p in prompts)
+  pad = np.array([p_len - len(p) for p in prompts])
+  tokens = np.full((b, p_len), pad_id, np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, pad[i] :] = p
+  length = p_len + max_new_tokens
+  key_valid = jnp.asarray(np.arange(length)[None, :] >= pad[:, None])
+  positions = jnp.asarray(np.maximum(np.arange(p_len)[None, :] - pad[:, None], 0))
+
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def step(state, ids, positions, cache, start):
+    return nnx.merge(graphdef, state).forward_cached(ids, positions, cache, start, key_valid)
+
+  logits, cache = step(state, jnp.asarray(tokens), positions, model.init_cache(b, length), 0)
+  key = jax.random.key(seed)
+  eos = np.array(list(eos_token_ids), np.int64)
+  out = [[] for _ in range(b)]
+  done = np.zeros(b, bool)
+  for i in range(max_new_tokens):
+    key, sub = jax.random.split(key)
+    nxt = np.asarray(sample(logits, sub, temperature=temperature, top_k=top_k, top_p=top_p))
+    for r in range(b):
+      if not done[r]:
+        out[r].append(int(nxt[r]))
+        done[r] = np.isin(nxt[r], eos)
+    if done.all() or i + 1 == max_new_tokens:
+      break
+    pos = jnp.asarray(p_len - pad + i, jnp.int32)[:, None]
+    logits, cache = step(state, jnp.asarray(nxt)[:, None], pos, cache, p_len + i)
+  return out
+
+
+def generate(
+  model,
+  tokenizer,
+  prompts: str | Sequence[str],
+  max_new_tokens: int = 128,
+  chat: bool = False,
+  temperature: float = 0.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  seed: int = 0,
+) -> list[str]:
+  """Completions of ``prompts`` (chat=True renders each as a user turn with the chat template)."""
+  if isinstance(prompts, str):
+    prompts = [prompts]
+  if chat:
+    ids = [
+      list(
+        tokenizer.apply_chat_template(
+          [{"role": "user", "content": p}],
+          add_generation_prompt=True,
+          tokenize=True,
+          return_dict=True,
+        )["input_ids"]
+      )
+      for p in prompts
+    ]
+  else:
+    ids = [tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
+  eos = tokenizer.eos_token_id
+  eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+  new = generate_ids(
+    model,
+    ids,
+    max_new_tokens,
+    eos_ids,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    pad_id=tokenizer.pad_token_id or 0,
+  )
+  return [tokenizer.decode(t, skip_special_tokens=True) for t in new]
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(
+    prog="python -m jaxtune.generate",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  p.add_argument("--model", help="HF checkpoint dir or hub id (or take it from --adapter's run)")
+  p.add_argument("--adapter", help="run directory of jaxtune.train whose adapters to apply")
+  p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
+  p.add_argument("--chat", action="store_true", help="interactive chat with the chat template")
+  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+  p.add_argument("--top-k", type=int, default=0)
+  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--quantization", default="nf4", help="nf4 or none")
+  p.add_argument("--dtype", default="bfloat16")
+  args = p.parse_args(argv)
+
+  from jaxtune.session import UserError, load_run_model, load_tokenizer
+
+  try:
+    if not args.model and not args.adapter:
+      raise UserError("pass --model DIR|HUB_ID, or --adapter RUN_DIR of a training run.")
+    if not args.prompt and not args.chat:
+      raise UserError("pass --prompt TEXT (repeatable) or --chat.")
+    quant = None if args.quantization == "none" else args.quantization
+    model, ckpt = load_run_model(args.adapter, args.model, quant, args.dtype)
+    tokenizer = load_tokenizer(ckpt)
+  except (UserError, ValueError, OSError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  kw = dict(
+    max_new_tokens=args.max_new_tokens,
+    temperature=args.temperature,
+    top_k=args.top_k,
+    top_p=args.top_p,
+    seed=args.seed,
+  )
+  if args.prompt:
+    for prompt, text in zip(
+      args.prompt, generate(model, tokenizer, args.prompt, chat=args.chat, **kw), strict=True
+    ):
+      print(f"### {prompt}\n{text}\n")
+    return 0
+  history = []  # the whole conversation goes back in each turn, as chat templates expect
+  eos = tokenizer.eos_token_id
+  while True:
+    try:
+      line = input("you> ")
+    except EOFError:
+      return 0
+    if line.strip() in ("", "/exit", "/quit"):
+      return 0
+    history.append({"role": "user", "content": line})
+    ids = tokenizer.apply_chat_template(
+      history, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    new = generate_ids(model, [list(ids)], eos_token_ids=[] if eos is None else [eos], **kw)[0]
+    reply = tokenizer.decode(new, skip_special_tokens=True)
+    history.append({"role": "assistant", "content": reply})
+    print("model>", reply)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
