@@ -26,6 +26,10 @@ class RunConfig:
   grad_accum: int = 1
   seq_len: int = 128
   train_on_prompt: bool = False
+  # Evaluation
+  eval_data: str | None = None  # held-out JSONL, same format as data
+  eval_every: int = 0  # 0: only at the end (when eval_data is set)
+  eval_prompts: str | None = None  # text file, one prompt per line, generated at each eval
   # Model and adapters
   quantization: str | None = "nf4"
   dtype: str = "bfloat16"

@@ -97,6 +97,29 @@ def load_run_model(run_dir, model_path, quantization, dtype):
     raise UserError(str(e)) from e
 
 
+def make_sample_fn(run: RunConfig, tokenizer):
+  """model -> [(prompt, greedy completion)] for --eval-prompts, or None."""
+  if not run.eval_prompts:
+    return None
+  if not run.eval_data:
+    raise UserError("--eval-prompts runs at each evaluation; pass --eval-data FILE too.")
+  path = Path(run.eval_prompts)
+  if not path.is_file():
+    raise UserError(f"eval prompts file {path} does not exist.")
+  prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+  if not prompts:
+    raise UserError(f"eval prompts file {path} holds no prompts (one per line).")
+  from jaxtune.generate import generate
+
+  chat = getattr(tokenizer, "chat_template", None) is not None
+
+  def sample(model):
+    texts = generate(model, tokenizer, prompts, max_new_tokens=64, chat=chat)
+    return list(zip(prompts, texts, strict=True))
+
+  return sample
+
+
 def run_training(run: RunConfig, resume: bool = False) -> Path:
   import jaxtune
   from converters.hf_in import resolve_checkpoint
@@ -124,6 +147,10 @@ def run_training(run: RunConfig, resume: bool = False) -> Path:
     dataset = data.load_jsonl(
       run.data or default_model.DATASET, tokenizer, run.seq_len, run.train_on_prompt
     )
+    eval_dataset = None
+    if run.eval_data:
+      eval_dataset = data.load_jsonl(run.eval_data, tokenizer, run.seq_len, run.train_on_prompt)
+    sample_fn = make_sample_fn(run, tokenizer)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(run.replace(model=str(model_path)).to_yaml())
     model = build_model(run, model_path, mesh)
@@ -134,7 +161,9 @@ def run_training(run: RunConfig, resume: bool = False) -> Path:
     f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s)"
   )
   ckpts = checkpoint.Checkpoints(ckpt_dir, keep=run.keep_checkpoints)
-  model, _ = trainer.train(model, dataset, run, mesh if mesh.size > 1 else None, ckpts)
+  model, _ = trainer.train(
+    model, dataset, run, mesh if mesh.size > 1 else None, ckpts, eval_dataset, sample_fn
+  )
   if run.export:
     export_dir = out / "export"
     if run.export == "merged":

@@ -5,9 +5,7 @@ key); the adapters and optimizer state are donated so their buffers are updated 
 Everything with side effects (logging, checkpoints, progress) lives in ``train`` around it.
 """
 
-import json
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtune import sharding
+from jaxtune import run_log, sharding
 from jaxtune.data import IGNORE, Dataset
 from jaxtune.run_config import RunConfig
 
@@ -102,28 +100,46 @@ def batch_sharding(mesh: Mesh | None):
   return NamedSharding(mesh, PartitionSpec(None, "data", None))
 
 
-class Progress:
-  """One line that updates in place on a terminal; plain lines otherwise."""
-
-  def __init__(self, total: int):
-    self.total = total
-    self.tty = sys.stderr.isatty()
-
-  def update(self, step: int, metrics: dict):
-    width = 30
-    done = int(width * step / self.total)
-    text = (
-      f"step {step}/{self.total} [{'#' * done}{'.' * (width - done)}] "
-      f"loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} {metrics['tokens_per_s']:.0f} tok/s"
-    )
-    if self.tty:
-      print("\r" + text, end="" if step < self.total else "\n", file=sys.stderr, flush=True)
-    else:
-      print(text, file=sys.stderr, flush=True)
+def make_eval_step(graphdef):
+  """jitted (loss sum, token count) of one [B, T] batch, no gradient."""
+  return jax.jit(lambda lora, frozen, batch: loss_sums(graphdef, lora, frozen, batch, None))
 
 
-def train(model, dataset: Dataset, run: RunConfig, mesh: Mesh | None, checkpoints=None):
-  """Run the loop; returns (trained model, list of per-step metrics)."""
+def evaluate(eval_step, lora, frozen, dataset: Dataset, batch_size: int, shard=None) -> dict:
+  """Held-out loss and perplexity over every example of ``dataset`` (token-weighted)."""
+  total, count = 0.0, 0
+  n = len(dataset)
+  for start in range(0, n, batch_size):
+    idx = np.arange(start, start + batch_size) % n
+    batch = {
+      "input_ids": dataset.input_ids[idx],
+      "labels": np.where(
+        (np.arange(start, start + batch_size) < n)[:, None], dataset.labels[idx], IGNORE
+      ),  # wrapped-around fill rows count nothing
+      "segment_ids": dataset.segment_ids[idx],
+    }
+    if shard is not None:
+      batch = {k: jax.device_put(v, shard) for k, v in batch.items()}
+    s, c = eval_step(lora, frozen, batch)
+    total, count = total + float(s), count + int(c)
+  loss = total / max(count, 1)
+  return {"eval_loss": loss, "eval_ppl": run_log.perplexity(loss), "eval_tokens": count}
+
+
+def train(
+  model,
+  dataset: Dataset,
+  run: RunConfig,
+  mesh: Mesh | None,
+  checkpoints=None,
+  eval_dataset: Dataset | None = None,
+  sample_fn=None,
+):
+  """Run the loop; returns (trained model, list of per-step metrics).
+
+  With ``eval_dataset``, held-out loss every ``run.eval_every`` steps and at the end;
+  ``sample_fn(model) -> [(prompt, text)]`` adds a few generations to each evaluation.
+  """
   model.set_runtime(
     remat=run.remat,
     attention_impl=run.attention or model.default_attention(),
@@ -150,11 +166,12 @@ def train(model, dataset: Dataset, run: RunConfig, mesh: Mesh | None, checkpoint
       if mesh is not None:
         key = jax.device_put(key, NamedSharding(mesh, PartitionSpec()))
   step_fn = make_train_step(graphdef, tx)
+  eval_step = make_eval_step(graphdef) if eval_dataset is not None else None
   shard = batch_sharding(mesh)
-  out = Path(run.out)
+  eval_shard = None if mesh is None else NamedSharding(mesh, PartitionSpec("data", None))
   history = []
-  progress = Progress(run.steps)
-  with open(out / "metrics.jsonl", "a") as metrics_file:
+  log = run_log.RunLog(Path(run.out), run.steps)
+  try:
     for step in range(start, run.steps):
       t0 = time.perf_counter()
       host = dataset.batch(step, run.batch_size, run.grad_accum, run.seed)
@@ -176,12 +193,18 @@ def train(model, dataset: Dataset, run: RunConfig, mesh: Mesh | None, checkpoint
           f"loss became {loss} at step {step + 1}; lower --learning-rate or check the data."
         )
       history.append(row)
-      if (step + 1) % run.log_every == 0 or step + 1 == run.steps:
-        metrics_file.write(json.dumps(row) + "\n")
-        metrics_file.flush()
-        progress.update(step + 1, row)
-      if checkpoints is not None and ((step + 1) % run.save_every == 0 or step + 1 == run.steps):
+      last = step + 1 == run.steps
+      if (step + 1) % run.log_every == 0 or last:
+        log.train(row)
+      if eval_step is not None and (last or (run.eval_every and (step + 1) % run.eval_every == 0)):
+        metrics = evaluate(eval_step, lora, frozen, eval_dataset, run.batch_size, eval_shard)
+        samples = sample_fn(nnx.merge(graphdef, lora, frozen)) if sample_fn else []
+        log.eval(step + 1, metrics, samples)
+        row.update(metrics)
+      if checkpoints is not None and ((step + 1) % run.save_every == 0 or last):
         checkpoints.save(step + 1, lora, opt_state, key)
+  finally:
+    log.close()
   if checkpoints is not None:
     checkpoints.wait()
   return nnx.merge(graphdef, lora, frozen), history
