@@ -1,0 +1,89 @@
+"""Decode speed of jaxtune.generate's KV-cache path, NF4 against the same model in bf16.
+
+Writes a random-weight checkpoint of the shape, loads it twice (NF4 base, and bf16 without
+NF4), and for each batch size times generate_ids with 1 and with 1 + N new tokens after a
+warm-up; decode tokens/s = batch * N / (difference), so prefill and compilation drop out.
+
+  python experiments/bench_decode.py --shape llama-3.2-1b --batches 1,32
+"""
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jaxtune  # noqa: E402
+from experiments.record import record  # noqa: E402
+from experiments.write_checkpoint import write  # noqa: E402
+from jaxtune.generate import generate_ids  # noqa: E402
+
+
+def timed(model, prompts, n, reps=3):
+  generate_ids(model, prompts, max_new_tokens=n)  # compile
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    generate_ids(model, prompts, max_new_tokens=n)
+    times.append(time.perf_counter() - t)
+  return statistics.median(times)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  ap.add_argument("--shape", default="llama-3.2-1b")
+  ap.add_argument("--batches", default="1,32")
+  ap.add_argument("--prompt-len", type=int, default=128)
+  ap.add_argument("--new-tokens", type=int, default=128)
+  ap.add_argument("--results-dir", default=None)
+  args = ap.parse_args()
+  rows = []
+  with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+    ckpt = write(Path(tmp) / args.shape, args.shape)
+    for quant in ("nf4", None):
+      model = jaxtune.from_pretrained(ckpt, quantization=quant, dtype="bfloat16")
+      vocab = model.config.vocab_size
+      for b in (int(x) for x in args.batches.split(",")):
+        rng = np.random.default_rng(b)
+        prompts = rng.integers(0, vocab, (b, args.prompt_len)).tolist()
+        t1 = timed(model, prompts, 1)
+        tn = timed(model, prompts, 1 + args.new_tokens)
+        row = {
+          "model": args.shape,
+          "quantization": quant or "bf16",
+          "batch": b,
+          "prompt_len": args.prompt_len,
+          "new_tokens": args.new_tokens,
+          "decode_tokens_per_s": b * args.new_tokens / (tn - t1),
+          "ms_per_token_step": (tn - t1) / args.new_tokens * 1e3,
+          "prefill_plus_one_ms": t1 * 1e3,
+        }
+        rows.append(row)
+        print(row, flush=True)
+      del model
+  base = {r["batch"]: r["decode_tokens_per_s"] for r in rows if r["quantization"] == "bf16"}
+  for r in rows:
+    r["ratio_vs_bf16"] = r["decode_tokens_per_s"] / base[r["batch"]]
+  record(
+    "bench_decode",
+    rows,
+    f"Decode speed, {args.shape}, KV cache, greedy",
+    note="NF4 rows dequantize with XLA each step (no Pallas kernel yet); "
+    "ratio_vs_bf16 against the same model loaded without NF4 in the same run.",
+    out_dir=args.results_dir,
+  )
+  print("\n| quant | batch | decode tok/s | ms/step | vs bf16 |")
+  for r in rows:
+    print(
+      f"| {r['quantization']} | {r['batch']} | {r['decode_tokens_per_s']:.0f} | "
+      f"{r['ms_per_token_step']:.2f} | {r['ratio_vs_bf16']:.2f} |"
+    )
+
+
+if __name__ == "__main__":
+  main()
