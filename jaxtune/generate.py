@@ -39,6 +39,51 @@ def sample(logits, key, temperature: float = 0.0, top_k: int = 0, top_p: float =
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill(graphdef, state, ids, positions, cache, key_valid):
+  return nnx.merge(graphdef, state).forward_cached(ids, positions, cache, 0, key_valid)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9))
+def _decode(
+  graphdef,
+  state,
+  logits,
+  cache,
+  key_valid,
+  first,
+  n,
+  temperature,
+  top_k,
+  top_p,
+  positions,
+  eos,
+  key,
+):
+  """Up to ``n`` tokens [B, n] on the device; stops early once every row has emitted EOS."""
+  model = nnx.merge(graphdef, state)
+  b = logits.shape[0]
+
+  def body(carry):
+    i, logits, cache, key, tokens, done = carry
+    key, sub = jax.random.split(key)
+    nxt = sample(logits, sub, temperature=temperature, top_k=top_k, top_p=top_p)
+    tokens = tokens.at[:, i].set(nxt)
+    done = done | jnp.isin(nxt, eos)
+    logits, cache = model.forward_cached(
+      nxt[:, None], (positions + i)[:, None], cache, first + i, key_valid
+    )
+    return i + 1, logits, cache, key, tokens, done
+
+  def cond(carry):
+    i, *_, done = carry
+    return (i < n) & ~jnp.all(done)
+
+  init = (0, logits, cache, key, jnp.zeros((b, n), jnp.int32), jnp.zeros((b,), jnp.bool_))
+  steps, *_, tokens, _ = jax.lax.while_loop(cond, body, init)
+  return tokens, steps
+
+
 def generate_ids(
   model,
   prompts: Sequence[Sequence[int]],
@@ -50,7 +95,11 @@ def generate_ids(
   seed: int = 0,
   pad_id: int = 0,
 ) -> list[list[int]]:
-  """New token ids per prompt (up to and including an EOS, if one is generated)."""
+  """New token ids per prompt (up to and including an EOS, if one is generated).
+
+  Prefill and the whole decode loop each run as one compiled call (a while loop on the
+  device), cached across calls for the same model structure and sampling settings.
+  """
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("every prompt needs at least one token.")
   b = len(prompts)
@@ -64,27 +113,30 @@ def generate_ids(
   positions = jnp.asarray(np.maximum(np.arange(p_len)[None, :] - pad[:, None], 0))
 
   graphdef, state = nnx.split(model)
-
-  @jax.jit
-  def step(state, ids, positions, cache, start):
-    return nnx.merge(graphdef, state).forward_cached(ids, positions, cache, start, key_valid)
-
-  logits, cache = step(state, jnp.asarray(tokens), positions, model.init_cache(b, length), 0)
-  key = jax.random.key(seed)
-  eos = np.array(list(eos_token_ids), np.int64)
-  out = [[] for _ in range(b)]
-  done = np.zeros(b, bool)
-  for i in range(max_new_tokens):
-    key, sub = jax.random.split(key)
-    nxt = np.asarray(sample(logits, sub, temperature=temperature, top_k=top_k, top_p=top_p))
-    for r in range(b):
-      if not done[r]:
-        out[r].append(int(nxt[r]))
-        done[r] = np.isin(nxt[r], eos)
-    if done.all() or i + 1 == max_new_tokens:
-      break
-    pos = jnp.asarray(p_len - pad + i, jnp.int32)[:, None]
-    logits, cache = step(state, jnp.asarray(nxt)[:, None], pos, cache, p_len + i)
+  logits, cache = _prefill(
+    graphdef, state, jnp.asarray(tokens), positions, model.init_cache(b, length), key_valid
+  )
+  eos = jnp.asarray(list(eos_token_ids), jnp.int32)
+  new, steps = _decode(
+    graphdef,
+    state,
+    logits,
+    cache,
+    key_valid,
+    p_len,
+    max_new_tokens,
+    float(temperature),
+    int(top_k),
+    float(top_p),
+    jnp.asarray(p_len - pad, jnp.int32),
+    eos,
+    jax.random.key(seed),
+  )
+  new = np.asarray(new)[:, : int(steps)]
+  out = []
+  for row in new.tolist():
+    stop = next((i for i, t in enumerate(row) if t in set(eos_token_ids)), None)
+    out.append(row if stop is None else row[: stop + 1])
   return out
 
 
