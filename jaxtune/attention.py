@@ -43,13 +43,10 @@ def attention(q, k, v, mask, scale: float, implementation: str = "xla", softcap=
   return _xla_attention(q, k, v, mask, scale, softcap)
 
 
-def window_mask(mask: jax.Array, window: jax.Array, q_offset=0) -> jax.Array:
-  """Restrict [B, 1, 1, T, S] to keys fewer than ``window`` slots back (0: no limit).
-
-  Query t sits at slot q_offset + t (non-zero when decoding into a KV cache).
-  """
+def window_mask(mask: jax.Array, window: jax.Array) -> jax.Array:
+  """Restrict [B, 1, 1, T, T] to keys fewer than ``window`` tokens back (0: no limit)."""
   t, s = mask.shape[-2:]
-  distance = (q_offset + jnp.arange(t))[:, None] - jnp.arange(s)[None, :]
+  distance = jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
   return mask & ((window == 0) | (distance < window))
 
 

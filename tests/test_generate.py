@@ -79,9 +79,17 @@ def test_sliding_window_model_past_its_window(tmp_path):
         p.add_(0.3 * torch.randn_like(p))
   hf.save_pretrained(tmp_path / "g2")
   model = jaxtune.from_pretrained(tmp_path / "g2", quantization=None, dtype="float32")
+  # Sliding layers keep a ring of `window` slots; full layers keep every slot.
+  cache = model.init_cache(2, 40)
+  assert cache["local"][0].shape[:3] == (2, 2, 6) and cache["global"][0].shape[:3] == (2, 2, 40)
   prompt = [3, 1, 4, 1, 5]
   ours = generate_ids(model, [prompt], max_new_tokens=12)  # 17 tokens, window 6
   assert ours[0] == _hf_greedy(hf, prompt, 12)
+  long_prompt = [7, 3, 9, 200, 14, 1, 60, 61, 2, 33]  # prefill longer than the window
+  assert generate_ids(model, [long_prompt], max_new_tokens=8)[0] == _hf_greedy(hf, long_prompt, 8)
+  # Batched with left padding through the ring as well.
+  both = generate_ids(model, [prompt, long_prompt], max_new_tokens=8)
+  assert both == [generate_ids(model, [p], max_new_tokens=8)[0] for p in (prompt, long_prompt)]
 
 
 def test_batched_left_padding_equals_one_by_one(hf_llama_dir):

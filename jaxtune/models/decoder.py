@@ -9,6 +9,7 @@ Module and attribute names follow transformers' (``layers.self_attn.q_proj``), s
 converter table and LoRA targets read the same as a PEFT config.
 """
 
+import functools
 import math
 
 import jax
@@ -77,8 +78,8 @@ class Attention(nnx.Module):
     self.softcap = cfg.attn_logit_softcap
 
   def __call__(self, x, cos, sin, mask, keys, cache=None):
-    """With ``cache`` = (k [B, S, K, H], v, start): write this chunk's keys and values at
-    slot ``start``, attend over the whole cache, and return (out, (k, v))."""
+    """With ``cache``, a function (q, k, v, scale, softcap) -> (out, new cache) that stores
+    this chunk's keys and attends over the cached ones, returns (out, new cache)."""
     b, t, _ = x.shape
     q = self.q_proj(x, keys[0]).reshape(b, t, self.num_heads, self.head_dim)
     k = self.k_proj(x, keys[1]).reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -86,17 +87,14 @@ class Attention(nnx.Module):
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-    impl = self.attention_impl
-    if cache is not None:
-      k_cache, v_cache, start = cache
-      k = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=1)
-      v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=1)
-      impl = "xla"  # the mask over cache slots is not causal-from-zero
-    out = attention.attention(  # [B, T, N, H]
-      q, k, v, mask, self.scale, implementation=impl, softcap=self.softcap
-    )
+    if cache is None:
+      out = attention.attention(  # [B, T, N, H]
+        q, k, v, mask, self.scale, implementation=self.attention_impl, softcap=self.softcap
+      )
+    else:  # the decoder decides where keys are kept and which it attends to
+      out, cache = cache(q, k, v, self.scale, self.softcap)
     out = self.o_proj(out.reshape(b, t, -1), keys[3])
-    return out if cache is None else (out, (k, v))
+    return out if cache is None else (out, cache)
 
 
 class MLP(nnx.Module):
@@ -188,13 +186,12 @@ class Decoder(nnx.Module):
         rngs=rngs,
       )
 
-  def _per_layer(self):
+  def _per_layer(self) -> tuple[np.ndarray, np.ndarray]:
     """(window [L] int32, 0 = full attention; local [L] bool: uses the local rope)."""
     cfg = self.config
     sliding = np.array([t == SLIDING for t in cfg.layer_types] or [False] * cfg.num_layers)
     window = np.where(sliding, cfg.sliding_window or 0, 0).astype(np.int32)
-    local = sliding & (cfg.rope_local is not None)
-    return jnp.asarray(window), jnp.asarray(local)
+    return window, sliding & (cfg.rope_local is not None)
 
   def _embed(self, input_ids, positions):
     cfg = self.config
@@ -206,36 +203,30 @@ class Decoder(nnx.Module):
     local_cs = rope.cos_sin(positions, rope.inverse_frequencies(local, cfg.head_dim), self.dtype)
     return x, (cos, sin), local_cs
 
-  def _layers(self, x, rope_global, rope_local, mask, dropout_key=None, q_offset=0, cache=None):
-    """Run the stacked layers under scan; with ``cache`` (k, v of [L, B, S, K, H]) also
-    return the updated cache."""
+  def _layers(self, x, rope_global, rope_local, mask, dropout_key=None):
+    """Run the stacked layers under scan (training and plain forward)."""
     window, local = self._per_layer()
     n = self.config.num_layers
     layer_keys = None if dropout_key is None else jax.random.split(dropout_key, n)
     graphdef, state = nnx.split(self.layers)
 
     def step(x, xs):
-      layer_state, key, w, is_local, layer_cache = xs
+      layer_state, key, w, is_local = xs
       if self.activation_sharding is not None:
         x = jax.lax.with_sharding_constraint(x, self.activation_sharding)
-      layer_mask = attention.window_mask(mask, w, q_offset)
       c = jnp.where(is_local, rope_local[0], rope_global[0])
       s = jnp.where(is_local, rope_local[1], rope_global[1])
-      block = nnx.merge(graphdef, layer_state)
-      if layer_cache is None:
-        return block(x, c, s, layer_mask, key), None
-      return block(x, c, s, layer_mask, key, cache=(*layer_cache, q_offset))
+      layer_mask = attention.window_mask(mask, w)
+      return nnx.merge(graphdef, layer_state)(x, c, s, layer_mask, key), None
 
     if self.remat != "none":
       step = jax.checkpoint(step, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-    xs = (state, layer_keys, window, local, cache)
+    xs = (state, layer_keys, jnp.asarray(window), jnp.asarray(local))
     if self.scan_layers:
-      return jax.lax.scan(step, x, xs)
-    outs = []
+      return jax.lax.scan(step, x, xs)[0]
     for i in range(n):
-      x, out = step(x, jax.tree.map(lambda a, i=i: a[i], xs))
-      outs.append(out)
-    return x, (None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *outs))
+      x, _ = step(x, jax.tree.map(lambda a, i=i: a[i], xs))
+    return x
 
   def hidden_states(self, input_ids, positions=None, segment_ids=None, dropout_key=None):
     """Final-norm hidden states [B, T, D] in the compute dtype."""
@@ -246,28 +237,92 @@ class Decoder(nnx.Module):
       segment_ids = jnp.ones((b, t), jnp.int32)
     x, rope_global, rope_local = self._embed(input_ids, positions)
     mask = attention.make_mask(segment_ids)
-    x, _ = self._layers(x, rope_global, rope_local, mask, dropout_key)
-    return self.norm(x)
+    return self.norm(self._layers(x, rope_global, rope_local, mask, dropout_key))
 
-  def init_cache(self, batch: int, length: int):
-    """An empty KV cache: (k, v), each [L, B, length, K, H] in the compute dtype."""
+  def init_cache(self, batch: int, length: int) -> dict:
+    """An empty KV cache for ``length`` slots.
+
+    Full-attention layers keep every slot: {"global": (k, v)} of [Lg, B, length, K, H].
+    Sliding-window layers keep only their window, as a ring: {"local": (k, v)} of
+    [Ll, B, min(window, length), K, H]; slot a lives at ring index a % window.
+    """
     cfg = self.config
-    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
-    return jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
+    window, _ = self._per_layer()
+    n_local = int(np.sum(window > 0))
+    n_global = cfg.num_layers - n_local
+    ring = min(cfg.sliding_window or length, length)
 
-  def forward_cached(self, input_ids, positions, cache, start, key_valid):
-    """Logits of the last position [B, V] (float32) and the cache with this chunk written.
+    def zeros(n, slots):
+      shape = (n, batch, slots, cfg.num_kv_heads, cfg.head_dim)
+      return (jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)) if n else None
 
-    input_ids/positions [B, T] fill cache slots start .. start + T - 1; key_valid [B, S]
-    marks the slots that hold real tokens (left padding is not).
+    return {"global": zeros(n_global, length), "local": zeros(n_local, ring)}
+
+  def forward_cached(self, input_ids, positions, cache: dict, start, key_valid):
+    """Logits of the last position [B, V] (float32) and the cache with this chunk stored.
+
+    input_ids/positions [B, T] take cache slots start .. start + T - 1; key_valid [B, S]
+    marks the slots that hold real tokens (left padding does not).
     """
     t = input_ids.shape[1]
-    length = cache[0].shape[2]
     x, rope_global, rope_local = self._embed(input_ids, positions)
-    query_slot = start + jnp.arange(t)
-    causal = jnp.arange(length)[None, :] <= query_slot[:, None]  # [T, S]
-    mask = (key_valid[:, None, :] & causal[None])[:, None, None]  # [B, 1, 1, T, S]
-    x, cache = self._layers(x, rope_global, rope_local, mask, q_offset=start, cache=cache)
+    window, local = self._per_layer()
+    is_sliding = window > 0
+    type_index = jnp.asarray(
+      np.where(is_sliding, np.cumsum(is_sliding) - 1, np.cumsum(~is_sliding) - 1), jnp.int32
+    )
+    q_slot = start + jnp.arange(t)  # [T]
+
+    def attend_global(cache, i, q, k, v, scale, softcap):
+      ks, vs = cache["global"]
+      k_all = jax.lax.dynamic_update_slice_in_dim(ks[i], k.astype(ks.dtype), start, axis=1)
+      v_all = jax.lax.dynamic_update_slice_in_dim(vs[i], v.astype(vs.dtype), start, axis=1)
+      slots = jnp.arange(k_all.shape[1])
+      mask = key_valid[:, None, :] & (slots[None, None, :] <= q_slot[None, :, None])
+      out = attention.attention(q, k_all, v_all, mask[:, None, None], scale, softcap=softcap)
+      return out, {**cache, "global": (ks.at[i].set(k_all), vs.at[i].set(v_all))}
+
+    def attend_local(cache, i, q, k, v, scale, softcap):
+      ks, vs = cache["local"]
+      ring = ks.shape[2]
+      # Slot held by each ring entry before this chunk (negative: never written).
+      held = start - 1 - jnp.mod(start - 1 - jnp.arange(ring), ring)
+      slots = jnp.concatenate([held, q_slot])  # [ring + T]
+      k_all = jnp.concatenate([ks[i], k.astype(ks.dtype)], axis=1)
+      v_all = jnp.concatenate([vs[i], v.astype(vs.dtype)], axis=1)
+      valid = (slots >= 0)[None, :] & jnp.take(key_valid, jnp.maximum(slots, 0), axis=1)
+      distance = q_slot[:, None] - slots[None, :]
+      mask = valid[:, None, :] & ((distance >= 0) & (distance < ring))[None]
+      out = attention.attention(q, k_all, v_all, mask[:, None, None], scale, softcap=softcap)
+      keep = min(t, ring)  # only the newest `ring` keys survive
+      where = jnp.mod(start + t - keep + jnp.arange(keep), ring)
+      new_k = ks[i].at[:, where].set(k[:, t - keep :].astype(ks.dtype))
+      new_v = vs[i].at[:, where].set(v[:, t - keep :].astype(vs.dtype))
+      return out, {**cache, "local": (ks.at[i].set(new_k), vs.at[i].set(new_v))}
+
+    graphdef, state = nnx.split(self.layers)
+
+    def step(carry, xs):
+      x, cache = carry
+      layer_state, sliding, i, is_local = xs
+      c = jnp.where(is_local, rope_local[0], rope_global[0])
+      s = jnp.where(is_local, rope_local[1], rope_global[1])
+      block = nnx.merge(graphdef, layer_state)
+
+      def run(attend):
+        return block(x, c, s, None, None, cache=functools.partial(attend, cache, i))
+
+      if cache["local"] is None:
+        x, cache = run(attend_global)
+      elif cache["global"] is None:
+        x, cache = run(attend_local)
+      else:
+        x, cache = jax.lax.cond(sliding, lambda: run(attend_local), lambda: run(attend_global))
+      return (x, cache), None
+
+    (x, cache), _ = jax.lax.scan(
+      step, (x, cache), (state, jnp.asarray(is_sliding), type_index, jnp.asarray(local))
+    )
     logits = self.logits_from_hidden(self.norm(x[:, -1:]))
     return logits[:, -1].astype(jnp.float32), cache
 
