@@ -67,3 +67,25 @@ def torch_logits(model, ids: np.ndarray) -> np.ndarray:
 def max_rel_err(got, want) -> float:
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def copy_dequantized_into(model, hf) -> int:
+  """Write jaxtune's dequantized NF4 weights into the matching torch Linears of ``hf``.
+
+  Asserts quantization changed each weight (so the copy matters); returns how many it copied.
+  """
+  import jaxtune
+
+  modules = dict(hf.named_modules())
+  count = 0
+  for path, linear in jaxtune.lora.iter_linears(model):
+    if not linear.quantized:
+      continue
+    for layer in range(linear.codes.shape[0]):
+      w = np.array(linear.dense_weight(np.float32, layer))
+      name = "model." + ".".join(path).replace("layers.", f"layers.{layer}.", 1)
+      with torch.no_grad():
+        assert not np.array_equal(modules[name].weight.numpy(), w)
+        modules[name].weight.copy_(torch.from_numpy(w))
+      count += 1
+  return count

@@ -9,12 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import max_rel_err, torch_logits
+from conftest import copy_dequantized_into, max_rel_err, torch_logits
 
 import jaxtune
-from jaxtune import nf4, trainer
+from jaxtune import trainer
 from jaxtune.data import Dataset
-from jaxtune.lora import iter_linears
 from jaxtune.run_config import RunConfig
 
 COMMON = dict(
@@ -120,21 +119,7 @@ def test_the_family_switches_are_really_on(family_dir):
 def test_nf4_matches_transformers_on_dequantized_weights(family_dir, family):
   path, hf = family_dir(family, seed=1)
   model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32")
-  modules = dict(hf.named_modules())
-  for path_, linear in iter_linears(model):
-    if not linear.quantized:
-      continue
-    for layer in range(linear.codes.shape[0]):
-      w = nf4.dequantize_linear(
-        linear.codes[layer],
-        linear.absmax[layer],
-        linear.nested_absmax[layer],
-        linear.offset[layer],
-        jnp.float32,
-      )
-      name = "model." + ".".join(path_).replace("layers.", f"layers.{layer}.", 1)
-      with torch.no_grad():
-        modules[name].weight.copy_(torch.from_numpy(np.array(w)))
+  assert copy_dequantized_into(model, hf) == 7 * 4
   ids = _ids(1)
   assert max_rel_err(model(jnp.asarray(ids)), torch_logits(hf, ids)) <= 1e-5
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import max_rel_err, torch_logits
+from conftest import copy_dequantized_into, max_rel_err, torch_logits
 from flax import nnx
 
 import jaxtune
@@ -88,25 +88,7 @@ def test_nf4_logits_match_transformers_on_dequantized_weights(hf_llama_dir):
   model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32")
   # Put jaxtune's dequantized weights (bit-identical to bitsandbytes', see test_nf4) into the
   # torch model, then both must compute the same function.
-  modules = dict(hf.named_modules())
-  count = 0
-  for path_, linear in jaxtune.lora.iter_linears(model):
-    if not linear.quantized:
-      continue
-    for layer in range(linear.codes.shape[0]):
-      w = nf4.dequantize_linear(
-        linear.codes[layer],
-        linear.absmax[layer],
-        linear.nested_absmax[layer],
-        linear.offset[layer],
-        jnp.float32,
-      )
-      name = "model." + ".".join(path_).replace("layers.", f"layers.{layer}.", 1)
-      with torch.no_grad():
-        original = modules[name].weight.numpy().copy()
-        modules[name].weight.copy_(torch.from_numpy(np.asarray(w)))
-      assert not np.array_equal(original, np.asarray(w))  # quantization did change it
-      count += 1
+  count = copy_dequantized_into(model, hf)
   assert count == 7 * 3
   ids = _ids(seed=3)
   assert max_rel_err(model(jnp.asarray(ids)), torch_logits(hf, ids)) <= 1e-5
