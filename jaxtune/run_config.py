@@ -46,6 +46,7 @@ class RunConfig:
     "down_proj",
   )
   rslora: bool = False
+  skip_nonfinite: bool = False  # skip (count) steps with NaN/inf/zero loss instead of stopping
   remat: str = "full"  # none | full | dots | dots_no_batch
   attention: str | None = None  # xla | fused; None: fused on GPU, xla elsewhere
   # Output

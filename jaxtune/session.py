@@ -161,9 +161,12 @@ def run_training(run: RunConfig, resume: bool = False) -> Path:
     f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s)"
   )
   ckpts = checkpoint.Checkpoints(ckpt_dir, keep=run.keep_checkpoints)
-  model, _ = trainer.train(
-    model, dataset, run, mesh if mesh.size > 1 else None, ckpts, eval_dataset, sample_fn
-  )
+  try:
+    model, _ = trainer.train(
+      model, dataset, run, mesh if mesh.size > 1 else None, ckpts, eval_dataset, sample_fn
+    )
+  except trainer.TrainingError as e:
+    raise UserError(f"{e} Checkpoints saved before it are in {ckpt_dir}.") from e
   if run.export:
     export_dir = out / "export"
     if run.export == "merged":

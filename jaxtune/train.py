@@ -37,6 +37,8 @@ _HELP = {
   "lora_dropout": "dropout on the LoRA input",
   "lora_targets": "comma-separated projections, HF names (q_proj,...,down_proj)",
   "rslora": "rank-stabilised LoRA scaling",
+  "skip_nonfinite": "skip steps whose loss is NaN, inf or exactly 0 (counted in metrics) "
+  "instead of stopping the run",
   "remat": "activation checkpointing per layer: none, full, dots, dots_no_batch",
   "attention": "xla or fused (jax.nn.dot_product_attention: cuDNN on GPU, exact for one "
   "document per row, which is all jaxtune's data makes today); unset: fused on GPU",

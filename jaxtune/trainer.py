@@ -5,7 +5,6 @@ key); the adapters and optimizer state are donated so their buffers are updated 
 Everything with side effects (logging, checkpoints, progress) lives in ``train`` around it.
 """
 
-import math
 import time
 from pathlib import Path
 
@@ -51,9 +50,17 @@ def loss_sums(graphdef, lora, frozen, batch, key):
   return jnp.sum(ce * mask), jnp.sum(mask)
 
 
-def make_train_step(graphdef, tx, data_sharding=None):
+class TrainingError(RuntimeError):
+  """The run cannot go on (a non-finite or exactly-zero loss); the message says why."""
+
+
+def make_train_step(graphdef, tx, skip_bad: bool = False):
   def train_step(lora, opt_state, frozen, batch, key):
-    """batch leaves are [accum, micro, T]; the loss is normalised over all of them."""
+    """batch leaves are [accum, micro, T]; the loss is normalised over all of them.
+
+    With ``skip_bad``, a step whose loss is NaN, infinite or exactly 0 leaves the adapters
+    and optimizer state as they were.
+    """
 
     def micro(carry, xs):
       grads, loss_sum, count = carry
@@ -73,16 +80,34 @@ def make_train_step(graphdef, tx, data_sharding=None):
     )
     denom = jnp.maximum(count, 1).astype(jnp.float32)
     grads = jax.tree.map(lambda g: g / denom, grads)
-    updates, opt_state = tx.update(grads, opt_state, lora)
-    lora = optax.apply_updates(lora, updates)
-    metrics = {
-      "loss": loss_sum / denom,
-      "grad_norm": optax.global_norm(grads),
-      "tokens": count,
-    }
-    return lora, opt_state, metrics
+    updates, new_opt_state = tx.update(grads, opt_state, lora)
+    new_lora = optax.apply_updates(lora, updates)
+    loss, grad_norm = loss_sum / denom, optax.global_norm(grads)
+    good = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (loss != 0)
+    if skip_bad:
+      keep = lambda new, old: jnp.where(good, new, old)  # noqa: E731
+      new_lora = jax.tree.map(keep, new_lora, lora)
+      new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "good": good}
+    return new_lora, new_opt_state, metrics
 
   return jax.jit(train_step, donate_argnums=(0, 1))
+
+
+def _bad_loss_message(loss: float, step: int) -> str:
+  if loss == 0.0:
+    cause = (
+      "no token of the batch carries a label (all masked: check --train-on-prompt and the "
+      "chat roles) or the adapters have collapsed"
+    )
+  else:
+    cause = (
+      "an overflow (lower --learning-rate, or use --dtype float32 where bfloat16/float16 overflows)"
+    )
+  return (
+    f"the loss is {loss} at step {step}, most likely {cause}; pass --skip-nonfinite to skip "
+    "such steps instead of stopping."
+  )
 
 
 def place(model, mesh: Mesh | None):
@@ -165,7 +190,8 @@ def train(
       lora, opt_state = jax.device_put((lora, opt_state), target)
       if mesh is not None:
         key = jax.device_put(key, NamedSharding(mesh, PartitionSpec()))
-  step_fn = make_train_step(graphdef, tx)
+  step_fn = make_train_step(graphdef, tx, skip_bad=run.skip_nonfinite)
+  skipped = 0
   eval_step = make_eval_step(graphdef) if eval_dataset is not None else None
   shard = batch_sharding(mesh)
   eval_shard = None if mesh is None else NamedSharding(mesh, PartitionSpec("data", None))
@@ -188,10 +214,12 @@ def train(
         "tokens": int(m["tokens"]),
         "tokens_per_s": int(np.prod(host["input_ids"].shape)) / dt,
       }
-      if not math.isfinite(loss):
-        raise FloatingPointError(
-          f"loss became {loss} at step {step + 1}; lower --learning-rate or check the data."
-        )
+      if not bool(m["good"]):
+        if not run.skip_nonfinite:
+          raise TrainingError(_bad_loss_message(loss, step + 1))
+        skipped += 1
+      if run.skip_nonfinite:
+        row["skipped_steps"] = skipped
       history.append(row)
       last = step + 1 == run.steps
       if (step + 1) % run.log_every == 0 or last:
@@ -205,6 +233,6 @@ def train(
         checkpoints.save(step + 1, lora, opt_state, key)
   finally:
     log.close()
-  if checkpoints is not None:
-    checkpoints.wait()
+    if checkpoints is not None:
+      checkpoints.wait()  # a save in flight completes even when the run stops early
   return nnx.merge(graphdef, lora, frozen), history

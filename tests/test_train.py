@@ -281,3 +281,74 @@ def test_kill_and_resume_reproduces_losses(tmp_path):
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   np.testing.assert_allclose(_metrics(cut), _metrics(full), rtol=1e-6)
   assert len(_metrics(full)) == 12
+
+
+def _tiny_model(hf_llama_dir):
+  path, _ = _tiny_dir(hf_llama_dir)
+  return jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float32"), rank=4)
+
+
+def test_zero_loss_stops_or_is_skipped(hf_llama_dir, tmp_path):
+  masked = _dataset()
+  masked.labels[:] = data.IGNORE
+  run = RunConfig(out=str(tmp_path), steps=3, batch_size=4, dtype="float32", lora_rank=4)
+  with pytest.raises(trainer.TrainingError, match="loss is 0.0 at step 1, most likely no token"):
+    trainer.train(_tiny_model(hf_llama_dir), masked, run, None)
+  model = _tiny_model(hf_llama_dir)
+  before = np.asarray(model.layers.self_attn.q_proj.lora_a[...])
+  model, history = trainer.train(model, masked, run.replace(skip_nonfinite=True), None)
+  assert [h["skipped_steps"] for h in history] == [1, 2, 3]
+  np.testing.assert_array_equal(np.asarray(model.layers.self_attn.q_proj.lora_a[...]), before)
+
+
+def test_overflow_stops_or_is_skipped(hf_llama_dir, tmp_path):
+  run = RunConfig(
+    out=str(tmp_path),
+    steps=6,
+    batch_size=4,
+    dtype="float32",
+    lora_rank=4,
+    learning_rate=1e30,
+    warmup_steps=0,
+    max_grad_norm=1e30,
+    schedule="constant",
+  )
+  with pytest.raises(trainer.TrainingError, match="most likely an overflow"):
+    trainer.train(_tiny_model(hf_llama_dir), _dataset(), run, None)
+  model, history = trainer.train(
+    _tiny_model(hf_llama_dir), _dataset(), run.replace(skip_nonfinite=True), None
+  )
+  assert history[-1]["skipped_steps"] > 0
+  assert all(
+    np.isfinite(np.asarray(x)).all()
+    for x in jax.tree.leaves(jaxtune.lora.nnx.state(model, jaxtune.lora.nnx.LoRAParam))
+  )
+
+
+def test_overflow_from_the_cli_is_one_sentence(tmp_path):
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "jaxtune.train",
+      "--out",
+      str(tmp_path / "r"),
+      "--steps",
+      "6",
+      "--learning-rate",
+      "1e30",
+      "--warmup-steps",
+      "0",
+      "--schedule",
+      "constant",
+      "--max-grad-norm",
+      "1e30",
+      "--export",
+      "none",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert proc.returncode == 2
+  assert "pass --skip-nonfinite" in proc.stderr and "Traceback" not in proc.stderr
