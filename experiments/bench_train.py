@@ -120,11 +120,12 @@ def check_attention(model, seq: int) -> None:
   q = jax.random.normal(keys[0], (1, seq, cfg.num_heads, cfg.head_dim), jnp.float32)
   k = jax.random.normal(keys[1], (1, seq, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
   v = jax.random.normal(keys[2], (1, seq, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
-  mask = attention.make_mask(jnp.ones((1, seq), jnp.int32))
+  seg = jnp.ones((1, seq), jnp.int32)
   scale = cfg.head_dim**-0.5
-  ref = np.asarray(attention.attention(q, k, v, mask, scale, "xla"))
+  ref = np.asarray(attention.attention(q, k, v, segment_ids=seg, scale=scale))
   bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
-  got = np.asarray(attention.attention(*bf, mask, scale, "fused").astype(jnp.float32))
+  got = attention.attention(*bf, segment_ids=seg, scale=scale, implementation="fused")
+  got = np.asarray(got.astype(jnp.float32))
   err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
   print(f"attention check: fused (bf16) vs xla (fp32), relative L2 error {err:.2e}", flush=True)
   assert err < 1e-2, err

@@ -32,15 +32,29 @@ def default_implementation() -> str:
   return "fused" if jax.default_backend() == "gpu" else "xla"
 
 
-def attention(q, k, v, mask, scale: float, implementation: str = "xla", softcap=None):
-  """q [B, T, N, H], k/v [B, S, K, H] with N a multiple of K -> [B, T, N, H].
+def attention(
+  q,
+  k,
+  v,
+  *,
+  segment_ids,
+  scale: float,
+  window=0,
+  softcap=None,
+  implementation: str = "xla",
+):
+  """Causal self-attention within documents. q [B, T, N, H], k/v [B, T, K, H] -> [B, T, N, H].
 
-  ``mask`` [B, 1, 1, T, S] is only read by "xla"; ``softcap`` (Gemma 2) needs "xla".
+  N is a multiple of K (GQA/MQA). ``segment_ids`` [B, T] int: tokens attend only within their
+  segment (0 = padding). ``window`` (int or traced scalar, 0 = none): keys fewer than that many
+  positions back. ``softcap``: cap * tanh(scores / cap) (Gemma 2). "fused" reads neither
+  segments, window nor softcap (the caller checks it may use it).
   """
   if implementation == "fused":
     impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=impl)
-  return _xla_attention(q, k, v, mask, scale, softcap)
+  mask = window_mask(make_mask(segment_ids), window)
+  return masked_attention(q, k, v, mask, scale, softcap)
 
 
 def window_mask(mask: jax.Array, window: jax.Array) -> jax.Array:
@@ -50,7 +64,8 @@ def window_mask(mask: jax.Array, window: jax.Array) -> jax.Array:
   return mask & ((window == 0) | (distance < window))
 
 
-def _xla_attention(q, k, v, mask, scale, softcap):
+def masked_attention(q, k, v, mask, scale, softcap=None):
+  """Attention under an explicit boolean ``mask`` [B, 1, 1, T, S] (the KV-cache path)."""
   b, t, n, h = q.shape
   kv = k.shape[2]
   q = q.reshape(b, t, kv, n // kv, h)  # [B, T, K, G, H]

@@ -63,9 +63,9 @@ def test_fused_attention_equals_xla_for_one_document_per_row():
   v = jnp.asarray(rng.standard_normal((b, t, kv, h)), jnp.float32)
   seg = np.ones((b, t), np.int32)
   seg[1, 17:] = 0  # right padding
-  mask = attention.make_mask(jnp.asarray(seg))
-  xla = attention.attention(q, k, v, mask, 0.25, "xla")
-  fused = attention.attention(q, k, v, mask, 0.25, "fused")
-  real = seg.astype(bool)  # outputs at padding positions are never used
+  seg = jnp.asarray(seg)
+  xla = attention.attention(q, k, v, segment_ids=seg, scale=0.25, implementation="xla")
+  fused = attention.attention(q, k, v, segment_ids=seg, scale=0.25, implementation="fused")
+  real = np.asarray(seg).astype(bool)  # outputs at padding positions are never used
   np.testing.assert_allclose(np.asarray(fused)[real], np.asarray(xla)[real], rtol=1e-5, atol=1e-5)
   assert jax.default_backend() == "cpu"

@@ -77,7 +77,7 @@ class Attention(nnx.Module):
     self.scale = cfg.attention_scale
     self.softcap = cfg.attn_logit_softcap
 
-  def __call__(self, x, cos, sin, mask, keys, cache=None):
+  def __call__(self, x, cos, sin, segment_ids, window, keys, cache=None):
     """With ``cache``, a function (q, k, v, scale, softcap) -> (out, new cache) that stores
     this chunk's keys and attends over the cached ones, returns (out, new cache)."""
     b, t, _ = x.shape
@@ -89,7 +89,14 @@ class Attention(nnx.Module):
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
     if cache is None:
       out = attention.attention(  # [B, T, N, H]
-        q, k, v, mask, self.scale, implementation=self.attention_impl, softcap=self.softcap
+        q,
+        k,
+        v,
+        segment_ids=segment_ids,
+        scale=self.scale,
+        window=window,
+        softcap=self.softcap,
+        implementation=self.attention_impl,
       )
     else:  # the decoder decides where keys are kept and which it attends to
       out, cache = cache(q, k, v, self.scale, self.softcap)
@@ -135,12 +142,12 @@ class Block(nnx.Module):
       self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
     self.mlp = MLP(cfg, quantized=quantized, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x, cos, sin, mask, key, cache=None):
+  def __call__(self, x, cos, sin, segment_ids, window, key, cache=None):
     """The layer's output; with a KV ``cache`` (see Attention), (output, new cache)."""
     keys = [None] * len(PROJECTIONS)
     if key is not None:
       keys = [jax.random.fold_in(key, i) for i in range(len(PROJECTIONS))]
-    h = self.self_attn(self.input_layernorm(x), cos, sin, mask, keys, cache)
+    h = self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, window, keys, cache)
     h, new_cache = (h, None) if cache is None else h
     if self.pre_feedforward_layernorm is None:
       x = x + h
@@ -203,7 +210,7 @@ class Decoder(nnx.Module):
     local_cs = rope.cos_sin(positions, rope.inverse_frequencies(local, cfg.head_dim), self.dtype)
     return x, (cos, sin), local_cs
 
-  def _layers(self, x, rope_global, rope_local, mask, dropout_key=None):
+  def _layers(self, x, rope_global, rope_local, segment_ids, dropout_key=None):
     """Run the stacked layers under scan (training and plain forward)."""
     window, local = self._per_layer()
     n = self.config.num_layers
@@ -216,8 +223,7 @@ class Decoder(nnx.Module):
         x = jax.lax.with_sharding_constraint(x, self.activation_sharding)
       c = jnp.where(is_local, rope_local[0], rope_global[0])
       s = jnp.where(is_local, rope_local[1], rope_global[1])
-      layer_mask = attention.window_mask(mask, w)
-      return nnx.merge(graphdef, layer_state)(x, c, s, layer_mask, key), None
+      return nnx.merge(graphdef, layer_state)(x, c, s, segment_ids, w, key), None
 
     if self.remat != "none":
       step = jax.checkpoint(step, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
@@ -236,8 +242,7 @@ class Decoder(nnx.Module):
     if segment_ids is None:
       segment_ids = jnp.ones((b, t), jnp.int32)
     x, rope_global, rope_local = self._embed(input_ids, positions)
-    mask = attention.make_mask(segment_ids)
-    return self.norm(self._layers(x, rope_global, rope_local, mask, dropout_key))
+    return self.norm(self._layers(x, rope_global, rope_local, segment_ids, dropout_key))
 
   def init_cache(self, batch: int, length: int) -> dict:
     """An empty KV cache for ``length`` slots.
@@ -279,7 +284,7 @@ class Decoder(nnx.Module):
       v_all = jax.lax.dynamic_update_slice_in_dim(vs[i], v.astype(vs.dtype), start, axis=1)
       slots = jnp.arange(k_all.shape[1])
       mask = key_valid[:, None, :] & (slots[None, None, :] <= q_slot[None, :, None])
-      out = attention.attention(q, k_all, v_all, mask[:, None, None], scale, softcap=softcap)
+      out = attention.masked_attention(q, k_all, v_all, mask[:, None, None], scale, softcap)
       return out, {**cache, "global": (ks.at[i].set(k_all), vs.at[i].set(v_all))}
 
     def attend_local(cache, i, q, k, v, scale, softcap):
@@ -293,7 +298,7 @@ class Decoder(nnx.Module):
       valid = (slots >= 0)[None, :] & jnp.take(key_valid, jnp.maximum(slots, 0), axis=1)
       distance = q_slot[:, None] - slots[None, :]
       mask = valid[:, None, :] & ((distance >= 0) & (distance < ring))[None]
-      out = attention.attention(q, k_all, v_all, mask[:, None, None], scale, softcap=softcap)
+      out = attention.masked_attention(q, k_all, v_all, mask[:, None, None], scale, softcap)
       keep = min(t, ring)  # only the newest `ring` keys survive
       where = jnp.mod(start + t - keep + jnp.arange(keep), ring)
       new_k = ks[i].at[:, where].set(k[:, t - keep :].astype(ks.dtype))
@@ -310,7 +315,7 @@ class Decoder(nnx.Module):
       block = nnx.merge(graphdef, layer_state)
 
       def run(attend):
-        return block(x, c, s, None, None, cache=functools.partial(attend, cache, i))
+        return block(x, c, s, None, None, None, cache=functools.partial(attend, cache, i))
 
       if cache["local"] is None:
         x, cache = run(attend_global)
