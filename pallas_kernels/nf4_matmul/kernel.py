@@ -1,0 +1,300 @@
+"""NF4 dequant-matmul kernels for NVIDIA Hopper, in Pallas Mosaic GPU (``plgpu.kernel``).
+
+The dequantized weight never exists in device memory: tiles of 4-bit codes travel by TMA into
+shared memory, become bfloat16 in registers (a 16-entry table lookup, times the block's scale)
+and go straight into ``wgmma``.
+
+Forward, y = x @ W^T with W [N, K]: the kernel computes y^T = W x^T, W being the register
+operand of wgmma (64 rows of N per compute warpgroup) and x^T the shared-memory operand, so M
+(tokens) is wgmma's N dimension and may be as small as 8: one kernel serves decoding (M = 1,
+padded to 8) and training (tiles of up to 256 tokens). The output tile is stored transposed.
+
+Backward, dx = dy @ W: contraction over N, so W's tile is the shared-memory operand in its
+natural [N, K] orientation: each compute warpgroup dequantizes its columns of the tile into
+shared memory and multiplies dy's tile by it.
+
+Operands (made from the stored bitsandbytes layout by ``kernel_operands``):
+  w4      int4 [N, K]     bitsandbytes' bytes reinterpreted as JAX int4. bnb puts element 2j in
+                          a byte's high nibble, JAX's int4 in the low one; the "prmt" lookup
+                          reads the nibbles crosswise so nothing is moved in memory, the "select"
+                          lookup (plain jnp ops, runs in interpret mode) needs them swapped.
+  scales  bf16 [K/64, N]  absmax after double dequantization, one row per 64-wide k block.
+
+Lookups: "prmt" builds each pair of bfloat16 values with seven byte-permute instructions over
+the table held in immediates (inline PTX through ``plgpu.inline_mgpu``); "select" is a tree of
+15 selects. The table entries and scales are rounded to bfloat16 before their product, so a
+value can differ from bitsandbytes' bf16(code * absmax) by an ulp of bfloat16; the fallback
+path keeps bitsandbytes' exact values.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxtune import nf4
+from jaxtune.nf4_maps import NF4_CODE
+
+BLOCK_K = nf4.BLOCKSIZE  # one scale per 64 inputs: the natural k step
+WG_ROWS = 64  # rows of wgmma's register operand per warpgroup
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  block_m: int = 128  # tokens per tile (forward: wgmma N, 8..256; backward: wgmma M, x64)
+  block_n: int = 64  # backward: the contraction step over N
+  block_k_out: int = 64  # backward: output columns per compute warpgroup (multiple of 64)
+  compute_wgs: int = 2
+  max_concurrent_steps: int = 4
+  # Forward: dequantized tiles go to wgmma from registers (fastest), or through shared memory
+  # (what Mosaic GPU's interpreter supports, so the path the CPU tests run).
+  a_from_smem: bool = False
+
+
+def kernel_operands(codes, absmax, nested_absmax, offset, *, swap_nibbles: bool):
+  """(w4 int4 [N, K], scales bf16 [K/64, N]) from the 2-D layout of ``jaxtune.nf4``."""
+  if swap_nibbles:
+    codes = (codes << 4) | (codes >> 4)
+  n, half = codes.shape
+  w4 = lax.bitcast_convert_type(codes, jnp.int4).reshape(n, 2 * half)
+  scales = nf4.dequantize_absmax(absmax, nested_absmax, offset)  # [N, K/64] float32
+  return w4, scales.T.astype(jnp.bfloat16)
+
+
+def _bf16_bits(values: np.ndarray) -> np.ndarray:
+  return np.asarray(jnp.asarray(values, jnp.float32).astype(jnp.bfloat16)).view(np.uint16)
+
+
+def _table_words() -> tuple[list[int], list[int]]:
+  """The NF4 table as bfloat16 bytes: 4 words of low bytes, 4 of high bytes (4 entries each)."""
+  bits = _bf16_bits(NF4_CODE).astype(np.uint32)
+  lo = [int(sum((bits[4 * w + i] & 0xFF) << (8 * i) for i in range(4))) for w in range(4)]
+  hi = [int(sum((bits[4 * w + i] >> 8) << (8 * i) for i in range(4))) for w in range(4)]
+  return lo, hi
+
+
+def _lookup_select(w):
+  """int4 codes (nibbles already in JAX order) -> bfloat16 NF4 levels, with jnp ops."""
+  c = w.astype(jnp.int32) & 15
+  vals = [jnp.float32(v) for v in NF4_CODE]
+  for bit in range(4):
+    b = (c & (1 << bit)) != 0
+    vals = [jnp.where(b, vals[2 * j + 1], vals[2 * j]) for j in range(len(vals) // 2)]
+  return vals[0].astype(jnp.bfloat16)
+
+
+def _lookup_prmt(w):
+  """int4 codes as bitsandbytes packs them -> bfloat16 NF4 levels, via byte permutes."""
+  from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only exists where Mosaic GPU lowers)
+  from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
+  from jax.experimental import mosaic as _  # noqa: F401, PLC0415
+  from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
+
+  lo, hi = _table_words()
+  # Per register: one byte, two codes; c_lo = low nibble (bnb's odd element), c_hi = high.
+  # sel picks entry (c & 7) of a 4-word half-table per byte; blend picks the half by bit 3;
+  # the last permute lays out [L(c_hi), H(c_hi), L(c_lo), H(c_lo)]: element 2j first.
+  asm = f"""{{
+  .reg .b32 sel, blend, a, b, l, h;
+  and.b32 sel, $1, 0x77;
+  and.b32 blend, $1, 0x88;
+  shr.u32 blend, blend, 1;
+  or.b32 blend, blend, 0x3210;
+  prmt.b32 a, {lo[0]}, {lo[1]}, sel;
+  prmt.b32 b, {lo[2]}, {lo[3]}, sel;
+  prmt.b32 l, a, b, blend;
+  prmt.b32 a, {hi[0]}, {hi[1]}, sel;
+  prmt.b32 b, {hi[2]}, {hi[3]}, sel;
+  prmt.b32 h, a, b, blend;
+  prmt.b32 $0, l, h, 0x4051;
+  }}"""
+
+  @plgpu.inline_mgpu(
+    arg_types=(plgpu.Layout.WGMMA,),
+    return_type=plgpu.ShapeDtypeStruct(w.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+  )
+  def lookup(ctx, codes):
+    del ctx
+    i8 = ir.IntegerType.get_signless(8)
+    i32 = ir.IntegerType.get_signless(32)
+    pair = ir.VectorType.get((2,), ir.BF16Type.get())
+    regs = np.empty_like(codes.registers)
+    for idx, reg in np.ndenumerate(codes.registers):
+      byte = mgpu.utils.bitcast(reg, i8)
+      word = llvm.inline_asm(i32, [arith.extui(i32, byte)], asm, "=r,r")
+      regs[idx] = mgpu.utils.bitcast(word, pair)
+    return mgpu.FragmentedArray(_registers=regs, _layout=codes.layout, _is_signed=None)
+
+  return lookup(w)
+
+
+def _dequant_tile(w_smem, s_smem, lookup: str):
+  """[64, 64] codes in SMEM and their [64] scales in SMEM -> bf16 tile in the WGMMA layout."""
+  w = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+  w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
+  w = _lookup_prmt(w) if lookup == "prmt" else _lookup_select(w)
+  s = plgpu.load(s_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
+  return w * lax.broadcast_in_dim(s, w.shape, [0])
+
+
+def _transforms(minor: int, dtype) -> tuple:
+  bits = jnp.dtype(dtype).itemsize * 8 if dtype != jnp.int4 else 4
+  swizzle = plgpu.find_swizzle(minor * bits)
+  return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+# Codes tiles are always tiled 64 wide, so that every [64, 64] sub-tile is whole.
+_CODE_TRANSFORMS = _transforms(BLOCK_K, jnp.int4)
+
+
+def forward(x, w4, scales, *, config: Config, lookup: str = "prmt", interpret=None):
+  """y [M, N] = x [M, K] @ dequant(w4, scales)^T; M a multiple of block_m, N of 64 * wgs."""
+  m, k = x.shape
+  n = w4.shape[0]
+  bm, wgs = config.block_m, config.compute_wgs
+  cta_n = WG_ROWS * wgs
+  if m % bm or n % cta_n or k % BLOCK_K:
+    raise ValueError(f"nf4 forward kernel: shape {(m, k, n)} does not tile by {(bm, 64, cta_n)}")
+
+  def body(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem):
+    m0 = lax.axis_index("m") * bm
+    n0 = lax.axis_index("n") * cta_n
+    wg = lax.axis_index("wg")
+    rows = pl.ds(wg * WG_ROWS, WG_ROWS)
+
+    def compute_context(run_pipeline):
+      @functools.partial(pl.run_scoped, acc=plgpu.ACC((WG_ROWS, bm), jnp.float32))
+      def _(acc):
+        run_pipeline(acc)
+        o_smem.at[wg][...] = acc[...].astype(o_smem.dtype)  # [64, bm]: a tile of y^T
+        plgpu.commit_smem()
+        out = o_gmem.at[pl.ds(n0 + wg * WG_ROWS, WG_ROWS), pl.ds(m0, bm)]
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], out)
+        plgpu.wait_smem_to_gmem(0)
+
+    def step(_, x_smem, w_smem, s_smem, acc):
+      w = _dequant_tile(w_smem.at[rows], s_smem.at[0, rows], lookup)
+      if config.a_from_smem:
+        a_smem.at[wg][...] = w
+        plgpu.commit_smem()
+        w = a_smem.at[wg]
+      plgpu.wgmma(acc, w, x_smem.T)  # [64, 64] @ [64, bm]
+      plgpu.wgmma_wait(0)
+      return acc
+
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+      step,
+      grid=(k // BLOCK_K,),
+      memory_registers=40,
+      in_specs=[
+        plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, i), transforms=_transforms(BLOCK_K, x.dtype)),
+        plgpu.BlockSpec((cta_n, BLOCK_K), lambda i: (0, i), transforms=_CODE_TRANSFORMS),
+        plgpu.BlockSpec((1, cta_n), lambda i: (i, 0)),
+      ],
+      wg_axis="wg",
+      num_compute_wgs=wgs,
+      max_concurrent_steps=config.max_concurrent_steps,
+      compute_context=compute_context,
+    )
+    pipeline(
+      x_gmem.at[pl.ds(m0, bm)],
+      w_gmem.at[pl.ds(n0, cta_n)],
+      s_gmem.at[:, pl.ds(n0, cta_n)],
+    )
+
+  out = plgpu.kernel(
+    body,
+    out_type=jax.ShapeDtypeStruct((n, m), x.dtype),
+    scratch_types=dict(
+      o_smem=plgpu.SMEM((wgs, WG_ROWS, bm), x.dtype, transforms=_transforms(bm, x.dtype)),
+      a_smem=plgpu.SMEM(
+        (wgs if config.a_from_smem else 1, WG_ROWS, BLOCK_K),
+        x.dtype,
+        transforms=_transforms(BLOCK_K, x.dtype),
+      ),
+    ),
+    grid=(n // cta_n, m // bm),
+    grid_names=("n", "m"),
+    num_threads=wgs + 1,
+    thread_name="wg",
+    interpret=interpret,
+  )(x, w4, scales)
+  return out.T
+
+
+def backward(dy, w4, scales, *, config: Config, lookup: str = "prmt", interpret=None):
+  """dx [M, K] = dy [M, N] @ dequant(w4, scales); M a multiple of block_m (x64), N of block_n,
+  K of block_k_out * wgs."""
+  m, n = dy.shape
+  k = w4.shape[1]
+  bm, bn, bko, wgs = config.block_m, config.block_n, config.block_k_out, config.compute_wgs
+  cta_k = bko * wgs
+  if m % bm or bm % 64 or n % bn or bn % 64 or k % cta_k or bko % BLOCK_K:
+    raise ValueError(f"nf4 backward kernel: shape {(m, n, k)} does not tile by {(bm, bn, cta_k)}")
+  sub = bko // BLOCK_K  # 64-wide scale blocks per warpgroup
+
+  def body(dy_gmem, w_gmem, s_gmem, o_gmem, wbf_smem, o_smem):
+    m0 = lax.axis_index("m") * bm
+    k0 = lax.axis_index("k") * cta_k
+    wg = lax.axis_index("wg")
+
+    def compute_context(run_pipeline):
+      @functools.partial(pl.run_scoped, acc=plgpu.ACC((bm, bko), jnp.float32))
+      def _(acc):
+        run_pipeline(acc)
+        o_smem.at[wg][...] = acc[...].astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[pl.ds(m0, bm), pl.ds(k0 + wg * bko, bko)])
+        plgpu.wait_smem_to_gmem(0)
+
+    def step(_, dy_smem, w_smem, s_smem, acc):
+      mine = wbf_smem.at[wg]
+      for j in range(sub):
+        for r in range(bn // WG_ROWS):
+          rows = pl.ds(r * WG_ROWS, WG_ROWS)
+          cols = pl.ds((wg * sub + j) * BLOCK_K, BLOCK_K)
+          tile = _dequant_tile(w_smem.at[rows, cols], s_smem.at[wg * sub + j, rows], lookup)
+          mine.at[rows, pl.ds(j * BLOCK_K, BLOCK_K)][...] = tile
+      plgpu.commit_smem()  # make the stores visible to the tensor cores
+      plgpu.wgmma(acc, dy_smem, mine)  # [bm, bn] @ [bn, bko]
+      plgpu.wgmma_wait(0)
+      return acc
+
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+      step,
+      grid=(n // bn,),
+      memory_registers=40,
+      in_specs=[
+        plgpu.BlockSpec((bm, bn), lambda i: (0, i), transforms=_transforms(bn, dy.dtype)),
+        plgpu.BlockSpec((bn, cta_k), lambda i: (i, 0), transforms=_CODE_TRANSFORMS),
+        plgpu.BlockSpec((cta_k // BLOCK_K, bn), lambda i: (0, i)),
+      ],
+      wg_axis="wg",
+      num_compute_wgs=wgs,
+      max_concurrent_steps=config.max_concurrent_steps,
+      compute_context=compute_context,
+    )
+    pipeline(
+      dy_gmem.at[pl.ds(m0, bm)],
+      w_gmem.at[:, pl.ds(k0, cta_k)],
+      s_gmem.at[pl.ds(k0 // BLOCK_K, cta_k // BLOCK_K)],
+    )
+
+  return plgpu.kernel(
+    body,
+    out_type=jax.ShapeDtypeStruct((m, k), dy.dtype),
+    scratch_types=dict(
+      wbf_smem=plgpu.SMEM((wgs, bn, bko), dy.dtype, transforms=_transforms(bko, dy.dtype)),
+      o_smem=plgpu.SMEM((wgs, bm, bko), dy.dtype, transforms=_transforms(bko, dy.dtype)),
+    ),
+    grid=(k // cta_k, m // bm),
+    grid_names=("k", "m"),
+    num_threads=wgs + 1,
+    thread_name="wg",
+    interpret=interpret,
+  )(dy, w4, scales)

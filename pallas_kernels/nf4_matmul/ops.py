@@ -1,0 +1,102 @@
+"""y = x @ dequant(W)^T as a differentiable op (gradient for x only: W is frozen).
+
+Dispatch: the Mosaic GPU kernels on Hopper (``pallas_kernels._gpu.on_hopper``) for bfloat16
+inputs whose shapes tile; XLA's dequantize-then-dot anywhere else. ``impl`` forces one:
+"kernel", "xla", or "interpret" (the kernels under Mosaic GPU's CPU interpreter, with the
+lookup and data path the interpreter supports; what the tests run).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _gpu
+from pallas_kernels.nf4_matmul import kernel, reference
+
+IMPLS = ("kernel", "xla", "interpret")
+
+
+def _block_m(m: int) -> int:
+  for bm in (16, 32, 64):
+    if m <= bm:
+      return bm
+  return 128
+
+
+def _forward_config(m: int, n: int, interpret: bool) -> kernel.Config | None:
+  wgs = 2 if n % (2 * kernel.WG_ROWS) == 0 else 1
+  if n % (wgs * kernel.WG_ROWS):
+    return None
+  return kernel.Config(block_m=_block_m(m), compute_wgs=wgs, a_from_smem=interpret)
+
+
+def _backward_config(m: int, n: int, k: int) -> kernel.Config | None:
+  bn = 128 if n % 128 == 0 else 64
+  wgs = 2 if k % 128 == 0 else 1
+  if n % bn or k % (64 * wgs):
+    return None
+  bm = 64 if m <= 64 else 128
+  return kernel.Config(block_m=bm, block_n=bn, block_k_out=64, compute_wgs=wgs)
+
+
+def _pad_rows(a: jax.Array, multiple: int) -> jax.Array:
+  pad = -a.shape[0] % multiple
+  return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
+
+
+def _kernel_args(impl: str):
+  interpret = impl == "interpret"
+  lookup = "select" if interpret else "prmt"
+  return dict(lookup=lookup, interpret=_gpu.interpret_params() if interpret else None)
+
+
+def _fwd_impl(impl, x2, weights):
+  m, _ = x2.shape
+  n = weights[0].shape[0]
+  cfg = _forward_config(m, n, impl == "interpret")
+  if impl == "xla" or cfg is None or x2.dtype != jnp.bfloat16:
+    return reference.dequantize_then_dot(x2, *weights)
+  kw = _kernel_args(impl)
+  w4, scales = kernel.kernel_operands(*weights, swap_nibbles=kw["lookup"] == "select")
+  y = kernel.forward(_pad_rows(x2, cfg.block_m), w4, scales, config=cfg, **kw)
+  return y[:m]
+
+
+def _bwd_impl(impl, dy2, weights):
+  m, n = dy2.shape
+  k = 2 * weights[0].shape[1]
+  cfg = _backward_config(m, n, k)
+  if impl == "xla" or cfg is None or dy2.dtype != jnp.bfloat16:
+    return reference.dequantize_then_dot_t(dy2, *weights)
+  kw = _kernel_args(impl)
+  w4, scales = kernel.kernel_operands(*weights, swap_nibbles=kw["lookup"] == "select")
+  return kernel.backward(_pad_rows(dy2, cfg.block_m), w4, scales, config=cfg, **kw)[:m]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _nf4_matmul(impl, x2, codes, absmax, nested_absmax, offset):
+  return _fwd_impl(impl, x2, (codes, absmax, nested_absmax, offset))
+
+
+def _vjp_fwd(impl, x2, codes, absmax, nested_absmax, offset):
+  weights = (codes, absmax, nested_absmax, offset)
+  return _fwd_impl(impl, x2, weights), weights
+
+
+def _vjp_bwd(impl, weights, dy2):
+  return (_bwd_impl(impl, dy2, weights), None, None, None, None)
+
+
+_nf4_matmul.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+def nf4_matmul(x, codes, absmax, nested_absmax, offset, *, impl: str | None = None):
+  """x [..., K] @ dequant(W)^T -> [..., N]; W [N, K] in the 2-D layout of ``jaxtune.nf4``."""
+  if impl is None:
+    impl = "kernel" if _gpu.on_hopper() else "xla"
+  if impl not in IMPLS:
+    raise ValueError(f"nf4_matmul impl must be one of {', '.join(IMPLS)}, got {impl!r}.")
+  lead = x.shape[:-1]
+  y = _nf4_matmul(impl, x.reshape(-1, x.shape[-1]), codes, absmax, nested_absmax, offset)
+  return y.reshape(*lead, y.shape[-1])
