@@ -1,0 +1,132 @@
+"""Flash attention with a custom VJP, and the dispatcher between its implementations.
+
+"mosaic":    the Hopper kernels of kernel.py (forward saves the output and log-sum-exp only;
+             the backward recomputes the probabilities block by block).
+"interpret": the same kernels in Mosaic GPU's CPU interpreter (tests).
+"cudnn":     jax.nn.dot_product_attention's cuDNN kernel; no segments, softcap or traced window.
+"xla":       reference.py under XLA autodiff ([T, T] scores: small shapes only).
+Left unset: "mosaic" on Hopper; elsewhere "cudnn" on an NVIDIA GPU when the options allow it,
+else "xla".
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _gpu
+from pallas_kernels.flash_attention import kernel, reference
+
+IMPLEMENTATIONS = ("mosaic", "interpret", "cudnn", "xla")
+
+
+def flash_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  segment_ids: jax.Array | None = None,
+  causal: bool = True,
+  window: int | jax.Array = 0,
+  softcap: float | None = None,
+  scale: float | None = None,
+  implementation: str | None = None,
+  blocks: kernel.Blocks | None = None,
+) -> jax.Array:
+  """Softmax attention. q [B, T, N, H], k/v [B, T, K, H] with N a multiple of K -> [B, T, N, H].
+
+  segment_ids [B, T] int: tokens see only keys of their own id. window (int or traced int32
+  scalar): keys fewer than ``window`` positions back (0: no limit). softcap: scores become
+  cap * tanh(s / cap). scale: default 1/sqrt(H).
+  """
+  b, t, n, h = q.shape
+  if k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != h or n % k.shape[2]:
+    raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}: want [B,T,N,H], [B,T,K,H], K | N")
+  scale = h**-0.5 if scale is None else float(scale)
+  softcap = None if softcap is None else float(softcap)
+  static_window = _static_int(window)
+  if implementation is None:
+    implementation = default_implementation(
+      segmented=segment_ids is not None, softcap=softcap, static_window=static_window
+    )
+  if implementation == "xla":
+    return reference.attention(
+      q, k, v, segment_ids=segment_ids, causal=causal, window=window, softcap=softcap,
+      scale=scale,
+    )  # fmt: skip
+  if implementation == "cudnn":
+    if segment_ids is not None or softcap is not None or static_window is None:
+      raise ValueError("cudnn attention takes neither segment ids, softcap nor a traced window.")
+    local = (static_window - 1, 0 if causal else t) if static_window > 0 else None
+    return jax.nn.dot_product_attention(
+      q, k, v, scale=scale, is_causal=causal, local_window_size=local, implementation="cudnn"
+    )
+  if implementation not in ("mosaic", "interpret"):
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
+  if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+    raise ValueError(f"the kernel takes bf16 or f16 q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}.")
+  if h % 64 or h > 256:
+    raise ValueError(f"the kernel takes head_dim 64, 128, 192 or 256; got {h}.")
+
+  blocks = blocks or kernel.Blocks.for_head_dim(h)
+  opts = kernel.Options(
+    seq_len=t,
+    scale=scale,
+    causal=causal,
+    softcap=softcap,
+    windowed=static_window != 0,
+    segmented=segment_ids is not None,
+  )
+  interpret = _gpu.interpret_params() if implementation == "interpret" else None
+  pad = -t % blocks.multiple
+  if segment_ids is None:
+    seg = jnp.zeros((1, 16), jnp.int32)  # never read
+  else:
+    seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
+  win = jnp.asarray(window, jnp.int32).reshape(1)
+  rows = ((0, 0), (0, pad), (0, 0), (0, 0))
+  out = _flash(
+    jnp.pad(q, rows), jnp.pad(k, rows), jnp.pad(v, rows), seg, win, opts, blocks, interpret
+  )
+  return out[:, :t]
+
+
+def default_implementation(*, segmented=False, softcap=None, static_window=0) -> str:
+  if _gpu.on_hopper():
+    return "mosaic"
+  cudnn_ok = not segmented and softcap is None and static_window is not None
+  if jax.default_backend() == "gpu" and cudnn_ok:
+    return "cudnn"
+  return "xla"
+
+
+def _static_int(x):
+  """The Python int behind ``x``, or None when it is traced."""
+  try:
+    return int(x)
+  except (jax.errors.ConcretizationTypeError, TypeError):
+    return None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _flash(q, k, v, seg, win, opts, blocks, interpret):
+  out, _ = kernel.forward(q, k, v, seg, win, opts, blocks, interpret)
+  return out
+
+
+def _flash_fwd(q, k, v, seg, win, opts, blocks, interpret):
+  out, lse = kernel.forward(q, k, v, seg, win, opts, blocks, interpret)
+  return out, (q, k, v, seg, win, out, lse)
+
+
+def _flash_bwd(opts, blocks, interpret, res, do):
+  q, k, v, seg, win, out, lse = res
+  do = do.astype(q.dtype)
+  delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
+  args = (q, k, v, do, lse, delta, seg, win, opts, blocks, interpret)
+  dq = kernel.backward_dq(*args)
+  dk, dv = kernel.backward_dkv(*args)
+  return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
