@@ -2,7 +2,7 @@
 
 "8"                          data=8
 "2x4"                        data=2, tensor=4
-"2x2x2"                      data=2, tensor=2, pipe=2
+"2x2x2"                      data=2, tensor=2, pipe=2 (pipeline stages: see pipeline.py)
 "data=2,tensor=4"            explicit (``pipeline`` is accepted for ``pipe``)
 """
 
@@ -11,6 +11,8 @@ import math
 import jax
 import numpy as np
 from jax.sharding import Mesh
+
+from jaxtune import pipeline
 
 AXES = ("data", "tensor", "pipe")
 
@@ -63,18 +65,20 @@ def make_mesh(spec: str | None, devices=None) -> Mesh:
       f"--mesh {spec} multiplies to {product} devices but JAX sees {len(devices)}; "
       f"the product must equal {len(devices)} (or limit the devices, e.g. CUDA_VISIBLE_DEVICES)."
     )
-  if sizes["pipe"] != 1:
-    raise MeshError(
-      "pipeline parallelism (pipe > 1) is not available yet; use data and tensor axes, "
-      "e.g. --mesh 2x4."
-    )
   grid = np.array(devices).reshape(sizes["data"], sizes["tensor"], sizes["pipe"])
   return Mesh(grid, AXES)
 
 
-def check_model_fits(mesh: Mesh, num_heads: int, num_kv_heads: int, global_batch: int) -> None:
-  """Divisibility the tensor and data axes need, checked before any compute."""
+def check_model_fits(
+  mesh: Mesh, num_heads: int, num_kv_heads: int, global_batch: int, num_layers: int | None = None
+) -> None:
+  """Divisibility the tensor, data and pipe axes need, checked before any compute."""
   tp, dp = mesh.shape["tensor"], mesh.shape["data"]
+  if num_layers is not None:
+    try:
+      pipeline.check_stages(num_layers, mesh.shape["pipe"])
+    except ValueError as e:
+      raise MeshError(str(e)) from None
   if num_heads % tp or num_kv_heads % tp:
     raise MeshError(
       f"tensor={tp} does not divide the model's {num_heads} attention heads and "

@@ -3,15 +3,22 @@
 Parameters carry logical names (``axes`` metadata, see layers.py). Tensor parallelism is
 Megatron-style: the column-parallel projections (q/k/v/gate/up) split their output features
 over ``tensor``, the row-parallel ones (o/down) their input features, so each block needs one
-all-reduce after attention and one after the MLP. The batch is split over ``data``.
+all-reduce after attention and one after the MLP. The batch is split over ``data``. The
+stacked ``layers`` axis is split over ``pipe`` into equal contiguous stages (pipeline.py).
+
+With ``shard_frozen`` the frozen NF4 weights are split over ``data`` as well (FSDP-style,
+``FROZEN_RULES``): each data shard stores 1/data of them and the decoder gathers one layer at
+a time inside its scan (``gathered``), trading an all-gather per layer for memory.
 """
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxtune import nf4, pipeline
+
 # logical axis -> mesh axis (None: replicated).
 RULES: dict[str, str | None] = {
-  "layers": None,
+  "layers": "pipe",
   "embed": None,
   "heads": "tensor",
   "kv_heads": "tensor",
@@ -19,31 +26,79 @@ RULES: dict[str, str | None] = {
   "vocab": "tensor",
   "batch": "data",
 }
+# Added for frozen NF4 storage with shard_frozen: the hidden dimension of every projection,
+# the one tensor parallelism leaves whole.
+FROZEN_RULES: dict[str, str] = {"embed": "data"}
 
 
-def spec_for(axes: tuple, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
-  """PartitionSpec of an array with logical ``axes``; an axis that does not divide stays whole."""
+def spec_for(
+  axes: tuple, shape: tuple[int, ...], mesh, *, shard_frozen: bool = False
+) -> PartitionSpec:
+  """PartitionSpec of an array with logical ``axes``; an axis that does not divide stays whole.
+
+  The stacked ``layers`` axis is the exception: pipeline stages must be equal, so a layer
+  count that the ``pipe`` size does not divide raises ValueError.
+  """
   spec = []
   for name, dim in zip(axes, shape, strict=True):
     mesh_axis = RULES.get(name) if name else None
-    if mesh_axis is not None and (mesh.shape[mesh_axis] == 1 or dim % mesh.shape[mesh_axis]):
+    if shard_frozen and mesh_axis is None and name in FROZEN_RULES:
+      mesh_axis = FROZEN_RULES[name]
+      shard_frozen = False  # one dimension is enough
+    size = mesh.shape.get(mesh_axis, 1) if mesh_axis else 1
+    if name == "layers" and size > 1:
+      pipeline.check_stages(dim, size)
+    if size == 1 or dim % size:
       mesh_axis = None
     spec.append(mesh_axis)
   return PartitionSpec(*spec)
 
 
-def sharding_for(axes: tuple, shape: tuple[int, ...], mesh: Mesh | None):
+def sharding_for(axes: tuple, shape: tuple[int, ...], mesh: Mesh | None, shard_frozen=False):
   if mesh is None:
     return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return NamedSharding(mesh, spec_for(axes, shape, mesh))
+  return NamedSharding(mesh, spec_for(axes, shape, mesh, shard_frozen=shard_frozen))
 
 
-def state_shardings(state, mesh: Mesh | None):
-  """A pytree of shardings matching an ``nnx.State`` whose Variables carry ``axes``."""
+def _axes(variable, value) -> tuple:
+  return tuple(variable.get_metadata().get("axes") or (None,) * value.ndim)
+
+
+def state_shardings(state, mesh: Mesh | None, shard_frozen: bool = False):
+  """A pytree of shardings matching an ``nnx.State`` whose Variables carry ``axes``.
+
+  ``shard_frozen``: also split NF4 storage over ``data`` (see FROZEN_RULES).
+  """
 
   def one(variable):
     value = variable.get_value()
-    axes = variable.get_metadata().get("axes") or (None,) * value.ndim
-    return sharding_for(tuple(axes), value.shape, mesh)
+    fsdp = shard_frozen and isinstance(variable, nf4.NF4Storage)
+    return sharding_for(_axes(variable, value), value.shape, mesh, shard_frozen=fsdp)
 
   return jax.tree.map(one, state, is_leaf=lambda x: hasattr(x, "get_metadata"))
+
+
+def gathered(layer_state, mesh):
+  """One layer's state (a slice inside the layer scan) with its NF4 storage constrained to
+  the layout it has without ``shard_frozen``: the per-layer all-gather of FSDP.
+
+  A no-op for weights that were never split over ``data``. ``mesh`` may be the abstract mesh
+  inside a ``shard_map``.
+  """
+
+  def one(variable):
+    if not isinstance(variable, nf4.NF4Storage):
+      return variable
+    value = variable.get_value()
+    spec = spec_for(_axes(variable, value)[1:], value.shape, mesh)  # [1:]: no layers axis
+    return variable.replace(jax.lax.with_sharding_constraint(value, NamedSharding(mesh, spec)))
+
+  return jax.tree.map(one, layer_state, is_leaf=lambda x: isinstance(x, nf4.nnx.Variable))
+
+
+def after_pipeline(mesh: Mesh, batch: int) -> NamedSharding:
+  """The residual stream [B, T, D] leaving the pipeline, which every stage then holds: its
+  batch split over ``pipe`` as well as ``data``, so that the final norm, the logits and the
+  loss run once rather than on every stage (replicated over ``pipe`` if B does not split)."""
+  rows = ("data", "pipe") if batch % (mesh.shape["data"] * mesh.shape["pipe"]) == 0 else "data"
+  return NamedSharding(mesh, PartitionSpec(rows))

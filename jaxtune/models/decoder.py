@@ -16,8 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding
 
-from jaxtune import attention, rope
+from jaxtune import attention, pipeline, rope, sharding
 from jaxtune.config import SLIDING, ModelConfig
 from jaxtune.layers import Embed, Linear, RMSNorm
 
@@ -38,6 +40,14 @@ REMAT_POLICIES = {
   "full": jax.checkpoint_policies.nothing_saveable,
   "dots": jax.checkpoint_policies.checkpoint_dots,
   "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  # As "full", but each layer's input (the residual stream the backward pass restarts from)
+  # waits in pinned host memory instead of on the device.
+  "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[],
+    names_which_can_be_offloaded=["layer_input"],
+    offload_src="device",
+    offload_dst="pinned_host",
+  ),
 }
 
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
@@ -174,6 +184,7 @@ class Decoder(nnx.Module):
     self.quantized = quantized
     self.remat = "none"  # a key of REMAT_POLICIES; the trainer sets it
     self.scan_layers = True
+    self.pipeline_microbatches = 0  # 0: one per sequence of a data shard (pipeline.py)
     # Sharding of the residual stream [B, T, D], constrained at each block boundary.
     self.activation_sharding = None
     self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=param_dtype, rngs=rngs)
@@ -210,29 +221,58 @@ class Decoder(nnx.Module):
     local_cs = rope.cos_sin(positions, rope.inverse_frequencies(local, cfg.head_dim), self.dtype)
     return x, (cos, sin), local_cs
 
+  def _mesh(self):
+    """The training mesh, known from the residual-stream sharding the trainer sets."""
+    return getattr(self.activation_sharding, "mesh", None)
+
   def _layers(self, x, rope_global, rope_local, segment_ids, dropout_key=None):
-    """Run the stacked layers under scan (training and plain forward)."""
+    """Run the stacked layers under scan (training and plain forward); pipelined over the
+    mesh's ``pipe`` axis when it has one (pipeline.py)."""
     window, local = self._per_layer()
     n = self.config.num_layers
     layer_keys = None if dropout_key is None else jax.random.split(dropout_key, n)
     graphdef, state = nnx.split(self.layers)
+    mesh = self._mesh()
+    act_spec = None if mesh is None else self.activation_sharding.spec
 
-    def step(x, xs):
+    def step(x, xs, side):
       layer_state, key, w, is_local = xs
-      if self.activation_sharding is not None:
-        x = jax.lax.with_sharding_constraint(x, self.activation_sharding)
-      c = jnp.where(is_local, rope_local[0], rope_global[0])
-      s = jnp.where(is_local, rope_local[1], rope_global[1])
-      return nnx.merge(graphdef, layer_state)(x, c, s, segment_ids, w, key), None
+      (cos_g, sin_g), (cos_l, sin_l), seg = side
+      here = jax.sharding.get_abstract_mesh()  # inside the pipeline's shard_map: its mesh
+      here = mesh if here.empty else here
+      if mesh is not None:
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(here, act_spec))
+        layer_state = sharding.gathered(layer_state, here)
+      x = checkpoint_name(x, "layer_input")  # what remat="offload" keeps on the host
+      c = jnp.where(is_local, cos_l, cos_g)
+      s = jnp.where(is_local, sin_l, sin_g)
+      return nnx.merge(graphdef, layer_state)(x, c, s, seg, w, key)
 
     if self.remat != "none":
       step = jax.checkpoint(step, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+
+    def run(x, xs, side):
+      if self.scan_layers:
+        return jax.lax.scan(lambda x, xs: (step(x, xs, side), None), x, xs)[0]
+      for i in range(jax.tree.leaves(xs)[0].shape[0]):
+        x = step(x, jax.tree.map(lambda a, i=i: a[i], xs), side)
+      return x
+
     xs = (state, layer_keys, jnp.asarray(window), jnp.asarray(local))
-    if self.scan_layers:
-      return jax.lax.scan(step, x, xs)[0]
-    for i in range(n):
-      x, _ = step(x, jax.tree.map(lambda a, i=i: a[i], xs))
-    return x
+    side = (rope_global, rope_local, segment_ids)
+    if mesh is None or mesh.shape.get(pipeline.AXIS, 1) == 1:
+      return run(x, xs, side)
+
+    def stage(x, xs, side, j):
+      state, keys, w, is_local = xs
+      if keys is not None:  # each micro-batch its own dropout masks
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, j))(keys)
+      return run(x, (state, keys, w, is_local), side)
+
+    data = mesh.shape.get("data", 1)
+    m = pipeline.num_microbatches(max(1, x.shape[0] // data), self.pipeline_microbatches)
+    x = pipeline.gpipe(stage, xs, x, side, mesh=mesh, microbatches=m)
+    return jax.lax.with_sharding_constraint(x, sharding.after_pipeline(mesh, x.shape[0]))
 
   def hidden_states(self, input_ids, positions=None, segment_ids=None, dropout_key=None):
     """Final-norm hidden states [B, T, D] in the compute dtype."""
@@ -337,8 +377,19 @@ class Decoder(nnx.Module):
       return "xla"
     return attention.default_implementation()
 
-  def set_runtime(self, *, remat=None, attention_impl=None, activation_sharding=None):
-    """Runtime choices that change how, not what, the model computes."""
+  def set_runtime(
+    self, *, remat=None, attention_impl=None, activation_sharding=None, microbatches=None
+  ):
+    """Runtime choices that change how, not what, the model computes.
+
+    ``activation_sharding``: a NamedSharding of the residual stream [B, T, D] (or None); its
+    mesh is the one the model runs under, pipelined when that mesh has a ``pipe`` axis > 1.
+    ``microbatches``: pipeline micro-batches per step (0: one per sequence of a data shard).
+    """
+    if microbatches is not None:
+      if microbatches < 0:
+        raise ValueError(f"microbatches must be 0 (automatic) or positive, got {microbatches}.")
+      self.pipeline_microbatches = int(microbatches)
     if remat is not None:
       if remat not in REMAT_POLICIES:
         raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}.")

@@ -1,0 +1,226 @@
+"""Pipeline (pipe axis), sharded frozen weights and remat policies on 8 fake CPU devices.
+
+Each configuration must compute what one device computes: the loss and the LoRA gradients
+of one batch (tiny NF4 Llama, 8 layers, so pipe = 2, 4 and 8 all divide it), and the losses
+of a few real training steps through trainer.train, which needs no change for a pipeline.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+import jaxtune
+from converters.synthetic import write_random_checkpoint
+from jaxtune import data, pipeline, sharding, trainer
+from jaxtune import mesh as meshlib
+from jaxtune.models.decoder import REMAT_POLICIES, Decoder
+from jaxtune.run_config import RunConfig
+
+TINY = dict(
+  model_type="llama",
+  architectures=["LlamaForCausalLM"],
+  hidden_size=128,
+  intermediate_size=256,
+  num_hidden_layers=8,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=32,
+  vocab_size=256,
+  rms_norm_eps=1e-5,
+  rope_theta=10000.0,
+  max_position_embeddings=256,
+  hidden_act="silu",
+  tie_word_embeddings=False,
+)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+  return write_random_checkpoint(tmp_path_factory.mktemp("pipe") / "tiny", TINY, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def host_model(ckpt):
+  """(graphdef, lora, frozen) on one device; lora_b non-zero so both A and B get gradients."""
+  model = jaxtune.from_pretrained(ckpt, quantization="nf4", dtype="float32")
+  model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
+  for i, (_, linear) in enumerate(jaxtune.lora.iter_linears(model)):
+    if linear.lora_b is not None:
+      b = jax.random.normal(jax.random.key(i), linear.lora_b.shape, jnp.float32)
+      linear.lora_b[...] = 0.05 * b
+  return nnx.split(model, nnx.LoRAParam, ...)
+
+
+def _batch(b=8, t=16, seed=0):
+  ids = np.random.default_rng(seed).integers(0, 256, (b, t)).astype(np.int32)
+  labels = np.roll(ids, -1, axis=1)
+  labels[:, -1] = data.IGNORE
+  labels[: b // 2, : t // 3] = data.IGNORE
+  return {"input_ids": ids, "labels": labels, "segment_ids": np.ones_like(ids)}
+
+
+def _mesh(spec):
+  return meshlib.make_mesh(spec, jax.devices() if spec != "1" else jax.devices()[:1])
+
+
+def loss_and_grads(model_parts, spec, *, remat="full", shard_frozen=False, microbatches=0):
+  """(loss, LoRA gradients as numpy, frozen state as placed) of one batch under ``spec``."""
+  graphdef, lora, frozen = model_parts
+  model = nnx.merge(graphdef, lora, frozen)
+  mesh = _mesh(spec)
+  multi = mesh.size > 1
+  act = NamedSharding(mesh, PartitionSpec("data")) if multi else None
+  model.set_runtime(remat=remat, activation_sharding=act, microbatches=microbatches)
+  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  batch = _batch()
+  if multi:
+    lora = jax.device_put(lora, sharding.state_shardings(lora, mesh))
+    frozen = jax.device_put(frozen, sharding.state_shardings(frozen, mesh, shard_frozen))
+    batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))
+  grad_fn = jax.value_and_grad(trainer.loss_sums, argnums=1, has_aux=True)
+  (total, count), grads = jax.jit(grad_fn, static_argnums=0)(graphdef, lora, frozen, batch, None)
+  loss = float(total) / int(count)
+  return loss, [np.asarray(g) for g in jax.tree.leaves(grads)], frozen
+
+
+@pytest.fixture(scope="module")
+def single(host_model):
+  return loss_and_grads(host_model, "1")[:2]
+
+
+def _assert_same(got, want, what):
+  (loss, grads), (loss0, grads0) = got[:2], want
+  np.testing.assert_allclose(loss, loss0, rtol=1e-5, err_msg=what)
+  assert len(grads) == len(grads0) == 14  # A and B of 7 projections
+  for g, g0 in zip(grads, grads0, strict=True):
+    np.testing.assert_allclose(g, g0, rtol=1e-4, atol=1e-5 * np.abs(g0).max(), err_msg=what)
+
+
+@pytest.mark.parametrize("spec", ["2x2x2", "1x1x8", "1x2x4"])
+def test_pipeline_meshes_equal_single_device(host_model, single, spec):
+  got = loss_and_grads(host_model, spec)
+  _assert_same(got, single, spec)
+  frozen = got[2]
+  # Each stage holds only its own layers: the stacked axis is split over pipe.
+  codes = frozen["layers"]["mlp"]["up_proj"]["codes"][...]
+  assert codes.sharding.spec[0] == "pipe"
+
+
+@pytest.mark.parametrize("spec", ["2x2x2", "4x2"])
+def test_shard_frozen_equals_single_device(host_model, single, spec):
+  got = loss_and_grads(host_model, spec, shard_frozen=True)
+  _assert_same(got, single, spec)
+  codes = got[2]["layers"]["self_attn"]["q_proj"]["codes"][...]
+  assert "data" in codes.sharding.spec  # stored split over data, gathered per layer
+  sizes = _mesh(spec).shape  # [L, heads * head_dim, hidden / 2] over (pipe, tensor, data)
+  want = (8 // sizes["pipe"], 128 // sizes["tensor"], 64 // sizes["data"])
+  assert codes.addressable_shards[0].data.shape == want
+
+
+@pytest.mark.parametrize("policy", sorted(REMAT_POLICIES))
+def test_remat_policies_give_the_same_loss(host_model, single, policy):
+  _assert_same(loss_and_grads(host_model, "1", remat=policy), single, policy)
+
+
+def test_offload_keeps_layer_inputs_on_the_host_under_a_pipeline(host_model, single):
+  _assert_same(loss_and_grads(host_model, "2x2x2", remat="offload"), single, "offload 2x2x2")
+  graphdef, lora, frozen = host_model
+  model = nnx.merge(graphdef, lora, frozen)
+  model.set_runtime(remat="offload")
+  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  grad_fn = jax.grad(lambda lo: trainer.loss_sums(graphdef, lo, frozen, _batch(), None)[0])
+  jaxpr = str(jax.make_jaxpr(grad_fn)(lora))
+  # The layer scan's saved residual stream [L, B, T, D] lives in host memory.
+  assert "f32<host>[8,8,16,128]" in jaxpr
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_microbatch_counts(host_model, single, microbatches):
+  _assert_same(loss_and_grads(host_model, "2x2x2", microbatches=microbatches), single, "M")
+
+
+def test_microbatches_must_divide_the_shard_batch(host_model):
+  with pytest.raises(ValueError, match="3 pipeline micro-batches do not divide the 4 sequences"):
+    loss_and_grads(host_model, "2x2x2", microbatches=3)
+
+
+def test_indivisible_layers_give_one_sentence():
+  mesh = meshlib.make_mesh("data=2,pipe=4")
+  msg = "the model's 6 layers do not split into 4 equal pipeline stages; choose a pipe size"
+  with pytest.raises(ValueError, match=msg):
+    sharding.spec_for(("layers", "embed"), (6, 128), mesh)
+  with pytest.raises(meshlib.MeshError, match=msg):
+    meshlib.check_model_fits(mesh, 4, 2, 8, num_layers=6)
+  meshlib.check_model_fits(mesh, 4, 2, 8, num_layers=8)
+
+
+def test_bubble_fraction_and_plan():
+  assert pipeline.bubble_fraction(1, 4) == 0.0
+  assert pipeline.bubble_fraction(4, 8) == pytest.approx(3 / 11)
+  plan = pipeline.plan(meshlib.make_mesh("2x2x2"), num_layers=8, batch=16)
+  assert plan == (2, 4, 8, pytest.approx(1 / 9))
+  assert pipeline.plan(meshlib.make_mesh("2x2x2"), 8, 16, microbatches=2).bubble == 1 / 3
+  assert pipeline.plan(meshlib.make_mesh("2x4"), 8, 16).bubble == 0.0
+
+
+def test_sliding_window_layers_keep_their_windows_across_stages():
+  """Gemma 3's per-layer windows and local rope are scanned arrays; the stages get theirs."""
+  from transformers import Gemma3TextConfig
+
+  hf = Gemma3TextConfig(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=192,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    sliding_window=4,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+    rope_parameters={
+      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+      "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+    },
+  ).to_dict()
+  cfg = jaxtune.ModelConfig.from_hf(hf)
+  model = Decoder(cfg, quantized=False, rngs=nnx.Rngs(3))
+  ids = jnp.asarray(_batch()["input_ids"])
+  want = np.asarray(model(ids))
+  mesh = meshlib.make_mesh("2x1x4")
+  model.set_runtime(activation_sharding=NamedSharding(mesh, PartitionSpec("data")))
+  graphdef, state = nnx.split(model)
+  state = jax.device_put(state, sharding.state_shardings(state, mesh))
+  got = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, ids)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_trainer_trains_pipelined_as_on_one_device(ckpt, tmp_path):
+  """trainer.train, unchanged, under data x tensor x pipe: same losses step by step."""
+  ids = np.random.default_rng(1).integers(0, 256, (8, 16)).astype(np.int32)  # one batch
+  labels = np.roll(ids, -1, axis=1)
+  labels[:, -1] = data.IGNORE
+  dataset = data.Dataset(ids, labels, np.ones_like(ids))
+  run = RunConfig(
+    steps=3,
+    batch_size=8,
+    grad_accum=2,
+    learning_rate=1e-2,
+    warmup_steps=0,
+    dtype="float32",
+    lora_rank=4,
+    remat="full",
+  )
+  losses = {}
+  for spec in ("1", "2x2x2"):
+    mesh = _mesh(spec)
+    model = jaxtune.from_pretrained(ckpt, quantization="nf4", dtype="float32", mesh=mesh)
+    model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
+    (tmp_path / spec).mkdir()
+    out = run.replace(out=str(tmp_path / spec))
+    _, history = trainer.train(model, dataset, out, mesh if mesh.size > 1 else None)
+    losses[spec] = [h["loss"] for h in history]
+  assert losses["1"][-1] < losses["1"][0]
+  np.testing.assert_allclose(losses["2x2x2"], losses["1"], rtol=2e-5)
