@@ -214,6 +214,11 @@ def from_pretrained(
         f"tensor {name} in {file.name} is not part of a {cfg.model_type} model as its "
         "config.json describes it; the checkpoint and config do not belong together."
       )
+    if tensor is not None and not jnp.issubdtype(tensor.dtype, jnp.floating):
+      raise CheckpointError(
+        f"tensor {name} in {file.name} is stored as {tensor.dtype}, but model weights are "
+        "floating point; the file is corrupt or not a model checkpoint."
+      )
     if m.layer is not None and m.layer >= cfg.num_layers:
       raise CheckpointError(
         f"tensor {name} in {file.name} is for layer {m.layer}, but config.json says "

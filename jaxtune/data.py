@@ -51,12 +51,20 @@ class Dataset:
 
 
 def load_jsonl(path: str | Path, tokenizer, seq_len: int, train_on_prompt: bool = False):
+  if seq_len < 2:
+    raise DataError(f"--seq-len {seq_len} is too short; a sequence needs at least 2 tokens.")
   path = Path(path)
+  if path.is_dir():
+    raise DataError(f"data file {path} is a directory; pass a .jsonl file.")
   if not path.is_file():
     raise DataError(f"data file {path} does not exist; pass --data FILE.jsonl.")
   rows, labels = [], []
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, 1):
+  with open(path, "rb") as f:
+    for lineno, raw in enumerate(f, 1):
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError:
+        raise DataError(f"{path}:{lineno} is not UTF-8 text; save the file as UTF-8.") from None
       if not line.strip():
         continue
       try:
@@ -67,6 +75,7 @@ def load_jsonl(path: str | Path, tokenizer, seq_len: int, train_on_prompt: bool 
         ids = _encode_text(tokenizer, record["text"])
         lab = list(ids)
       elif isinstance(record, dict) and isinstance(record.get("messages"), list):
+        _check_messages(record["messages"], path, lineno)
         ids, lab = _encode_chat(tokenizer, record["messages"], train_on_prompt, path, lineno)
       else:
         raise DataError(
@@ -93,6 +102,26 @@ def load_jsonl(path: str | Path, tokenizer, seq_len: int, train_on_prompt: bool 
       "raise --seq-len, check the chat roles, or use --train-on-prompt."
     )
   return Dataset(input_ids, label_arr, segments)
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check_messages(messages: list, path: Path, lineno: int) -> None:
+  if not messages:
+    raise DataError(f'{path}:{lineno} has an empty "messages" list.')
+  for i, m in enumerate(messages, 1):
+    if not isinstance(m, dict) or "role" not in m or "content" not in m:
+      raise DataError(
+        f'{path}:{lineno}: message {i} must be an object with "role" and "content", got {m!r:.60}.'
+      )
+    if m["role"] not in ROLES:
+      raise DataError(
+        f"{path}:{lineno}: message {i} has the unknown role {m['role']!r}; "
+        f"use one of {', '.join(ROLES)}."
+      )
+    if not isinstance(m["content"], str):
+      raise DataError(f"{path}:{lineno}: message {i} has content that is not a string.")
 
 
 def _encode_text(tokenizer, text: str) -> list[int]:

@@ -1,10 +1,42 @@
 """Everything about a run (not the architecture): YAML file, overridden by command-line flags."""
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+
+class RunConfigError(ValueError):
+  """A run setting with a wrong name, type or value; the message names the setting."""
+
+
+CHOICES = {
+  "schedule": ("cosine", "linear", "constant"),
+  "quantization": ("nf4", None),
+  "dtype": ("bfloat16", "float32", "float16"),
+  "export": ("merged", "peft", "bnb4", None),
+}
+# Smallest allowed value of numeric settings (None: any value).
+MINIMUM = {
+  "steps": 1,
+  "learning_rate": 0.0,  # exclusive: must be > 0
+  "warmup_steps": 0,
+  "weight_decay": 0.0,
+  "max_grad_norm": 0.0,  # exclusive
+  "batch_size": 1,
+  "grad_accum": 1,
+  "seq_len": 2,
+  "eval_every": 0,
+  "lora_rank": 1,
+  "lora_alpha": 0.0,  # exclusive
+  "lora_dropout": 0.0,
+  "log_every": 1,
+  "save_every": 1,
+  "keep_checkpoints": 1,
+}
+EXCLUSIVE = {"learning_rate", "max_grad_norm", "lora_alpha"}
 
 
 @dataclasses.dataclass
@@ -32,7 +64,7 @@ class RunConfig:
   eval_prompts: str | None = None  # text file, one prompt per line, generated at each eval
   # Model and adapters
   quantization: str | None = "nf4"
-  dtype: str = "bfloat16"
+  dtype: str = "bfloat16"  # float16: dynamic loss scaling; chosen on GPUs without bfloat16
   lora_rank: int = 16
   lora_alpha: float = 16.0
   lora_dropout: float = 0.0
@@ -47,33 +79,121 @@ class RunConfig:
   )
   rslora: bool = False
   skip_nonfinite: bool = False  # skip (count) steps with NaN/inf/zero loss instead of stopping
-  remat: str = "full"  # none | full | dots | dots_no_batch
+  remat: str = "full"  # a policy of models/decoder.py: none | full | dots | dots_no_batch
   attention: str | None = None  # xla | fused; None: fused on GPU, xla elsewhere
   # Output
   log_every: int = 1
   save_every: int = 50
   keep_checkpoints: int = 2
-  export: str | None = "merged"  # merged | peft | none, written to OUT/export at the end
+  export: str | None = "merged"  # merged | peft | bnb4 | none, written to OUT/export at the end
 
   @classmethod
   def from_yaml(cls, path: str | Path) -> "RunConfig":
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    path = Path(path)
+    if not path.is_file():
+      raise RunConfigError(f"config file {path} does not exist.")
+    try:
+      data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+      mark = getattr(e, "problem_mark", None)
+      where = f" at line {mark.line + 1}" if mark is not None else ""
+      raise RunConfigError(f"{path} is not valid YAML{where}; fix the file.") from e
+    if data is None:
+      data = {}
     if not isinstance(data, dict):
-      raise ValueError(f"{path} must hold a mapping of run settings.")
+      raise RunConfigError(f"{path} must hold a mapping of run settings (name: value lines).")
     return cls().replace(**data)
 
   def replace(self, **changes: Any) -> "RunConfig":
     names = {f.name for f in dataclasses.fields(self)}
     unknown = sorted(set(changes) - names)
     if unknown:
-      raise ValueError(f"unknown run setting(s) {unknown}; valid ones: {sorted(names)}.")
+      raise RunConfigError(f"unknown run setting(s) {unknown}; valid ones: {sorted(names)}.")
     if "lora_targets" in changes and isinstance(changes["lora_targets"], str):
       changes["lora_targets"] = tuple(t.strip() for t in changes["lora_targets"].split(","))
-    elif "lora_targets" in changes:
+    elif "lora_targets" in changes and isinstance(changes["lora_targets"], list | tuple):
       changes["lora_targets"] = tuple(changes["lora_targets"])
     return dataclasses.replace(self, **changes)
+
+  def checked(self) -> "RunConfig":
+    """This config with numbers read from strings (YAML reads 1e-4 as text), or an error
+    naming the first setting of the wrong type or out of range."""
+    values = {}
+    for f in dataclasses.fields(self):
+      values[f.name] = _check(f.name, getattr(self, f.name), getattr(RunConfig, f.name, None))
+    return dataclasses.replace(self, **values)
 
   def to_yaml(self) -> str:
     data = dataclasses.asdict(self)
     data["lora_targets"] = list(self.lora_targets)
     return yaml.safe_dump(data, sort_keys=False)
+
+
+def _check(name: str, value: Any, default: Any) -> Any:
+  flag = "--" + name.replace("_", "-")
+  if name in ("quantization", "export") and value == "none":
+    value = None
+  choices = _choices(name)
+  if choices is not None:
+    if value not in choices:
+      shown = ", ".join("none" if c is None else c for c in choices)
+      raise RunConfigError(f"{flag} must be one of {shown}, got {value!r}.")
+    return value
+  if name == "lora_targets":
+    if not value or not all(isinstance(t, str) and t for t in value):
+      raise RunConfigError(
+        f"{flag} must name at least one projection, e.g. q_proj,v_proj, got {value!r}."
+      )
+    return tuple(value)
+  if isinstance(default, bool):
+    if not isinstance(value, bool):
+      raise RunConfigError(f"{name} must be true or false, got {value!r}.")
+    return value
+  if isinstance(default, int | float):
+    kind = type(default)
+    number = _number(value, kind)
+    if number is None:
+      noun = "a whole number" if kind is int else "a number"
+      raise RunConfigError(f"{flag} must be {noun}, got {value!r}.")
+    low = MINIMUM.get(name)
+    if low is not None and (number < low or (name in EXCLUSIVE and number <= low)):
+      bound = f"greater than {low}" if name in EXCLUSIVE else f"at least {low}"
+      raise RunConfigError(f"{flag} must be {bound}, got {number}.")
+    if name == "lora_dropout" and number >= 1:
+      raise RunConfigError(f"{flag} must be below 1, got {number}.")
+    return number
+  # Strings and paths (model, data, out, mesh, eval files); None where optional.
+  if value is None:
+    if default is not None:
+      raise RunConfigError(f"{flag} needs a value.")
+    return None
+  if isinstance(value, bool) or not isinstance(value, str | int):
+    raise RunConfigError(f"{flag} must be text, got {value!r}.")
+  return str(value)
+
+
+def _choices(name: str) -> tuple | None:
+  if name == "remat":
+    from jaxtune.models.decoder import REMAT_POLICIES
+
+    return tuple(REMAT_POLICIES)
+  if name == "attention":
+    from jaxtune.attention import IMPLEMENTATIONS
+
+    return (*IMPLEMENTATIONS, None)
+  return CHOICES.get(name)
+
+
+def _number(value: Any, kind: type) -> int | float | None:
+  if isinstance(value, bool):
+    return None
+  if isinstance(value, str):
+    try:
+      value = float(value) if kind is float else int(value.strip())
+    except ValueError:
+      return None
+  if kind is int:
+    return value if isinstance(value, int) else None
+  if not isinstance(value, int | float) or not math.isfinite(value):
+    return None
+  return float(value)
