@@ -1,57 +1,148 @@
-"""Orbax checkpoints of a run: adapters, optimizer state, RNG key and data position.
+"""Orbax checkpoints of a run: adapters, optimizer state (with the float16 loss scale), RNG key
+and data position.
 
-Orbax writes each step to a temporary directory and renames it when complete, so a run killed
-mid-save leaves the previous checkpoint intact; only the last ``keep`` steps are kept.
-The frozen base weights are never saved: they are re-read from the HF checkpoint.
+Orbax writes each step under a temporary name and renames it only when complete, so a run
+killed mid-save (or a disk that fills up) leaves the previous checkpoint intact; leftover
+temporary directories are removed when the next run opens the directory. Only the last
+``keep`` steps are kept. A checkpoint that cannot be read is reported and the one before it
+used. The frozen base weights are never saved: they are re-read from the HF checkpoint.
+
+With several processes every one of them calls ``save`` and ``restore_latest`` (orbax
+coordinates the collective write); the directory must be on storage all of them share.
 """
 
+import errno
+import sys
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 
+# What a corrupt or half-deleted checkpoint raises from orbax/tensorstore while reading.
+_READ_ERRORS = (ValueError, KeyError, OSError)
+
+
+class SaveError(RuntimeError):
+  """A checkpoint could not be written; the message says which one is intact."""
+
+
+class RestoreError(ValueError):
+  """No checkpoint can be resumed from; the message says why."""
+
+
+def _first_line(e: BaseException) -> str:
+  text = str(e).strip()
+  return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def _say(message: str) -> None:
+  if jax.process_index() == 0:
+    print(f"jaxtune: {message}", file=sys.stderr, flush=True)
+
 
 class Checkpoints:
-  def __init__(self, directory: str | Path, keep: int = 2):
+  def __init__(self, directory: str | Path, keep: int = 2, read_only: bool = False):
+    """``read_only``: for readers of a run (export, generate), which may run while it trains
+    and must not clean up its checkpoint in progress."""
     self.directory = Path(directory).absolute()
     self.manager = ocp.CheckpointManager(
       self.directory,
-      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+      item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+      options=ocp.CheckpointManagerOptions(
+        max_to_keep=None if read_only else keep,
+        save_interval_steps=0 if read_only else 1,
+        create=not read_only,
+        read_only=read_only,
+        # A save returns once the checkpoint is on disk: then a preempted run can exit at
+        # once, and a failed write surfaces here rather than on a background thread.
+        enable_async_checkpointing=False,
+        cleanup_tmp_directories=not read_only,
+      ),
     )
 
-  def save(self, step: int, lora, opt_state, key) -> None:
-    state = {"lora": lora, "opt_state": opt_state, "key": jax.random.key_data(key)}
+  def save(self, step: int, state: dict) -> None:
+    """Write ``state`` (a dict of pytrees; ``state["key"]`` a typed PRNG key) as ``step``."""
+    state = {**state, "key": jax.random.key_data(state["key"])}
     # The data position is the step: batches are a pure function of it (data.Dataset.batch).
     meta = {"step": step, "data_position": step}
-    self.manager.save(
-      step,
-      args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-    )
+    previous = self.manager.latest_step()
+    try:
+      self.manager.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+        force=True,
+      )
+    except (OSError, ValueError, RuntimeError) as e:
+      kept = f"checkpoint {previous} is intact" if previous is not None else "no earlier checkpoint"
+      full = getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
+      if full:
+        raise SaveError(
+          f"the disk is full: checkpoint {step} could not be written to {self.directory} "
+          f"and {kept}; free some space, then continue with --resume."
+        ) from e
+      raise SaveError(
+        f"checkpoint {step} could not be written to {self.directory} ({_first_line(e)}); {kept}."
+      ) from e
 
-  def wait(self) -> None:
-    self.manager.wait_until_finished()
+  def close(self) -> None:
+    self.manager.close()
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
-  def restore_latest(self, lora, opt_state):
-    """(lora, opt_state, step, key) from the newest checkpoint, or None when there is none."""
-    step = self.manager.latest_step()
-    if step is None:
+  def restore_latest(self, target: dict) -> tuple[dict, int] | None:
+    """(state, step) from the newest checkpoint that reads back, or None when there is none.
+
+    ``target`` is a state like ``save`` takes (arrays give shapes, dtypes and shardings).
+    A checkpoint that fails to read is reported and the one before it tried; one whose
+    arrays have other shapes than ``target`` raises RestoreError (a different model or LoRA).
+    """
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    if not steps:
       return None
-    key = jax.random.key(0)
-    target = {"lora": lora, "opt_state": opt_state, "key": jax.random.key_data(key)}
+    target = {**target, "key": jax.random.key_data(target["key"])}
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-    restored = self.manager.restore(
-      step,
-      args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-      ),
+    for i, step in enumerate(steps):
+      instead = f"using checkpoint {steps[i + 1]} instead" if i + 1 < len(steps) else ""
+      try:
+        saved = self.manager.item_metadata(step)["state"]
+        self._check_shapes(step, saved, abstract)
+        restored = self.manager.restore(
+          step,
+          args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+          ),
+        )
+      except RestoreError:
+        raise
+      except _READ_ERRORS as e:
+        _say(
+          f"checkpoint {step} in {self.directory} cannot be read ({_first_line(e)})"
+          + (f"; {instead}." if instead else ".")
+        )
+        continue
+      state = dict(restored["state"])
+      state["key"] = jax.random.wrap_key_data(state["key"])
+      return state, int(restored["meta"]["step"])
+    raise RestoreError(
+      f"none of the checkpoints in {self.directory} (steps {', '.join(map(str, steps))}) can be "
+      "read; start a new run with another --out."
     )
-    state = restored["state"]
-    return (
-      state["lora"],
-      state["opt_state"],
-      int(restored["meta"]["step"]),
-      jax.random.wrap_key_data(state["key"]),
-    )
+
+  def _check_shapes(self, step: int, saved, abstract: dict) -> None:
+    if saved is None or "lora" not in saved or "opt_state" not in saved:
+      raise KeyError(f"checkpoint {step} holds no adapters")
+    why = {
+      "lora": "adapters of other shapes than this run builds (a different model, --lora-rank "
+      "or --lora-targets)",
+      "opt_state": "optimizer state of another form than this run's (another --dtype: "
+      "float16 keeps a loss scale with it)",
+    }
+    for part in ("lora", "opt_state"):
+      want = sorted(tuple(x.shape) for x in jax.tree.leaves(abstract[part]))
+      have = sorted(tuple(x.shape) for x in jax.tree.leaves(saved[part]))
+      if want != have:
+        raise RestoreError(
+          f"checkpoint {step} in {self.directory} holds {why[part]}; resume with the settings "
+          "it was trained with, or start a new --out."
+        )
