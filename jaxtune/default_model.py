@@ -7,6 +7,8 @@ the converter, training and export path of a real checkpoint, offline.
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from converters.synthetic import write_random_checkpoint
@@ -46,17 +48,27 @@ def cache_dir() -> Path:
 
 
 def ensure_default_checkpoint(path: Path | None = None) -> Path:
-  """Write the default checkpoint once (seeded, so every machine gets the same one)."""
+  """Write the default checkpoint once (seeded, so every machine gets the same one).
+
+  Written under a temporary name and renamed when complete, so processes that start at the
+  same time (several processes of one run) never read a half-written checkpoint.
+  """
   path = Path(path or cache_dir())
   if (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file():
     return path
-  tmp = path.with_name(path.name + ".tmp")
-  tmp.mkdir(parents=True, exist_ok=True)
-  _write_tokenizer(tmp)
-  write_random_checkpoint(tmp, CONFIG, seed=0, dtype="float32")
-  if path.exists():  # another process finished first; theirs is identical (seeded)
-    return path
-  tmp.replace(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent))
+  try:
+    _write_tokenizer(tmp)
+    write_random_checkpoint(tmp, CONFIG, seed=0, dtype="float32")
+    try:
+      tmp.rename(path)
+    except OSError:
+      if not (path / "model.safetensors").is_file():  # not another process finishing first
+        raise
+  finally:
+    if tmp.exists():
+      shutil.rmtree(tmp)
   return path
 
 

@@ -12,7 +12,7 @@ import jax
 
 
 def device_memory_gib() -> float | None:
-  stats = jax.devices()[0].memory_stats() or {}
+  stats = jax.local_devices()[0].memory_stats() or {}
   peak = stats.get("peak_bytes_in_use")
   return None if peak is None else peak / 2**30
 

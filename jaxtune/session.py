@@ -1,6 +1,8 @@
 """One training run end to end: resolve inputs, load, shard, train, checkpoint, export.
 
 Kept apart from train.py (argument parsing) so tests and scripts can call it directly.
+Every input is checked before the model is loaded, and nothing is written to the run
+directory until the model has loaded, so a bad input leaves no half-made run behind.
 """
 
 import logging
@@ -12,13 +14,19 @@ from converters.hf_in import CheckpointError
 from jaxtune.config import ConfigError
 from jaxtune.data import DataError
 from jaxtune.mesh import MeshError
-from jaxtune.run_config import RunConfig
+from jaxtune.run_config import RunConfig, RunConfigError
 
 log = logging.getLogger("jaxtune")
 
 
 class UserError(Exception):
   """Anything the user can fix; its message is one sentence saying how."""
+
+
+def say(line: str) -> None:
+  """One line for the user, from process 0 only."""
+  if jax.process_index() == 0:
+    print(line, flush=True)
 
 
 def load_tokenizer(ckpt: Path):
@@ -30,10 +38,29 @@ def load_tokenizer(ckpt: Path):
     ) from e
   try:
     return AutoTokenizer.from_pretrained(str(ckpt))
-  except (OSError, ValueError) as e:
+  except (OSError, ValueError, TypeError) as e:
     raise UserError(
-      f"cannot load a tokenizer from {ckpt} ({e}); the checkpoint needs tokenizer files."
+      f"cannot load a tokenizer from {ckpt} ({type(e).__name__}); the checkpoint needs its "
+      "tokenizer files (tokenizer.json or tokenizer.model, tokenizer_config.json)."
     ) from e
+
+
+def compute_dtype(requested: str, devices) -> tuple[str, str | None]:
+  """(dtype to train in, a line saying why it differs from ``requested``, or None).
+
+  GPUs before compute capability 8.0 (V100, T4) have no bfloat16: train in float16 with
+  dynamic loss scaling there.
+  """
+  if requested != "bfloat16":
+    return requested, None
+  for d in devices:
+    cc = getattr(d, "compute_capability", None)
+    if d.platform == "gpu" and cc is not None and float(cc) < 8.0:
+      return "float16", (
+        f"jaxtune: {d.device_kind} (compute capability {cc}) has no bfloat16; "
+        "training in float16 with dynamic loss scaling."
+      )
+  return requested, None
 
 
 def build_model(run: RunConfig, model_path, mesh=None):
@@ -64,22 +91,34 @@ def load_trained(run_dir: Path, quantization=..., dtype: str | None = None):
   run_dir = Path(run_dir)
   if not (run_dir / "config.yaml").is_file():
     raise UserError(f"{run_dir} has no config.yaml; pass the --out directory of a training run.")
-  run = RunConfig.from_yaml(run_dir / "config.yaml")
+  try:
+    run = RunConfig.from_yaml(run_dir / "config.yaml").checked()
+  except RunConfigError as e:
+    raise UserError(f"{run_dir}/config.yaml: {e}") from e
+  # float16 runs keep their loss scale in the optimizer state: restore it in that form.
+  loss_scale = trainer.LossScale() if run.dtype == "float16" else None
   if quantization is not ...:
     run = run.replace(quantization=quantization)
   if dtype is not None:
     run = run.replace(dtype=dtype)
-  ckpts = checkpoint.Checkpoints(run_dir / "checkpoints", keep=run.keep_checkpoints)
-  if ckpts.latest_step() is None:
+  if not has_checkpoints(run_dir / "checkpoints"):
     raise UserError(f"{run_dir}/checkpoints holds no checkpoint; train first.")
   try:
     model = build_model(run, run.model)
   except (CheckpointError, ConfigError) as e:
     raise UserError(str(e)) from e
+  ckpts = checkpoint.Checkpoints(run_dir / "checkpoints", read_only=True)
   graphdef, lora, frozen = trainer.place(model, None)
   tx, _ = trainer.make_optimizer(run)
-  lora, _, step, _ = ckpts.restore_latest(lora, tx.init(lora))
-  return trainer.nnx.merge(graphdef, lora, frozen), step
+  opt_state = trainer.init_opt_state(tx, lora, loss_scale)
+  target = {"lora": lora, "opt_state": opt_state, "key": jax.random.key(0)}
+  try:
+    state, step = ckpts.restore_latest(target)
+  except checkpoint.RestoreError as e:
+    raise UserError(str(e)) from e
+  finally:
+    ckpts.close()
+  return trainer.nnx.merge(graphdef, state["lora"], frozen), step
 
 
 def load_run_model(run_dir, model_path, quantization, dtype):
@@ -120,16 +159,69 @@ def make_sample_fn(run: RunConfig, tokenizer):
   return sample
 
 
+def has_checkpoints(ckpt_dir: Path) -> bool:
+  """Whether a run's checkpoints/ holds a step (orbax names them by number)."""
+  return ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+
+
+# Settings a resumed run must share with the run that wrote the checkpoints.
+_RESUME_KEYS = ("model", "lora_rank", "lora_targets")
+
+
+def check_resume(run: RunConfig, out: Path, model_path: Path | None, resume: bool) -> None:
+  """--resume needs checkpoints; a new run must not write over them."""
+  ckpt_dir = out / "checkpoints"
+  has_ckpts = has_checkpoints(ckpt_dir)
+  if not resume:
+    if has_ckpts:
+      raise UserError(
+        f"{out} already holds checkpoints; pass --resume to continue, or a new --out."
+      )
+    return
+  if not has_ckpts:
+    raise UserError(f"--resume: {ckpt_dir} holds no checkpoint; start without --resume.")
+  saved_yaml = out / "config.yaml"
+  if not saved_yaml.is_file():
+    return
+  try:
+    saved = RunConfig.from_yaml(saved_yaml).checked()
+  except RunConfigError:
+    return  # the checkpoint's own shapes are checked when it is restored
+  now = run.replace(model=str(model_path))
+  for key in _RESUME_KEYS:
+    a, b = getattr(saved, key), getattr(now, key)
+    if key == "model":
+      a, b = str(Path(a).resolve()), str(Path(b).resolve())
+    if a != b:
+      shown = lambda v: ",".join(v) if isinstance(v, tuple) else v  # noqa: E731
+      raise UserError(
+        f"--resume: the checkpoints in {out} were trained with {key} {shown(a)}, not "
+        f"{shown(b)}; resume with the same {key}, or start a new --out."
+      )
+
+
+def check_targets(run: RunConfig, cfg) -> None:
+  known = (*cfg.linear_shapes(), "lm_head")
+  unknown = [t for t in run.lora_targets if t not in known]
+  if unknown:
+    which = "which is not a projection" if len(unknown) == 1 else "which are not projections"
+    raise UserError(
+      f"--lora-targets names {','.join(unknown)}, {which} of this {cfg.model_type}; "
+      f"choose from {','.join(known)}."
+    )
+
+
 def run_training(run: RunConfig, resume: bool = False) -> Path:
   import jaxtune
   from converters.hf_in import resolve_checkpoint
-  from jaxtune import checkpoint, data, default_model, trainer
+  from jaxtune import checkpoint, data, default_model, distributed, export, trainer
   from jaxtune import mesh as meshlib
 
+  try:
+    run = run.checked()
+  except RunConfigError as e:
+    raise UserError(str(e)) from e
   out = Path(run.out)
-  ckpt_dir = out / "checkpoints"
-  if ckpt_dir.exists() and any(ckpt_dir.iterdir()) and not resume:
-    raise UserError(f"{out} already holds checkpoints; pass --resume to continue, or a new --out.")
   if run.batch_size % run.grad_accum:
     raise UserError(
       f"--batch-size {run.batch_size} must be a multiple of --grad-accum {run.grad_accum}."
@@ -139,10 +231,17 @@ def run_training(run: RunConfig, resume: bool = False) -> Path:
     model_path = (
       resolve_checkpoint(run.model) if run.model else default_model.ensure_default_checkpoint()
     )
+    check_resume(run, out, model_path, resume)
     cfg = jaxtune.ModelConfig.from_hf(model_path)
     meshlib.check_model_fits(
       mesh, cfg.num_heads, cfg.num_kv_heads, run.batch_size // run.grad_accum
     )
+    if run.seq_len > cfg.max_position_embeddings:
+      raise UserError(
+        f"--seq-len {run.seq_len} is longer than the {cfg.max_position_embeddings} positions "
+        f"this {cfg.model_type} was trained for (max_position_embeddings); lower --seq-len."
+      )
+    check_targets(run, cfg)
     tokenizer = load_tokenizer(model_path)
     dataset = data.load_jsonl(
       run.data or default_model.DATASET, tokenizer, run.seq_len, run.train_on_prompt
@@ -151,27 +250,49 @@ def run_training(run: RunConfig, resume: bool = False) -> Path:
     if run.eval_data:
       eval_dataset = data.load_jsonl(run.eval_data, tokenizer, run.seq_len, run.train_on_prompt)
     sample_fn = make_sample_fn(run, tokenizer)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(run.replace(model=str(model_path)).to_yaml())
+    dtype, why = compute_dtype(run.dtype, jax.local_devices())
+    if why:
+      say(why)
+      run = run.replace(dtype=dtype)
     model = build_model(run, model_path, mesh)
   except (MeshError, CheckpointError, ConfigError, DataError, ValueError) as e:
     raise UserError(str(e)) from e
-  print(
+  if distributed.is_main():
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "config.yaml.tmp"
+    tmp.write_text(run.replace(model=str(model_path)).to_yaml())
+    tmp.replace(out / "config.yaml")
+  distributed.barrier("jaxtune run directory")
+  say(
     f"jaxtune: {cfg.model_type} {cfg.num_layers} layers, {len(dataset)} examples, "
     f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s)"
+    + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
   )
+  ckpt_dir = out / "checkpoints"
   ckpts = checkpoint.Checkpoints(ckpt_dir, keep=run.keep_checkpoints)
   try:
-    model, _ = trainer.train(
-      model, dataset, run, mesh if mesh.size > 1 else None, ckpts, eval_dataset, sample_fn
-    )
+    with trainer.StopSignals() as stop:
+      model, _ = trainer.train(
+        model,
+        dataset,
+        run,
+        mesh if mesh.size > 1 else None,
+        ckpts,
+        eval_dataset,
+        sample_fn,
+        stop=stop,
+      )
   except trainer.TrainingError as e:
-    raise UserError(f"{e} Checkpoints saved before it are in {ckpt_dir}.") from e
+    reason = str(e).rstrip(".")
+    raise UserError(f"{reason} (checkpoints saved before it are in {ckpt_dir}).") from e
+  except (checkpoint.SaveError, checkpoint.RestoreError) as e:
+    raise UserError(str(e)) from e
+  finally:
+    ckpts.close()
   if run.export:
-    export_dir = out / "export"
-    if run.export == "merged":
-      jaxtune.export_merged(model, export_dir)
-    else:
-      jaxtune.export_peft(model, export_dir)
-    print(f"jaxtune: exported {run.export} model to {export_dir}")
+    model = export.local_model(model, mesh)
+    if distributed.is_main():
+      export.write(model, run.export, out / "export", overwrite=True)
+      say(f"jaxtune: exported {run.export} model to {out / 'export'}")
+    distributed.barrier("jaxtune export")
   return out

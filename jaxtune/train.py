@@ -2,6 +2,10 @@
 
 With no --model and no --data it fine-tunes the built-in default (a small Llama written
 locally in HF format, on a bundled chat dataset) through the same path as a real run.
+
+Several processes (hosts) form one run when launched with JAXTUNE_COORDINATOR=host:port,
+JAXTUNE_NUM_PROCESSES and JAXTUNE_PROCESS_ID, or under srun (SLURM) or mpirun (Open MPI).
+SIGTERM or Ctrl-C saves a checkpoint after the current step, then exits; --resume continues.
 """
 
 import argparse
@@ -9,7 +13,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from jaxtune.run_config import RunConfig
+from jaxtune.run_config import RunConfig, RunConfigError
 
 _HELP = {
   "model": "HF checkpoint directory or Hub id (default: the built-in small Llama)",
@@ -31,7 +35,8 @@ _HELP = {
   "eval_every": "evaluate every N steps (0: only at the end)",
   "eval_prompts": "text file, one prompt per line, whose generations are logged at each eval",
   "quantization": "frozen weights: nf4 or none",
-  "dtype": "compute dtype: bfloat16 or float32",
+  "dtype": "compute dtype: bfloat16, float32, or float16 (dynamic loss scaling; chosen "
+  "automatically on GPUs without bfloat16)",
   "lora_rank": "LoRA rank r",
   "lora_alpha": "LoRA alpha (scale alpha/r, or alpha/sqrt(r) with --rslora)",
   "lora_dropout": "dropout on the LoRA input",
@@ -45,12 +50,19 @@ _HELP = {
   "log_every": "write metrics every N steps",
   "save_every": "checkpoint every N steps",
   "keep_checkpoints": "how many checkpoints to keep",
-  "export": "at the end write OUT/export as merged, peft or none",
+  "export": "at the end write OUT/export as merged, peft, bnb4 or none",
 }
 
 
+class _Parser(argparse.ArgumentParser):
+  """argparse, but a bad flag gets one line (no usage block)."""
+
+  def error(self, message):
+    self.exit(2, f"error: {message}; see {self.prog} --help.\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
+  p = _Parser(
     prog="python -m jaxtune.train",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -72,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_config(argv=None) -> tuple[RunConfig, bool]:
+  """The run's settings (YAML, then flags) and whether to resume; RunConfigError if wrong."""
   args = build_parser().parse_args(argv)
   run = RunConfig.from_yaml(args.config) if args.config else RunConfig()
   overrides = {
@@ -79,24 +92,36 @@ def resolve_config(argv=None) -> tuple[RunConfig, bool]:
     for f in dataclasses.fields(RunConfig)
     if getattr(args, f.name) is not None
   }
-  run = run.replace(**overrides)
-  if run.quantization == "none":
-    run = run.replace(quantization=None)
-  if run.export == "none":
-    run = run.replace(export=None)
-  return run, args.resume
+  return run.replace(**overrides).checked(), args.resume
 
 
 def main(argv=None) -> int:
-  from jaxtune.session import UserError, run_training
+  from jaxtune import distributed
 
   try:
     run, resume = resolve_config(argv)
+    distributed.initialize()  # before anything asks JAX for its devices
+  except (RunConfigError, distributed.DistributedError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+  from jaxtune.session import UserError, run_training, say
+  from jaxtune.trainer import Stopped
+
+  try:
     out = run_training(run, resume=resume)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(f"done: outputs in {Path(out).resolve()}")
+  except Stopped as e:
+    if e.saved:
+      print(
+        f"jaxtune: {e}; checkpoint {e.step} is in {Path(run.out, 'checkpoints').resolve()}, "
+        "continue with --resume.",
+        file=sys.stderr,
+      )
+    return 128 + e.signum
+  say(f"done: outputs in {Path(out).resolve()}")
   return 0
 
 
