@@ -87,23 +87,4 @@ def test_eval_metrics_tensorboard_and_plot(tmp_path):
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
-def test_eval_prompts_need_eval_data(tmp_path):
-  prompts = tmp_path / "p.txt"
-  prompts.write_text("hi\n")
-  proc = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "jaxtune.train",
-      "--out",
-      str(tmp_path / "r"),
-      "--steps",
-      "1",
-      "--eval-prompts",
-      str(prompts),
-    ],
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert proc.returncode == 2 and "pass --eval-data FILE too" in proc.stderr
+# --eval-prompts without --eval-data: tests/test_catalogue.py (eval-prompts-without-eval-data).

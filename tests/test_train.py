@@ -79,29 +79,6 @@ def test_grad_accumulation_normalises_over_all_micro_batches(hf_llama_dir, tmp_p
   np.testing.assert_allclose(four, one, rtol=2e-5)
 
 
-@pytest.mark.parametrize(
-  "spec,match",
-  [
-    ("3x2", "multiplies to 6 devices but JAX sees 8"),
-    ("4x4", "asks for 16 devices but JAX sees 8"),
-    ("2x2x2", "pipeline parallelism"),
-    ("data=2,model=4", "unknown mesh axis"),
-    ("two", "cannot read --mesh"),
-  ],
-)
-def test_bad_meshes(spec, match):
-  with pytest.raises(meshlib.MeshError, match=match):
-    meshlib.make_mesh(spec)
-
-
-def test_indivisible_heads_and_batch():
-  mesh = meshlib.make_mesh("1x8")
-  with pytest.raises(meshlib.MeshError, match="does not divide the model's 4 attention heads"):
-    meshlib.check_model_fits(mesh, 4, 4, 8)
-  with pytest.raises(meshlib.MeshError, match="does not split over data=8"):
-    meshlib.check_model_fits(meshlib.make_mesh("8"), 8, 8, 4)
-
-
 def test_export_round_trips_to_transformers_and_peft(hf_llama_dir, tmp_path):
   from peft import PeftModel
   from transformers import LlamaForCausalLM
@@ -152,21 +129,14 @@ def test_export_round_trips_to_transformers_and_peft(hf_llama_dir, tmp_path):
   )
 
 
-def test_data_errors(tmp_path):
+def test_chat_loss_covers_assistant_turns_only(tmp_path):
+  # The error cases of data files are in test_catalogue.py.
   tok_dir = default_model.ensure_default_checkpoint(tmp_path / "ckpt")
   from transformers import AutoTokenizer
 
   tok = AutoTokenizer.from_pretrained(tok_dir)
-  empty = tmp_path / "empty.jsonl"
-  empty.write_text("\n")
-  with pytest.raises(data.DataError, match="holds no examples"):
-    data.load_jsonl(empty, tok, 32)
-  bad = tmp_path / "bad.jsonl"
-  bad.write_text(json.dumps({"text": "hello"}) + "\n{oops\n")
-  with pytest.raises(data.DataError, match="bad.jsonl:2 is not valid JSON"):
-    data.load_jsonl(bad, tok, 32)
-  masked = tmp_path / "masked.jsonl"
-  masked.write_text(
+  chat = tmp_path / "chat.jsonl"
+  chat.write_text(
     json.dumps(
       {
         "messages": [
@@ -177,9 +147,7 @@ def test_data_errors(tmp_path):
     )
     + "\n"
   )
-  with pytest.raises(data.DataError, match="every label .* is masked"):
-    data.load_jsonl(masked, tok, 8)
-  ds = data.load_jsonl(masked, tok, 256)
+  ds = data.load_jsonl(chat, tok, 256)
   # Loss only on the assistant turn: its tokens (and the closing eos) and nothing before.
   labelled = ds.labels[0][ds.labels[0] != data.IGNORE]
   assert tok.decode(labelled) == "yo<|eos|>"
@@ -222,65 +190,6 @@ def test_default_run_learns_and_exports(tmp_path):
   assert a.keys() == b.keys()
   for k in a:
     np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-
-
-def test_existing_run_dir_is_not_overwritten(tmp_path):
-  out = tmp_path / "run"
-  (out / "checkpoints" / "5").mkdir(parents=True)
-  proc = subprocess.run(
-    [sys.executable, "-m", "jaxtune.train", "--out", str(out), "--steps", "1"],
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert proc.returncode == 2
-  assert "already holds checkpoints; pass --resume" in proc.stderr
-  assert "Traceback" not in proc.stderr
-  assert (out / "checkpoints" / "5").is_dir()
-
-
-def _metrics(out):
-  by_step = {}
-  for line in (out / "metrics.jsonl").read_text().splitlines():
-    row = json.loads(line)
-    by_step[row["step"]] = row["loss"]  # a resumed run rewrites the steps after the checkpoint
-  return [by_step[s] for s in sorted(by_step)]
-
-
-def test_kill_and_resume_reproduces_losses(tmp_path):
-  import time
-
-  common = ["--steps", "12", "--save-every", "4", "--export", "none", "--lora-dropout", "0.1"]
-  full = tmp_path / "full"
-  subprocess.run(
-    [sys.executable, "-m", "jaxtune.train", "--out", str(full), *common],
-    check=True,
-    capture_output=True,
-    timeout=600,
-  )
-
-  cut = tmp_path / "cut"
-  proc = subprocess.Popen(
-    [sys.executable, "-m", "jaxtune.train", "--out", str(cut), *common],
-    stdout=subprocess.DEVNULL,
-    stderr=subprocess.DEVNULL,
-  )
-  deadline = time.time() + 600
-  while not (cut / "checkpoints" / "8").is_dir() and time.time() < deadline:
-    assert proc.poll() is None, "training ended before it could be interrupted"
-    time.sleep(0.05)
-  proc.kill()
-  proc.wait()
-  assert (cut / "checkpoints" / "8").is_dir()
-  resumed = subprocess.run(
-    [sys.executable, "-m", "jaxtune.train", "--out", str(cut), *common, "--resume"],
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert resumed.returncode == 0, resumed.stderr[-3000:]
-  np.testing.assert_allclose(_metrics(cut), _metrics(full), rtol=1e-6)
-  assert len(_metrics(full)) == 12
 
 
 def _tiny_model(hf_llama_dir):
@@ -352,3 +261,102 @@ def test_overflow_from_the_cli_is_one_sentence(tmp_path):
   )
   assert proc.returncode == 2
   assert "pass --skip-nonfinite" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_loss_scale_rule():
+  """Halve on overflow (not below the minimum), double after `period` good steps in a row."""
+  scale = trainer.LossScale(initial=8.0, factor=2.0, period=3, minimum=1.0)
+  state = scale.init()
+  seen = []
+  for overflow in [True, False, False, False, True, True, True, True, False]:
+    state = scale.update(state, jnp.bool_(overflow))
+    seen.append(float(state["scale"]))
+  assert seen == [4, 4, 4, 8, 4, 2, 1, 1, 1]
+
+
+def test_float16_skips_overflowing_steps_and_keeps_float32_master(hf_llama_dir, tmp_path):
+  """fp16 compute with dynamic loss scaling: a step whose scaled gradients overflow is skipped
+  (nothing changes but the scale), the scale comes down, rises after good steps; adapters and
+  optimizer state stay float32 throughout."""
+  from jaxtune import checkpoint
+
+  path, _ = _tiny_dir(hf_llama_dir)
+  model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float16"), rank=4)
+  run = RunConfig(
+    out=str(tmp_path),
+    steps=6,
+    batch_size=4,
+    dtype="float16",
+    lora_rank=4,
+    learning_rate=1e-2,
+    warmup_steps=0,
+  )
+  ckpts = checkpoint.Checkpoints(tmp_path / "checkpoints")
+  # 2^16 times a per-token gradient of ~1 overflows float16 (max 65504) at once.
+  rule = trainer.LossScale(initial=2.0**16, factor=4.0, period=2)
+  model, history = trainer.train(model, _dataset(), run, None, ckpts, loss_scale=rule)
+
+  skipped = np.diff([0] + [h["overflow_steps"] for h in history]).astype(bool)
+  assert skipped[0] and 0 < skipped.sum() < len(history)
+  scale, good = rule.initial, 0
+  for h, skip in zip(history, skipped, strict=True):
+    assert np.isfinite(h["loss"])
+    if skip:
+      assert not np.isfinite(h["grad_norm"])
+      scale, good = max(scale / rule.factor, rule.minimum), 0
+    else:
+      good += 1
+      if good == rule.period:
+        scale, good = scale * rule.factor, 0
+    assert h["loss_scale"] == scale
+
+  saved = ckpts.manager.item_metadata(6)["state"]
+  floats = [x.dtype for x in jax.tree.leaves((saved["lora"], saved["opt_state"]))]
+  assert {str(d) for d in floats} <= {"float32", "int32"} and "float32" in map(str, floats)
+  assert all(
+    x.dtype == jnp.float32
+    for x in jax.tree.leaves(jaxtune.lora.nnx.state(model, jaxtune.lora.nnx.LoRAParam))
+  )
+  # Adam counted only the steps that were applied.
+  graphdef, lora, _ = trainer.place(model, None)
+  tx, _ = trainer.make_optimizer(run)
+  target = {
+    "lora": lora,
+    "opt_state": trainer.init_opt_state(tx, lora, rule),
+    "key": jax.random.key(0),
+  }
+  state, _ = ckpts.restore_latest(target)
+  counts = {int(x) for x in jax.tree.leaves(state["opt_state"]["tx"]) if x.ndim == 0}
+  assert counts == {len(history) - int(skipped.sum())}
+  assert float(state["opt_state"]["loss_scale"]["scale"]) == history[-1]["loss_scale"]
+
+
+def test_adapters_made_in_bfloat16_train_in_float32(hf_llama_dir):
+  path, _ = _tiny_dir(hf_llama_dir)
+  model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="bfloat16"), rank=4)
+  for _, linear in jaxtune.lora.iter_linears(model):
+    if linear.lora_a is not None:
+      linear.lora_a.set_value(linear.lora_a[...].astype(jnp.bfloat16))
+  assert model.layers.self_attn.q_proj.lora_a[...].dtype == jnp.bfloat16
+  _, lora, _ = trainer.place(model, None)
+  tx, _ = trainer.make_optimizer(RunConfig())
+  for x in jax.tree.leaves((lora, trainer.init_opt_state(tx, lora, trainer.LossScale()))):
+    assert x.dtype in (jnp.float32, jnp.int32), x.dtype
+
+
+def test_gpus_without_bfloat16_train_in_float16():
+  from types import SimpleNamespace
+
+  from jaxtune.session import compute_dtype
+
+  t4 = SimpleNamespace(platform="gpu", compute_capability="7.5", device_kind="Tesla T4")
+  h100 = SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H100")
+  cpu = SimpleNamespace(platform="cpu", device_kind="cpu")
+  assert compute_dtype("bfloat16", [t4]) == (
+    "float16",
+    "jaxtune: Tesla T4 (compute capability 7.5) has no bfloat16; training in float16 with "
+    "dynamic loss scaling.",
+  )
+  assert compute_dtype("bfloat16", [h100]) == ("bfloat16", None)
+  assert compute_dtype("bfloat16", [cpu]) == ("bfloat16", None)
+  assert compute_dtype("float32", [t4]) == ("float32", None)

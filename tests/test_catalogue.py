@@ -1,0 +1,536 @@
+"""The bad-input catalogue: what users get wrong, and the one sentence jaxtune answers with.
+
+Every case runs a real entry point (``python -m jaxtune.train`` or ``jaxtune.export``'s
+``main``, in this process; a few also as true subprocesses) and asserts: exit code 2, exactly
+one ``error: ...`` line ending in a full stop, no traceback, and every file of the workspace
+(model, data, run directories) byte for byte as before, with nothing new written.
+
+README.md's troubleshooting table lists every case by its id (a test checks it). Errors of
+the Python API (``jaxtune.from_pretrained``) are in tests/test_loading_errors.py; a
+checkpoint that will not restore, a full disk and signals are in tests/test_faults.py.
+"""
+
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from converters.synthetic import write_random_checkpoint
+from jaxtune import default_model, export, train
+from jaxtune.default_model import DATASET
+from jaxtune.run_config import RunConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY = {
+  **default_model.CONFIG,  # its vocabulary matches the built-in tokenizer copied next to it
+  "hidden_size": 64,
+  "intermediate_size": 128,
+  "num_hidden_layers": 2,
+  "num_attention_heads": 4,
+  "num_key_value_heads": 2,
+  "head_dim": 16,
+  "max_position_embeddings": 128,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+  src = default_model.ensure_default_checkpoint()
+  out = tmp_path_factory.mktemp("catalogue") / "model"
+  write_random_checkpoint(out, TINY, seed=0, dtype="float32")
+  for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    shutil.copy2(src / name, out / name)
+  return out
+
+
+class Work:
+  """One case's workspace: a model dir, a good data file and room for run directories."""
+
+  def __init__(self, root: Path, model: Path):
+    self.root = root
+    self.model = root / "model"
+    shutil.copytree(model, self.model)
+    self.data = root / "data.jsonl"
+    self.data.write_text("\n".join(DATASET.read_text().splitlines()[:16]) + "\n")
+    self.out = root / "run"
+
+  def train_args(self, *extra: str) -> list[str]:
+    args = ["--out", str(self.out), "--model", str(self.model), "--data", str(self.data)]
+    return [*args, "--steps", "1", "--export", "none", *extra]
+
+  def config(self, **changes) -> None:
+    path = self.model / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+
+  def file(self, name: str, text: str | bytes) -> Path:
+    path = self.root / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+  def fake_run(self, **settings) -> Path:
+    """A run directory as training leaves it (config.yaml, a checkpoint step dir)."""
+    run = RunConfig(model=str(self.model), out=str(self.out)).replace(**settings)
+    (self.out / "checkpoints" / "5").mkdir(parents=True)
+    (self.out / "config.yaml").write_text(run.to_yaml())
+    return self.out
+
+
+@dataclass
+class Case:
+  id: str
+  setup: Callable[[Work], list[str]]  # prepares the workspace, returns the argv
+  match: str  # a regular expression the error sentence must contain
+  entry: str = "train"  # or "export"
+  env: dict = field(default_factory=dict)
+
+
+def _messages(*roles: str) -> str:
+  return json.dumps({"messages": [{"role": r, "content": "hi there"} for r in roles]})
+
+
+def _retype_first_weight(w: Work) -> list[str]:
+  f = w.model / "model.safetensors"
+  tensors = load_file(f)
+  name = "model.layers.0.self_attn.q_proj.weight"
+  tensors[name] = tensors[name].astype(np.int32)
+  save_file(tensors, str(f))
+  return w.train_args()
+
+
+def _sharded_without_a_shard(w: Work) -> list[str]:
+  for f in w.model.glob("*.safetensors"):
+    f.unlink()
+  write_random_checkpoint(w.model, TINY, seed=0, dtype="float32", shard_bytes=100_000)
+  sorted(w.model.glob("model-*.safetensors"))[-1].unlink()
+  return w.train_args()
+
+
+def _truncate(w: Work, keep: float) -> list[str]:
+  f = w.model / "model.safetensors"
+  data = f.read_bytes()
+  f.write_bytes(data[: int(len(data) * keep)])
+  return w.train_args()
+
+
+def _remove(w: Work, *names: str) -> list[str]:
+  for name in names:
+    (w.model / name).unlink()
+  return w.train_args()
+
+
+def _run_without_checkpoints(w: Work) -> list[str]:
+  w.out.mkdir()
+  (w.out / "config.yaml").write_text(RunConfig(model=str(w.model)).to_yaml())
+  return ["--checkpoint", str(w.out), "--format", "peft", "--out", str(w.root / "x")]
+
+
+CASES = [
+  # The model checkpoint
+  Case(
+    "model-missing",
+    lambda w: w.train_args("--model", str(w.root / "nope")),
+    r"checkpoint directory .*nope does not exist",
+  ),
+  Case(
+    "model-empty-dir",
+    lambda w: (w.root / "empty").mkdir() or w.train_args("--model", str(w.root / "empty")),
+    r"no config\.json at .*empty",
+  ),
+  Case(
+    "config-no-model-type",
+    lambda w: w.config(model_type=None) or w.train_args(),
+    r"model_type None is not supported; jaxtune supports llama",
+  ),
+  Case(
+    "config-unsupported-architecture",
+    lambda w: w.config(model_type="mamba") or w.train_args(),
+    r"model_type 'mamba' is not supported",
+  ),
+  Case(
+    "config-not-json",
+    lambda w: (w.model / "config.json").write_text("{oops") and w.train_args(),
+    r"config\.json is not valid JSON",
+  ),
+  Case(
+    "config-missing-key",
+    lambda w: w.config(hidden_size=None) or w.train_args(),
+    r"config\.json lacks the key 'hidden_size'",
+  ),
+  Case(
+    "config-heads-kv-heads",
+    lambda w: w.config(num_attention_heads=3) or w.train_args(),
+    r"num_attention_heads=3 is not a multiple of num_key_value_heads=2",
+  ),
+  Case(
+    "weights-none",
+    lambda w: _remove(w, "model.safetensors"),
+    r"no \*\.safetensors files in .*; jaxtune reads safetensors checkpoints only",
+  ),
+  Case(
+    "weights-shard-missing",
+    _sharded_without_a_shard,
+    r"lacks model-\d+\.safetensors listed in its index; the download is incomplete",
+  ),
+  Case(
+    "weights-truncated",
+    lambda w: _truncate(w, 0.6),
+    r"model\.safetensors is truncated or corrupt",
+  ),
+  Case(
+    "weights-garbage",
+    lambda w: (w.model / "model.safetensors").write_bytes(b"\xff" * 64) and w.train_args(),
+    r"model\.safetensors is truncated or corrupt",
+  ),
+  Case(
+    "tensor-wrong-shape",
+    lambda w: w.config(intermediate_size=192) or w.train_args(),
+    r"tensor model\.layers\.0\.mlp\.\w+_proj\.weight has shape \(\d+, \d+\), but config\.json "
+    r"implies",
+  ),
+  Case(
+    "tensor-wrong-dtype",
+    _retype_first_weight,
+    r"q_proj\.weight in model\.safetensors is stored as int32, but model weights are floating",
+  ),
+  Case(
+    "tensor-missing",
+    lambda w: w.config(num_hidden_layers=3) or w.train_args(),
+    r"lacks weights for .*; the checkpoint is incomplete",
+  ),
+  Case(
+    "tensor-extra-layer",
+    lambda w: w.config(num_hidden_layers=1) or w.train_args(),
+    r"is for layer 1, but config\.json says num_hidden_layers=1",
+  ),
+  Case(
+    "tokenizer-missing",
+    lambda w: _remove(w, "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"),
+    r"cannot load a tokenizer from .*; the checkpoint needs its tokenizer files",
+  ),
+  # The data
+  Case(
+    "data-missing",
+    lambda w: w.train_args("--data", str(w.root / "nope.jsonl")),
+    r"data file .*nope\.jsonl does not exist",
+  ),
+  Case(
+    "data-empty",
+    lambda w: w.train_args("--data", str(w.file("empty.jsonl", "\n\n"))),
+    r"empty\.jsonl holds no examples; it is empty",
+  ),
+  Case(
+    "data-is-a-directory",
+    lambda w: w.train_args("--data", str(w.root)),
+    r"is a directory; pass a \.jsonl file",
+  ),
+  Case(
+    "data-not-json",
+    lambda w: w.train_args(
+      "--data", str(w.file("bad.jsonl", _messages("user", "assistant") + "\n\n{oops\n"))
+    ),
+    r"bad\.jsonl:3 is not valid JSON",
+  ),
+  Case(
+    "data-not-utf8",
+    lambda w: w.train_args(
+      "--data", str(w.file("latin.jsonl", '{"text": "caf\xe9"}\n'.encode("latin-1")))
+    ),
+    r"latin\.jsonl:1 is not UTF-8 text",
+  ),
+  Case(
+    "data-neither-text-nor-messages",
+    lambda w: w.train_args("--data", str(w.file("p.jsonl", '{"prompt": "hi"}\n'))),
+    r'p\.jsonl:1 has neither a "text" string nor a "messages" list',
+  ),
+  Case(
+    "data-unknown-role",
+    lambda w: w.train_args("--data", str(w.file("r.jsonl", _messages("user", "bot") + "\n"))),
+    r"r\.jsonl:1: message 2 has the unknown role 'bot'; use one of system, user, assistant",
+  ),
+  Case(
+    "data-message-without-content",
+    lambda w: w.train_args("--data", str(w.file("c.jsonl", '{"messages": [{"role": "user"}]}\n'))),
+    r'c\.jsonl:1: message 1 must be an object with "role" and "content"',
+  ),
+  Case(
+    "data-every-label-masked",
+    lambda w: w.train_args("--data", str(w.file("m.jsonl", _messages("system", "user") + "\n"))),
+    r"every label in .*m\.jsonl is masked",
+  ),
+  Case(
+    "eval-data-missing",
+    lambda w: w.train_args("--eval-data", str(w.root / "held_out.jsonl")),
+    r"data file .*held_out\.jsonl does not exist",
+  ),
+  Case(
+    "eval-prompts-without-eval-data",
+    lambda w: w.train_args("--eval-prompts", str(w.file("prompts.txt", "hi\n"))),
+    r"--eval-prompts runs at each evaluation; pass --eval-data FILE too",
+  ),
+  # Sequence length, batch and mesh
+  Case(
+    "seq-len-too-short",
+    lambda w: w.train_args("--seq-len", "1"),
+    r"--seq-len must be at least 2, got 1",
+  ),
+  Case(
+    "seq-len-beyond-max-positions",
+    lambda w: w.train_args("--seq-len", "256"),
+    r"--seq-len 256 is longer than the 128 positions",
+  ),
+  Case(
+    "batch-not-multiple-of-accum",
+    lambda w: w.train_args("--batch-size", "8", "--grad-accum", "3"),
+    r"--batch-size 8 must be a multiple of --grad-accum 3",
+  ),
+  Case(
+    "mesh-product-not-device-count",
+    lambda w: w.train_args("--mesh", "3x2"),
+    r"--mesh 3x2 multiplies to 6 devices but JAX sees 8",
+  ),
+  Case(
+    "mesh-more-than-devices",
+    lambda w: w.train_args("--mesh", "4x4"),
+    r"--mesh 4x4 asks for 16 devices but JAX sees 8",
+  ),
+  Case(
+    "mesh-unreadable",
+    lambda w: w.train_args("--mesh", "two"),
+    r"cannot read --mesh two; write e\.g\. 8, 2x4",
+  ),
+  Case(
+    "mesh-unknown-axis",
+    lambda w: w.train_args("--mesh", "data=2,model=4"),
+    r"unknown mesh axis 'model'",
+  ),
+  Case(
+    "mesh-tensor-not-dividing-heads",
+    lambda w: w.train_args("--mesh", "1x8"),
+    r"tensor=8 does not divide the model's 4 attention heads and 2 key/value heads",
+  ),
+  Case(
+    "mesh-data-not-dividing-batch",
+    lambda w: w.train_args("--mesh", "8", "--batch-size", "4"),
+    r"the batch of 4 sequences does not split over data=8",
+  ),
+  # LoRA and optimisation settings
+  Case(
+    "lora-rank-zero",
+    lambda w: w.train_args("--lora-rank", "0"),
+    r"--lora-rank must be at least 1, got 0",
+  ),
+  Case(
+    "lora-rank-negative",
+    lambda w: w.train_args("--lora-rank", "-4"),
+    r"--lora-rank must be at least 1, got -4",
+  ),
+  Case(
+    "lora-target-unknown",
+    lambda w: w.train_args("--lora-targets", "q_proj,qkv_proj"),
+    r"--lora-targets names qkv_proj, which is not a projection of this llama; choose from q_proj",
+  ),
+  Case(
+    "lora-dropout-one",
+    lambda w: w.train_args("--lora-dropout", "1"),
+    r"--lora-dropout must be below 1",
+  ),
+  Case(
+    "learning-rate-not-a-number",
+    lambda w: w.train_args("--learning-rate", "fast"),
+    r"argument --learning-rate: invalid float value: 'fast'; see python -m jaxtune\.train --help",
+  ),
+  Case(
+    "learning-rate-not-a-number-in-yaml",
+    lambda w: w.train_args("--config", str(w.file("c.yaml", "learning_rate: fast\n"))),
+    r"--learning-rate must be a number, got 'fast'",
+  ),
+  Case(
+    "learning-rate-negative",
+    lambda w: w.train_args("--learning-rate", "-0.001"),
+    r"--learning-rate must be greater than 0\.0, got -0\.001",
+  ),
+  Case("steps-zero", lambda w: w.train_args("--steps", "0"), r"--steps must be at least 1, got 0"),
+  Case(
+    "dtype-unknown",
+    lambda w: w.train_args("--dtype", "float8"),
+    r"--dtype must be one of bfloat16, float32, float16, got 'float8'",
+  ),
+  Case(
+    "flag-unknown",
+    lambda w: w.train_args("--batchsize", "4"),
+    r"unrecognized arguments: --batchsize 4",
+  ),
+  Case(
+    "yaml-unknown-setting",
+    lambda w: w.train_args("--config", str(w.file("c.yaml", "learning_rte: 0.1\n"))),
+    r"unknown run setting\(s\) \['learning_rte'\]",
+  ),
+  Case(
+    "yaml-missing",
+    lambda w: w.train_args("--config", str(w.root / "nope.yaml")),
+    r"config file .*nope\.yaml does not exist",
+  ),
+  Case(
+    "yaml-not-a-mapping",
+    lambda w: w.train_args("--config", str(w.file("c.yaml", "- steps\n- 3\n"))),
+    r"c\.yaml must hold a mapping of run settings",
+  ),
+  Case(
+    "yaml-invalid",
+    lambda w: w.train_args("--config", str(w.file("c.yaml", "steps: [3\n"))),
+    r"c\.yaml is not valid YAML at line \d+",
+  ),
+  # Run directories, resuming and exporting
+  Case(
+    "out-holds-checkpoints",
+    lambda w: w.fake_run() and w.train_args(),
+    r"already holds checkpoints; pass --resume to continue, or a new --out",
+  ),
+  Case(
+    "resume-without-checkpoint",
+    lambda w: w.train_args("--resume"),
+    r"--resume: .*checkpoints holds no checkpoint; start without --resume",
+  ),
+  Case(
+    "resume-other-lora-rank",
+    lambda w: w.fake_run(lora_rank=8) and w.train_args("--resume", "--lora-rank", "16"),
+    r"--resume: the checkpoints in .* were trained with lora_rank 8, not 16",
+  ),
+  Case(
+    "resume-other-model",
+    lambda w: w.fake_run(model=str(w.root / "other")) and w.train_args("--resume"),
+    r"--resume: the checkpoints in .* were trained with model .*other, not",
+  ),
+  Case(
+    "export-into-non-empty-dir",
+    lambda w: [
+      "--checkpoint",
+      str(w.fake_run()),
+      "--format",
+      "peft",
+      "--out",
+      str(w.file("keep.txt", "mine").parent),
+    ],
+    r"--out .* is not empty; pass --overwrite to replace it",
+    entry="export",
+  ),
+  Case(
+    "export-not-a-run",
+    lambda w: ["--checkpoint", str(w.model), "--format", "merged", "--out", str(w.root / "x")],
+    r"has no config\.yaml; pass the --out directory of a training run",
+    entry="export",
+  ),
+  Case(
+    "export-no-checkpoint",
+    _run_without_checkpoints,
+    r"checkpoints holds no checkpoint; train first",
+    entry="export",
+  ),
+  Case(
+    "export-unknown-format",
+    lambda w: ["--checkpoint", str(w.out), "--format", "gguf", "--out", str(w.root / "x")],
+    r"argument --format: invalid choice: 'gguf'",
+    entry="export",
+  ),
+  # Launching several processes
+  Case(
+    "multiprocess-incomplete-env",
+    lambda w: w.train_args(),
+    r"JAXTUNE_COORDINATOR is set but JAXTUNE_NUM_PROCESSES is not",
+    env={"JAXTUNE_COORDINATOR": "10.0.0.1:1234"},
+  ),
+  Case(
+    "multiprocess-bad-process-id",
+    lambda w: w.train_args(),
+    r"process id 2 is outside 0\.\.1",
+    env={"JAXTUNE_COORDINATOR": "h:1", "JAXTUNE_NUM_PROCESSES": "2", "JAXTUNE_PROCESS_ID": "2"},
+  ),
+]
+BY_ID = {c.id: c for c in CASES}
+MAINS = {"train": train.main, "export": export.main}
+
+
+def _snapshot(root: Path) -> dict:
+  """Every path under root, files with their size and hash: what a case must not change."""
+  return {
+    str(p.relative_to(root)): (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+    if p.is_file()
+    else "dir"
+    for p in sorted(root.rglob("*"))
+  }
+
+
+def _assert_one_sentence(stderr: str, match: str) -> None:
+  assert "Traceback" not in stderr, stderr
+  errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1, stderr
+  sentence = errors[0]
+  assert sentence.endswith("."), sentence
+  assert not re.search(r"(?<!e\.g)\.\s+[A-Z]", sentence), sentence  # one sentence
+  assert re.search(match, sentence), f"{match!r} not in {sentence!r}"
+
+
+def test_catalogue_is_large_and_documented():
+  assert len(CASES) >= 30 and len(BY_ID) == len(CASES)
+  readme = (REPO / "README.md").read_text()
+  section = readme[readme.index("## Troubleshooting") :]
+  missing = [c.id for c in CASES if f"`{c.id}`" not in section]
+  assert not missing, f"README's troubleshooting table lacks {missing}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case, tiny_model, tmp_path, capsys, monkeypatch):
+  work = Work(tmp_path, tiny_model)
+  argv = case.setup(work)
+  for k, v in case.env.items():
+    monkeypatch.setenv(k, v)
+  before = _snapshot(tmp_path)
+  capsys.readouterr()
+  try:
+    code = MAINS[case.entry](argv)
+  except SystemExit as e:  # argparse
+    code = e.code
+  out, err = capsys.readouterr()
+  assert code == 2, err
+  _assert_one_sentence(err, case.match)
+  assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+  "case_id",
+  [
+    "learning-rate-not-a-number",
+    "mesh-product-not-device-count",
+    "data-not-json",
+    "export-into-non-empty-dir",
+  ],
+)
+def test_bad_input_from_a_real_command_line(case_id, tiny_model, tmp_path):
+  """The same, as a user runs it: a new process, whose stderr holds the one sentence only."""
+  case = BY_ID[case_id]
+  work = Work(tmp_path, tiny_model)
+  argv = case.setup(work)
+  before = _snapshot(tmp_path)
+  proc = subprocess.run(
+    [sys.executable, "-m", f"jaxtune.{case.entry}", *argv],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=REPO,
+  )
+  assert proc.returncode == 2, proc.stderr
+  _assert_one_sentence(proc.stderr, case.match)
+  assert proc.stderr.strip().startswith("error:")  # nothing but the sentence
+  assert _snapshot(tmp_path) == before

@@ -1,0 +1,313 @@
+"""Things going wrong mid-run: signals, kills during a save, a full disk, a corrupt checkpoint.
+
+Each must leave a checkpoint that loads and a sentence that says what happened.
+"""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtune import checkpoint
+from jaxtune.run_config import RunConfig
+from jaxtune.session import run_training
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _metrics(out):
+  by_step = {}
+  for line in (out / "metrics.jsonl").read_text().splitlines():
+    row = json.loads(line)
+    by_step[row["step"]] = row["loss"]  # a resumed run rewrites the steps after the checkpoint
+  return [by_step[s] for s in sorted(by_step)]
+
+
+def test_sigterm_saves_then_resume_reproduces_the_run(tmp_path):
+  """Preemption: SIGTERM mid-run saves a checkpoint at the step it reached (not a --save-every
+  multiple) and exits; --resume then gives exactly the losses of an uninterrupted run."""
+  common = ["--steps", "12", "--save-every", "5", "--export", "none", "--lora-dropout", "0.1"]
+  common += ["--seq-len", "64", "--lora-rank", "4"]
+  cut = tmp_path / "cut"
+  proc = subprocess.Popen(
+    [sys.executable, "-m", "jaxtune.train", "--out", str(cut), *common],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    cwd=REPO,
+  )
+
+  def interrupt():  # once step 6 is logged, so the stop lands between save points
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+      metrics = cut / "metrics.jsonl"
+      if metrics.is_file() and len(metrics.read_text().splitlines()) >= 6:
+        proc.send_signal(signal.SIGTERM)
+        return
+      time.sleep(0.05)
+
+  watcher = threading.Thread(target=interrupt)
+  watcher.start()
+  # Meanwhile the uninterrupted run, in this process (same 8 fake devices).
+  full = tmp_path / "full"
+  run_training(
+    RunConfig(
+      out=str(full),
+      steps=12,
+      save_every=5,
+      export=None,
+      lora_dropout=0.1,
+      seq_len=64,
+      lora_rank=4,
+    )
+  )
+  watcher.join()
+  _, err = proc.communicate(timeout=600)
+  assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+  assert "Traceback" not in err
+  stopped = int(err.split("stopped by SIGTERM after step ")[1].split(";")[0])
+  assert 6 <= stopped < 12 and stopped != 10
+  assert f"checkpoint {stopped} is in" in err and "continue with --resume" in err
+  assert str(stopped) in os.listdir(cut / "checkpoints")
+
+  resumed = subprocess.run(
+    [sys.executable, "-m", "jaxtune.train", "--out", str(cut), *common, "--resume"],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    cwd=REPO,
+  )
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert len(_metrics(full)) == 12
+  np.testing.assert_allclose(_metrics(cut), _metrics(full), rtol=1e-6)
+
+
+def _state(value: float) -> dict:
+  return {
+    "lora": {"a": jnp.full((4, 2), value), "b": jnp.full((2, 4), -value)},
+    "opt_state": {"count": jnp.int32(int(value)), "mu": jnp.full((4, 2), value / 10)},
+    "key": jax.random.key(int(value)),
+  }
+
+
+def _assert_state(state: dict, value: float):
+  np.testing.assert_array_equal(np.asarray(state["lora"]["a"]), np.full((4, 2), value))
+  assert int(state["opt_state"]["count"]) == int(value)
+  key_data = jax.random.key_data(state["key"])
+  np.testing.assert_array_equal(
+    np.asarray(key_data), jax.random.key_data(jax.random.key(int(value)))
+  )
+
+
+# Runs in a subprocess that dies (SIGKILL, as the OOM killer or a node failure would) in the
+# middle of writing checkpoint 3: `finalize` is where orbax renames a complete checkpoint into
+# place; `meta` is while its files are still being written.
+_KILL_SCRIPT = textwrap.dedent(
+  """
+  import os, signal, sys
+  sys.path.insert(0, {tests!r})
+  import orbax.checkpoint as ocp
+  from orbax.checkpoint._src.path import atomicity
+  from test_faults import _state
+  from jaxtune.checkpoint import Checkpoints
+
+  ckpts = Checkpoints({directory!r}, keep=5)
+  ckpts.save(1, _state(1.0))
+  ckpts.save(2, _state(2.0))
+
+  async def die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+  if {point!r} == "finalize":
+    atomicity.AtomicRenameTemporaryPath.finalize = die
+  else:
+    ocp.JsonCheckpointHandler._save_fn = die
+  ckpts.save(3, _state(3.0))
+  print("not killed")
+  """
+)
+
+
+@pytest.mark.parametrize("point", ["meta", "finalize"])
+def test_kill_during_a_checkpoint_write_leaves_the_previous_one(tmp_path, point):
+  directory = tmp_path / "checkpoints"
+  script = _KILL_SCRIPT.format(
+    tests=str(Path(__file__).parent), directory=str(directory), point=point
+  )
+  proc = subprocess.run(
+    [sys.executable, "-c", script],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
+  assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr[-2000:]
+  assert any(".orbax-checkpoint-tmp" in p for p in os.listdir(directory))  # killed mid-write
+
+  ckpts = checkpoint.Checkpoints(directory, keep=5)
+  state, step = ckpts.restore_latest(_state(0.0))
+  assert step == 2
+  _assert_state(state, 2.0)
+  ckpts.save(3, _state(3.0))  # the run goes on saving
+  assert not any(".orbax-checkpoint-tmp" in p for p in os.listdir(directory))  # cleaned up
+  state, step = checkpoint.Checkpoints(directory).restore_latest(_state(0.0))
+  assert step == 3
+  _assert_state(state, 3.0)
+
+
+def test_disk_full_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypatch):
+  import orbax.checkpoint as ocp
+
+  directory = tmp_path / "checkpoints"
+  ckpts = checkpoint.Checkpoints(directory)
+  ckpts.save(1, _state(1.0))
+
+  async def full(self, *args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+
+  with monkeypatch.context() as m:
+    m.setattr(ocp.JsonCheckpointHandler, "_save_fn", full)
+    with pytest.raises(checkpoint.SaveError) as info:
+      ckpts.save(2, _state(2.0))
+  message = str(info.value)
+  assert message.startswith("the disk is full: checkpoint 2 could not be written")
+  assert "checkpoint 1 is intact; free some space, then continue with --resume." in message
+  state, step = checkpoint.Checkpoints(directory).restore_latest(_state(0.0))
+  assert step == 1
+  _assert_state(state, 1.0)
+
+
+def test_disk_full_during_training_stops_with_one_sentence(tmp_path, monkeypatch, capsys):
+  """Through the command line: the run stops at the failed save, the earlier checkpoint
+  resumes, and the run then finishes."""
+  import orbax.checkpoint as ocp
+
+  from jaxtune import train
+
+  out = tmp_path / "run"
+  flags = ["--out", str(out), "--steps", "4", "--save-every", "2", "--export", "none"]
+  flags += ["--seq-len", "32", "--lora-rank", "4"]
+  saves = []
+  real = ocp.JsonCheckpointHandler._save_fn
+
+  async def full_on_second(self, x, directory):
+    saves.append(directory)
+    if len(saves) == 2:
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+    return await real(self, x, directory)
+
+  with monkeypatch.context() as m:
+    m.setattr(ocp.JsonCheckpointHandler, "_save_fn", full_on_second)
+    assert train.main(flags) == 2
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert err.startswith("error: the disk is full: checkpoint 4 could not be written")
+  assert err.endswith("checkpoint 2 is intact; free some space, then continue with --resume.")
+  assert train.main([*flags, "--resume"]) == 0
+  steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+  assert steps == [1, 2, 3, 4, 3, 4]  # resumed after checkpoint 2
+
+
+def _corrupt(step_dir: Path) -> None:
+  for f in step_dir.rglob("*"):
+    if f.is_file() and f.parent.name == "d":  # array data chunks
+      f.write_bytes(b"")
+
+
+def test_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
+  directory = tmp_path / "checkpoints"
+  ckpts = checkpoint.Checkpoints(directory, keep=3)
+  for v in (1.0, 2.0, 3.0):
+    ckpts.save(int(v), _state(v))
+  _corrupt(directory / "3")
+  state, step = checkpoint.Checkpoints(directory).restore_latest(_state(0.0))
+  assert step == 2
+  _assert_state(state, 2.0)
+  err = capsys.readouterr().err
+  assert f"jaxtune: checkpoint 3 in {directory} cannot be read (" in err
+  assert err.strip().endswith("; using checkpoint 2 instead.")
+
+  for s in ("1", "2"):
+    _corrupt(directory / s)
+  with pytest.raises(
+    checkpoint.RestoreError, match=r"none of the checkpoints .* \(steps 3, 2, 1\)"
+  ):
+    checkpoint.Checkpoints(directory).restore_latest(_state(0.0))
+
+
+def test_checkpoint_of_other_shapes_is_refused(tmp_path):
+  directory = tmp_path / "checkpoints"
+  checkpoint.Checkpoints(directory).save(1, _state(1.0))
+  other = _state(0.0)
+  other["lora"]["a"] = jnp.zeros((4, 8))  # another rank
+  with pytest.raises(checkpoint.RestoreError, match="adapters of other shapes"):
+    checkpoint.Checkpoints(directory).restore_latest(other)
+  other = _state(0.0)
+  other["opt_state"]["scale"] = jnp.float32(1.0)  # float16's loss scale
+  with pytest.raises(checkpoint.RestoreError, match="another --dtype"):
+    checkpoint.Checkpoints(directory).restore_latest(other)
+
+
+def test_signals_ask_the_loop_to_stop_after_saving(hf_llama_dir, tmp_path):
+  """SIGINT (Ctrl-C) as SIGTERM: the handler only records it; the loop saves and raises."""
+  from test_train import _dataset, _tiny_dir
+
+  import jaxtune
+  from jaxtune import trainer
+
+  previous = signal.getsignal(signal.SIGINT)
+  with trainer.StopSignals() as stop:
+    os.kill(os.getpid(), signal.SIGINT)
+    assert stop.signum == signal.SIGINT
+  assert signal.getsignal(signal.SIGINT) is previous
+
+  path, _ = _tiny_dir(hf_llama_dir)
+  model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float32"), rank=4)
+  run = RunConfig(out=str(tmp_path), steps=5, batch_size=4, dtype="float32", lora_rank=4)
+  ckpts = checkpoint.Checkpoints(tmp_path / "checkpoints")
+  with pytest.raises(trainer.Stopped, match="stopped by SIGINT after step 1") as info:
+    trainer.train(model, _dataset(), run, None, ckpts, stop=stop)  # the signal already came
+  assert info.value.saved and ckpts.latest_step() == 1
+
+
+def test_export_is_atomic_and_replaces_only_when_asked(hf_llama_dir, tmp_path, monkeypatch):
+  import jaxtune
+  from jaxtune import export
+
+  path, _ = hf_llama_dir()
+  model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float32"), rank=4)
+  root = tmp_path / "exports"
+  out = root / "export"
+  export.write(model, "peft", out)
+
+  def listing():
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+  first = listing()
+  with pytest.raises(export.ExportError, match="is not empty; pass --overwrite"):
+    export.write(model, "peft", out)
+
+  def fails_halfway(model, out_dir):
+    (Path(out_dir) / "adapter_model.safetensors").write_bytes(b"half")
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  with monkeypatch.context() as m:
+    m.setattr(jaxtune, "export_peft", fails_halfway)
+    with pytest.raises(OSError):
+      export.write(model, "peft", out, overwrite=True)
+  assert listing() == first  # the previous export untouched, nothing half-written beside it
+  assert sorted(os.listdir(root)) == ["export"]
+
+  export.write(model, "merged", out, overwrite=True)
+  assert (out / "model.safetensors").is_file() and not (out / "adapter_model.safetensors").exists()
+  assert sorted(os.listdir(root)) == ["export"]
