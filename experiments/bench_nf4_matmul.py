@@ -13,7 +13,6 @@ import argparse
 import functools
 import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -31,14 +30,20 @@ LLAMA_8B = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]
 
 
 def time_per_call(fn, args, copies, reps):
-  out = fn(*args)
-  jax.block_until_ready(out)
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t)
-  return statistics.median(times) / copies * 1e3  # ms
+  """Median device time (CUPTI: the sum of the kernels' own times, no host gaps) per copy."""
+  from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 (GPU only)
+
+  jax.block_until_ready(fn(*args))
+  _, times = profiler.measure(fn, aggregate=True, iterations=reps)(*args)
+  return statistics.median(times) / copies  # ms
+
+
+def kernel_breakdown(fn, args) -> str:
+  """Each kernel one call launches, with its device time: where the time goes."""
+  from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415
+
+  _, per_kernel = profiler.measure(fn, aggregate=False)(*args)
+  return ", ".join(f"{name[:40]} {ms * 1e3:.1f}us" for name, ms in per_kernel or [])
 
 
 def rel_err(got, ref) -> float:
@@ -114,22 +119,53 @@ def main():
         row[f"{d}_kernel_vs_bf16"] = row[f"{d}_kernel_ms"] / row[f"{d}_bf16_ms"]
         row[f"{d}_xla_vs_kernel"] = row[f"{d}_xla_ms"] / row[f"{d}_kernel_ms"]
       rows.append(row)
+      if m in (1, 4096) and (k, n) == shapes[0]:
+        table.append(
+          f"M={m} K={k} N={n} kernel fwd: {kernel_breakdown(fwd['kernel'], (x, qs[:1]))}"
+        )
+        table.append(f"M={m} K={k} N={n} xla fwd: {kernel_breakdown(fwd['xla'], (x, qs[:1]))}")
+        table.append(f"M={m} K={k} N={n} bf16 fwd: {kernel_breakdown(fwd['bf16'], (x, dense[:1]))}")
+        print("\n".join(table[-3:]), flush=True)
       print({key: f"{v:.4g}" if isinstance(v, float) else v for key, v in row.items()}, flush=True)
 
       if args.variants and m in (1, 4096):
+        big = m >= 256
         for label, cfg_kw, lookup in (
-          ("smemA", dict(a_from_smem=True), "prmt"),
-          ("select", dict(), "select"),
+          ("ksub2", dict(k_sub=2), "prmt"),
+          ("ksub4", dict(k_sub=4), "prmt"),
+          ("bm128", dict(block_m=128 if big else 16), "prmt"),
+          ("bm128-ksub2", dict(block_m=128 if big else 16, k_sub=2), "prmt"),
+          ("bm256-ksub2-4stage", dict(k_sub=2, max_concurrent_steps=3), "prmt"),
+          ("split8", dict(split_k=8 if not big else 1), "prmt"),
         ):
           try:
-            cfg = ops._forward_config(m, n, False)
+            cfg = ops._forward_config(m, n, k, False)
             cfg = kernel.Config(**{**cfg.__dict__, **cfg_kw})
             w4, s = kernel.kernel_operands(*q0, swap_nibbles=lookup == "select")
             xp = ops._pad_rows(x, cfg.block_m)
             f = jax.jit(functools.partial(kernel.forward, config=cfg, lookup=lookup))
             err = rel_err(f(xp, w4, s)[:m], ref_f)
             ms = time_per_call(f, (xp, w4, s), 1, args.reps)
-            table.append(f"variant {label} M={m} K={k} N={n}: err {err:.2e}, {ms:.4f} ms (1 copy)")
+            table.append(
+              f"variant {label} M={m} K={k} N={n}: err {err:.2e}, {ms:.4f} ms (1 copy, with prep)"
+            )
+            print(table[-1], flush=True)
+          except Exception:
+            traceback.print_exc(limit=3)
+    if args.variants:
+      for m in (4096,):
+        dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+        ref_b = np.asarray(dy.astype(jnp.float32)) @ np.asarray(
+          nf4.dequantize_linear(*qs[0], jnp.float32)
+        )
+        w4, s = kernel.kernel_operands(*qs[0], swap_nibbles=False)
+        for bm, bn, bko in ((128, 128, 64), (128, 64, 128), (128, 128, 128), (64, 128, 128)):
+          try:
+            cfg = kernel.Config(block_m=bm, block_n=bn, block_k_out=bko)
+            f = jax.jit(functools.partial(kernel.backward, config=cfg))
+            err = rel_err(f(dy, w4, s), ref_b)
+            ms = time_per_call(f, (dy, w4, s), 1, args.reps)
+            table.append(f"bwd variant bm={bm} bn={bn} bko={bko} M={m}: err {err:.2e}, {ms:.4f} ms")
             print(table[-1], flush=True)
           except Exception:
             traceback.print_exc(limit=3)

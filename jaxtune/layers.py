@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtune import nf4
+from pallas_kernels.nf4_matmul import nf4_matmul
 
 
 def _stacked(layers: int | None, shape: tuple[int, ...], axes: tuple) -> tuple[tuple, tuple]:
@@ -75,6 +76,7 @@ class Linear(nnx.Module):
     self.lora_b = nnx.data(None)
     self.lora_scale = 0.0
     self.lora_dropout = 0.0
+    self.nf4_impl = None  # None: pallas_kernels.nf4_matmul decides per shape and device
 
   def dense_weight(self, dtype, layer: int | None = None) -> jax.Array:
     """The frozen weight [out, in] in ``dtype`` (dequantized if NF4); one layer if stacked."""
@@ -86,7 +88,11 @@ class Linear(nnx.Module):
     return pick(self.weight).astype(dtype)
 
   def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
-    y = jnp.einsum("...i,oi->...o", x, self.dense_weight(x.dtype))
+    if self.quantized:
+      parts = (self.codes[...], self.absmax[...], self.nested_absmax[...], self.offset[...])
+      y = nf4_matmul(x, *parts, impl=self.nf4_impl)
+    else:
+      y = jnp.einsum("...i,oi->...o", x, self.dense_weight(x.dtype))
     if self.bias is not None:
       y = y + self.bias[...].astype(y.dtype)
     if self.lora_a is not None:

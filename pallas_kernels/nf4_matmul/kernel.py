@@ -54,6 +54,12 @@ class Config:
   # Forward: dequantized tiles go to wgmma from registers (fastest), or through shared memory
   # (what Mosaic GPU's interpreter supports, so the path the CPU tests run).
   a_from_smem: bool = False
+  # Forward: the K range split over this many grid cells, partial sums added by XLA. Decoding
+  # has few tiles of N (N / 128 cells for one token); splitting K fills the GPU.
+  split_k: int = 1
+  # Forward: 64-wide k blocks per pipeline step; their wgmmas are issued back to back, so the
+  # next block's dequantization overlaps the previous block's matrix product.
+  k_sub: int = 1
 
 
 def kernel_operands(codes, absmax, nested_absmax, offset, *, swap_nibbles: bool):
@@ -67,9 +73,10 @@ def kernel_operands(codes, absmax, nested_absmax, offset, *, swap_nibbles: bool)
 
 
 def _bf16_bits(values: np.ndarray) -> np.ndarray:
-  return np.asarray(jnp.asarray(values, jnp.float32).astype(jnp.bfloat16)).view(np.uint16)
+  return np.asarray(values, np.float32).astype(jnp.bfloat16).view(np.uint16)  # numpy, not traced
 
 
+@functools.cache
 def _table_words() -> tuple[list[int], list[int]]:
   """The NF4 table as bfloat16 bytes: 4 words of low bytes, 4 of high bytes (4 entries each)."""
   bits = _bf16_bits(NF4_CODE).astype(np.uint32)
@@ -88,6 +95,12 @@ def _lookup_select(w):
   return vals[0].astype(jnp.bfloat16)
 
 
+# The byte-permute program's selectors (tests emulate it with these): index bits of both codes,
+# their bit 3 (which half-table), the byte positions the blend keeps, and the final layout
+# [L(c_hi), H(c_hi), L(c_lo), H(c_lo)] that puts bitsandbytes' even element (high nibble) first.
+SEL_MASK, BLEND_MASK, BLEND_BASE, INTERLEAVE = 0x77, 0x88, 0x3210, 0x4051
+
+
 def _lookup_prmt(w):
   """int4 codes as bitsandbytes packs them -> bfloat16 NF4 levels, via byte permutes."""
   from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only exists where Mosaic GPU lowers)
@@ -101,17 +114,17 @@ def _lookup_prmt(w):
   # the last permute lays out [L(c_hi), H(c_hi), L(c_lo), H(c_lo)]: element 2j first.
   asm = f"""{{
   .reg .b32 sel, blend, a, b, l, h;
-  and.b32 sel, $1, 0x77;
-  and.b32 blend, $1, 0x88;
+  and.b32 sel, $1, {SEL_MASK};
+  and.b32 blend, $1, {BLEND_MASK};
   shr.u32 blend, blend, 1;
-  or.b32 blend, blend, 0x3210;
+  or.b32 blend, blend, {BLEND_BASE};
   prmt.b32 a, {lo[0]}, {lo[1]}, sel;
   prmt.b32 b, {lo[2]}, {lo[3]}, sel;
   prmt.b32 l, a, b, blend;
   prmt.b32 a, {hi[0]}, {hi[1]}, sel;
   prmt.b32 b, {hi[2]}, {hi[3]}, sel;
   prmt.b32 h, a, b, blend;
-  prmt.b32 $0, l, h, 0x4051;
+  prmt.b32 $0, l, h, {INTERLEAVE};
   }}"""
 
   @plgpu.inline_mgpu(
@@ -153,19 +166,27 @@ _CODE_TRANSFORMS = _transforms(BLOCK_K, jnp.int4)
 
 
 def forward(x, w4, scales, *, config: Config, lookup: str = "prmt", interpret=None):
-  """y [M, N] = x [M, K] @ dequant(w4, scales)^T; M a multiple of block_m, N of 64 * wgs."""
+  """y [M, N] = x [M, K] @ dequant(w4, scales)^T; M a multiple of block_m, N of 64 * wgs,
+  K of 64 * split_k."""
   m, k = x.shape
   n = w4.shape[0]
-  bm, wgs = config.block_m, config.compute_wgs
+  bm, wgs, splits, sub = config.block_m, config.compute_wgs, config.split_k, config.k_sub
   cta_n = WG_ROWS * wgs
-  if m % bm or n % cta_n or k % BLOCK_K:
-    raise ValueError(f"nf4 forward kernel: shape {(m, k, n)} does not tile by {(bm, 64, cta_n)}")
+  k_part = k // splits
+  bk = BLOCK_K * sub
+  if m % bm or n % cta_n or k % (bk * splits):
+    raise ValueError(
+      f"nf4 forward kernel: shape {(m, k, n)} does not tile by {(bm, bk * splits, cta_n)}"
+    )
+  out_dtype = x.dtype if splits == 1 else jnp.float32
 
   def body(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem):
     m0 = lax.axis_index("m") * bm
     n0 = lax.axis_index("n") * cta_n
+    k0 = lax.axis_index("s") * k_part
     wg = lax.axis_index("wg")
     rows = pl.ds(wg * WG_ROWS, WG_ROWS)
+    o_part = o_gmem.at[lax.axis_index("s")]
 
     def compute_context(run_pipeline):
       @functools.partial(pl.run_scoped, acc=plgpu.ACC((WG_ROWS, bm), jnp.float32))
@@ -173,28 +194,30 @@ def forward(x, w4, scales, *, config: Config, lookup: str = "prmt", interpret=No
         run_pipeline(acc)
         o_smem.at[wg][...] = acc[...].astype(o_smem.dtype)  # [64, bm]: a tile of y^T
         plgpu.commit_smem()
-        out = o_gmem.at[pl.ds(n0 + wg * WG_ROWS, WG_ROWS), pl.ds(m0, bm)]
+        out = o_part.at[pl.ds(n0 + wg * WG_ROWS, WG_ROWS), pl.ds(m0, bm)]
         plgpu.copy_smem_to_gmem(o_smem.at[wg], out)
         plgpu.wait_smem_to_gmem(0)
 
     def step(_, x_smem, w_smem, s_smem, acc):
-      w = _dequant_tile(w_smem.at[rows], s_smem.at[0, rows], lookup)
-      if config.a_from_smem:
-        a_smem.at[wg][...] = w
-        plgpu.commit_smem()
-        w = a_smem.at[wg]
-      plgpu.wgmma(acc, w, x_smem.T)  # [64, 64] @ [64, bm]
+      for j in range(sub):
+        cols = pl.ds(j * BLOCK_K, BLOCK_K)
+        w = _dequant_tile(w_smem.at[rows, cols], s_smem.at[j, rows], lookup)
+        if config.a_from_smem:
+          a_smem.at[wg, j][...] = w
+          plgpu.commit_smem()
+          w = a_smem.at[wg, j]
+        plgpu.wgmma(acc, w, x_smem.at[:, cols].T)  # [64, 64] @ [64, bm]
       plgpu.wgmma_wait(0)
       return acc
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
       step,
-      grid=(k // BLOCK_K,),
+      grid=(k_part // bk,),
       memory_registers=40,
       in_specs=[
-        plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, i), transforms=_transforms(BLOCK_K, x.dtype)),
-        plgpu.BlockSpec((cta_n, BLOCK_K), lambda i: (0, i), transforms=_CODE_TRANSFORMS),
-        plgpu.BlockSpec((1, cta_n), lambda i: (i, 0)),
+        plgpu.BlockSpec((bm, bk), lambda i: (0, i), transforms=_transforms(BLOCK_K, x.dtype)),
+        plgpu.BlockSpec((cta_n, bk), lambda i: (0, i), transforms=_CODE_TRANSFORMS),
+        plgpu.BlockSpec((sub, cta_n), lambda i: (i, 0)),
       ],
       wg_axis="wg",
       num_compute_wgs=wgs,
@@ -202,29 +225,31 @@ def forward(x, w4, scales, *, config: Config, lookup: str = "prmt", interpret=No
       compute_context=compute_context,
     )
     pipeline(
-      x_gmem.at[pl.ds(m0, bm)],
-      w_gmem.at[pl.ds(n0, cta_n)],
-      s_gmem.at[:, pl.ds(n0, cta_n)],
+      x_gmem.at[pl.ds(m0, bm), pl.ds(k0, k_part)],
+      w_gmem.at[pl.ds(n0, cta_n), pl.ds(k0, k_part)],
+      s_gmem.at[pl.ds(k0 // BLOCK_K, k_part // BLOCK_K), pl.ds(n0, cta_n)],
     )
 
   out = plgpu.kernel(
     body,
-    out_type=jax.ShapeDtypeStruct((n, m), x.dtype),
+    out_type=jax.ShapeDtypeStruct((splits, n, m), out_dtype),
     scratch_types=dict(
-      o_smem=plgpu.SMEM((wgs, WG_ROWS, bm), x.dtype, transforms=_transforms(bm, x.dtype)),
+      o_smem=plgpu.SMEM((wgs, WG_ROWS, bm), out_dtype, transforms=_transforms(bm, out_dtype)),
       a_smem=plgpu.SMEM(
-        (wgs if config.a_from_smem else 1, WG_ROWS, BLOCK_K),
+        (wgs, sub, WG_ROWS, BLOCK_K) if config.a_from_smem else (1, 1, WG_ROWS, BLOCK_K),
         x.dtype,
         transforms=_transforms(BLOCK_K, x.dtype),
       ),
     ),
-    grid=(n // cta_n, m // bm),
-    grid_names=("n", "m"),
+    grid=(n // cta_n, m // bm, splits),
+    grid_names=("n", "m", "s"),
     num_threads=wgs + 1,
     thread_name="wg",
     interpret=interpret,
   )(x, w4, scales)
-  return out.T
+  if splits == 1:
+    return out[0].T
+  return jnp.sum(out, axis=0).T.astype(x.dtype)
 
 
 def backward(dy, w4, scales, *, config: Config, lookup: str = "prmt", interpret=None):

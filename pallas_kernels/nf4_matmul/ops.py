@@ -1,12 +1,17 @@
 """y = x @ dequant(W)^T as a differentiable op (gradient for x only: W is frozen).
 
-Dispatch: the Mosaic GPU kernels on Hopper (``pallas_kernels._gpu.on_hopper``) for bfloat16
-inputs whose shapes tile; XLA's dequantize-then-dot anywhere else. ``impl`` forces one:
+Dispatch (``impl=None``): the Mosaic GPU kernel where it measured faster than XLA
+(experiments/RESULTS.md, bench_nf4_matmul): bfloat16 inputs of at most ``KERNEL_MAX_TOKENS``
+rows (decoding, short prompts) on a single Hopper GPU. Elsewhere XLA's dequantize-then-dot:
+at training sizes XLA dequantizes once per call into a bf16 weight and runs cuBLAS, which
+measured 1.1x a bf16 matmul, faster than the fused kernel (1.2-1.7x); under a multi-device
+mesh the kernel would need a shard_map wrapper that is not written yet. ``impl`` forces one:
 "kernel", "xla", or "interpret" (the kernels under Mosaic GPU's CPU interpreter, with the
 lookup and data path the interpreter supports; what the tests run).
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -15,20 +20,31 @@ from pallas_kernels import _gpu
 from pallas_kernels.nf4_matmul import kernel, reference
 
 IMPLS = ("kernel", "xla", "interpret")
+KERNEL_MAX_TOKENS = 64
+_TARGET_CELLS = 264  # two per streaming multiprocessor of an H100 / H200
 
 
 def _block_m(m: int) -> int:
-  for bm in (16, 32, 64):
+  for bm in (16, 32, 64, 128):
     if m <= bm:
       return bm
-  return 128
+  return 256
 
 
-def _forward_config(m: int, n: int, interpret: bool) -> kernel.Config | None:
+def _forward_config(m: int, n: int, k: int, interpret: bool) -> kernel.Config | None:
   wgs = 2 if n % (2 * kernel.WG_ROWS) == 0 else 1
-  if n % (wgs * kernel.WG_ROWS):
+  if n % (wgs * kernel.WG_ROWS) or k % kernel.BLOCK_K:
     return None
-  return kernel.Config(block_m=_block_m(m), compute_wgs=wgs, a_from_smem=interpret)
+  bm = _block_m(m)
+  cells = (n // (wgs * kernel.WG_ROWS)) * (-(-m // bm))
+  split = 1
+  # Few output tiles (decoding): split K until the grid covers the GPU twice over, keeping
+  # at least 4 steps of 64 per cell.
+  while cells * split < _TARGET_CELLS and k % (kernel.BLOCK_K * split * 2) == 0:
+    if k // (split * 2) < 4 * kernel.BLOCK_K:
+      break
+    split *= 2
+  return kernel.Config(block_m=bm, compute_wgs=wgs, a_from_smem=interpret, split_k=split)
 
 
 def _backward_config(m: int, n: int, k: int) -> kernel.Config | None:
@@ -54,7 +70,7 @@ def _kernel_args(impl: str):
 def _fwd_impl(impl, x2, weights):
   m, _ = x2.shape
   n = weights[0].shape[0]
-  cfg = _forward_config(m, n, impl == "interpret")
+  cfg = _forward_config(m, n, x2.shape[1], impl == "interpret")
   if impl == "xla" or cfg is None or x2.dtype != jnp.bfloat16:
     return reference.dequantize_then_dot(x2, *weights)
   kw = _kernel_args(impl)
@@ -93,10 +109,13 @@ _nf4_matmul.defvjp(_vjp_fwd, _vjp_bwd)
 
 def nf4_matmul(x, codes, absmax, nested_absmax, offset, *, impl: str | None = None):
   """x [..., K] @ dequant(W)^T -> [..., N]; W [N, K] in the 2-D layout of ``jaxtune.nf4``."""
+  lead = x.shape[:-1]
+  tokens = math.prod(lead)
   if impl is None:
-    impl = "kernel" if _gpu.on_hopper() else "xla"
+    single = jax.device_count() == 1
+    use = _gpu.on_hopper() and single and tokens <= KERNEL_MAX_TOKENS
+    impl = "kernel" if use else "xla"
   if impl not in IMPLS:
     raise ValueError(f"nf4_matmul impl must be one of {', '.join(IMPLS)}, got {impl!r}.")
-  lead = x.shape[:-1]
   y = _nf4_matmul(impl, x.reshape(-1, x.shape[-1]), codes, absmax, nested_absmax, offset)
   return y.reshape(*lead, y.shape[-1])

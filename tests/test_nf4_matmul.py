@@ -1,0 +1,126 @@
+"""The NF4 dequant-matmul kernels under Mosaic GPU's interpreter, against the jnp reference.
+
+The interpreter runs the kernels' tiling, pipelining, scales and wgmma with the "select" lookup
+and the dequantized tile staged in shared memory; the "prmt" lookup (inline PTX) cannot run on
+a CPU, so its byte-permute program is checked here by emulating prmt on every possible byte.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtune import nf4
+from jaxtune.nf4_maps import NF4_CODE
+from pallas_kernels import _gpu
+from pallas_kernels.nf4_matmul import kernel, nf4_matmul, nf4_matmul_reference
+
+
+def _weights(rng, n, k):
+  return nf4.quantize_linear(jnp.asarray(rng.standard_normal((n, k)), jnp.float32))
+
+
+def _rel(got, ref):
+  got = np.asarray(jnp.asarray(got, jnp.float32))
+  return np.linalg.norm(got - ref) / np.linalg.norm(ref)
+
+
+@pytest.mark.parametrize(
+  "lead, k, n",
+  [((1,), 128, 128), ((70,), 192, 256), ((2, 5), 128, 64)],
+  ids=["one-token", "ragged-rows", "batched-one-warpgroup"],
+)
+def test_forward_matches_reference(lead, k, n):
+  rng = np.random.default_rng(len(lead) * 1000 + k + n)
+  q = _weights(rng, n, k)
+  x = jnp.asarray(rng.standard_normal((*lead, k)), jnp.bfloat16)
+  ref = np.asarray(nf4_matmul_reference(x, *q))
+  got = nf4_matmul(x, *q, impl="interpret")
+  assert got.shape == (*lead, n) and got.dtype == jnp.bfloat16
+  assert _rel(got, ref) < 1e-2
+
+
+@pytest.mark.parametrize(
+  "cfg",
+  [
+    kernel.Config(block_m=16, compute_wgs=2, split_k=2, a_from_smem=True),
+    kernel.Config(block_m=32, compute_wgs=1, k_sub=2, a_from_smem=True),
+  ],
+  ids=["split-k", "two-k-blocks-per-step"],
+)
+def test_forward_configs(cfg):
+  rng = np.random.default_rng(3)
+  m, k, n = 32, 256, 128
+  q = _weights(rng, n, k)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  w4, scales = kernel.kernel_operands(*q, swap_nibbles=True)
+  interpret = _gpu.interpret_params()
+  got = kernel.forward(x, w4, scales, config=cfg, lookup="select", interpret=interpret)
+  assert _rel(got, np.asarray(nf4_matmul_reference(x, *q))) < 1e-2
+
+
+@pytest.mark.parametrize(
+  "cfg",
+  [
+    kernel.Config(block_m=64, block_n=64, block_k_out=64, compute_wgs=2),
+    kernel.Config(block_m=64, block_n=128, block_k_out=128, compute_wgs=1),
+  ],
+  ids=["two-warpgroups", "wide-tiles"],
+)
+def test_backward_kernel(cfg):
+  rng = np.random.default_rng(4)
+  m, n, k = 64, 128, 256
+  q = _weights(rng, n, k)
+  dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+  w4, scales = kernel.kernel_operands(*q, swap_nibbles=True)
+  got = kernel.backward(
+    dy, w4, scales, config=cfg, lookup="select", interpret=_gpu.interpret_params()
+  )
+  ref = np.asarray(dy, np.float32) @ np.asarray(nf4.dequantize_linear(*q, jnp.float32))
+  assert _rel(got, ref) < 1e-2
+
+
+def test_gradient_matches_reference():
+  rng = np.random.default_rng(5)
+  k, n = 128, 256
+  q = _weights(rng, n, k)
+  x = jnp.asarray(rng.standard_normal((3, 7, k)), jnp.bfloat16)
+  probe = jnp.asarray(rng.standard_normal((n,)), jnp.float32)
+
+  def loss(x, fn):
+    return jnp.sum(fn(x).astype(jnp.float32) * probe)
+
+  got = jax.grad(loss)(x, lambda x: nf4_matmul(x, *q, impl="interpret"))
+  ref = jax.grad(loss)(x.astype(jnp.float32), lambda x: nf4_matmul_reference(x, *q))
+  assert got.dtype == jnp.bfloat16
+  assert _rel(got, np.asarray(ref)) < 1e-2
+
+
+def test_xla_fallback_is_exact_dequantize_then_dot_and_default_off_gpu():
+  rng = np.random.default_rng(6)
+  q = _weights(rng, 64, 128)
+  x = jnp.asarray(rng.standard_normal((4, 128)), jnp.float32)
+  ref = np.asarray(nf4_matmul_reference(x, *q))
+  np.testing.assert_allclose(np.asarray(nf4_matmul(x, *q)), ref, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="impl must be one of"):
+    nf4_matmul(x, *q, impl="cuda")
+
+
+def _prmt(a: int, b: int, selector: int) -> int:
+  """PTX prmt.b32 in its default mode (sign-replicate bit clear in every selector nibble)."""
+  pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+  return sum(pool[(selector >> (4 * j)) & 7] << (8 * j) for j in range(4))
+
+
+def test_prmt_lookup_program_on_every_byte():
+  """The GPU lookup's seven permutes give bnb's element order and NF4 levels in bfloat16."""
+  lo, hi = kernel._table_words()
+  want = np.asarray(NF4_CODE, np.float32).astype(jnp.bfloat16).view(np.uint16)
+  for byte in range(256):
+    sel = byte & kernel.SEL_MASK
+    blend = ((byte & kernel.BLEND_MASK) >> 1) | kernel.BLEND_BASE
+    lows = _prmt(_prmt(lo[0], lo[1], sel), _prmt(lo[2], lo[3], sel), blend)
+    highs = _prmt(_prmt(hi[0], hi[1], sel), _prmt(hi[2], hi[3], sel), blend)
+    pair = _prmt(lows, highs, kernel.INTERLEAVE)
+    # bitsandbytes: the even element sits in the high nibble and comes first.
+    assert pair & 0xFFFF == want[byte >> 4] and pair >> 16 == want[byte & 15], byte
