@@ -234,7 +234,7 @@ def run_training(run: RunConfig, resume: bool = False) -> Path:
     check_resume(run, out, model_path, resume)
     cfg = jaxtune.ModelConfig.from_hf(model_path)
     meshlib.check_model_fits(
-      mesh, cfg.num_heads, cfg.num_kv_heads, run.batch_size // run.grad_accum
+      mesh, cfg.num_heads, cfg.num_kv_heads, run.batch_size // run.grad_accum, cfg.num_layers
     )
     if run.seq_len > cfg.max_position_embeddings:
       raise UserError(
