@@ -12,7 +12,10 @@ global batch is --batch x data. Per mesh it records:
                          1.0 is perfect scaling (for tensor and pipe: the same global batch run
                          on more GPUs, for data: more batch on more GPUs)
   predicted_bubble       pipeline meshes: (P - 1) / (M + P - 1), M micro-batches per step
-  efficiency_vs_bubble   efficiency / (1 - predicted_bubble): 1.0 = exactly the bubble's cost
+  efficiency_vs_bubble   pipeline meshes: tokens_per_s / (devices x 1-GPU tokens/s at the
+                         micro-batch size) / (1 - predicted_bubble); 1.0 = the stages run as
+                         fast as one GPU on a micro-batch, losing exactly the bubble. The
+                         1-GPU row at that batch is timed too when it differs from --batch.
   step_gib               per-GPU memory XLA planned for the step (arguments, outputs and
                          temporaries of the compiled program, donated buffers counted once)
   process_peak_gib       the busiest GPU's peak so far in this process (cumulative over rows)
@@ -91,13 +94,15 @@ def process_peak_gib(devices) -> float:
   return max(peaks) / 2**30  # 0 where the platform keeps no statistics (CPU)
 
 
-def time_mesh(name, host_state, graphdef, cfg, args) -> dict:
+def time_mesh(name, host_state, graphdef, cfg, args, per_replica=None) -> dict:
+  """One row: the train step under mesh ``name`` at ``per_replica`` (default --batch)
+  sequences per data replica."""
   spec = MESHES[name]
   sizes = meshlib.parse_mesh(spec, 1)
   n = sizes["data"] * sizes["tensor"] * sizes["pipe"]
   devices = jax.devices()[:n]
   mesh = meshlib.make_mesh(spec, devices)
-  batch = args.batch * sizes["data"]
+  batch = (per_replica or args.batch) * sizes["data"]
   plan = pipeline.plan(mesh, cfg.num_layers, batch, args.microbatches)
   model = nnx.merge(graphdef, *host_state)
   model.set_runtime(
@@ -201,7 +206,28 @@ def main():
     raise SystemExit(f"unknown mesh {unknown[0]!r}; choose from {', '.join(MESHES)}.")
   if "1" not in names:
     names.insert(0, "1")  # efficiency is against one GPU of the same run
-  rows, failed = [], []
+  rows, failed, micro_base = [], [], {}
+
+  def attempt(name, per_replica=None):
+    """Time one mesh and append its row; None (and a note) if it fails."""
+    try:
+      row = time_mesh(name, host, graphdef, cfg, args, per_replica)
+    except Exception as e:  # one mesh failing (e.g. out of memory) is a result too
+      failed.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+      print(f"mesh {name} failed: {failed[-1]}", flush=True)
+      return None
+    base = rows[0]["tokens_per_s"] if rows else row["tokens_per_s"]
+    row["efficiency"] = row["tokens_per_s"] / (row["devices"] * base)
+    row["efficiency_vs_bubble"] = row["efficiency"]
+    rows.append(row)
+    print(
+      f"{name} (batch {row['batch']}): {row['tokens_per_s']:.0f} tokens/s, "
+      f"{row['ms_per_step']:.1f} ms/step, {row['step_gib']:.2f} GiB, "
+      f"compiled in {row['compile_s']:.0f}s",
+      flush=True,
+    )
+    return row
+
   with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
     if args.tiny:
       ckpt = write_random_checkpoint(Path(tmp) / "tiny", hf_config(TINY))
@@ -215,17 +241,18 @@ def main():
       if need > jax.device_count():
         print(f"skip mesh {name}: needs {need} devices, {jax.device_count()} present", flush=True)
         continue
-      try:
-        row = time_mesh(name, host, graphdef, cfg, args)
-      except Exception as e:  # one mesh failing (e.g. out of memory) is a result too
-        failed.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-        print(f"mesh {name} failed: {failed[-1]}", flush=True)
+      row = attempt(name)
+      if row is None:
         continue
-      base = rows[0]["tokens_per_s"] if rows else row["tokens_per_s"]
-      row["efficiency"] = row["tokens_per_s"] / (row["devices"] * base)
-      row["efficiency_vs_bubble"] = row["efficiency"] / (1 - row["predicted_bubble"])
-      rows.append(row)
-      print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+      micro = row["batch"] // sizes["data"] // max(1, row["microbatches"])
+      if row["microbatches"] and micro != args.batch and micro not in micro_base:
+        # A stage works on micro-batches: its ideal is one GPU at that batch size.
+        base_row = attempt("1", micro)
+        micro_base[micro] = base_row and base_row["tokens_per_s"]
+      ideal = micro_base.get(micro) if row["microbatches"] else None
+      ideal = ideal or rows[0]["tokens_per_s"]
+      row["efficiency_vs_bubble"] = row["tokens_per_s"] / (row["devices"] * ideal)
+      row["efficiency_vs_bubble"] /= 1 - row["predicted_bubble"]
   if not rows:
     raise SystemExit("no mesh ran: " + "; ".join(failed))
   if rows[0]["mesh"] != "1":
@@ -236,7 +263,8 @@ def main():
     f"Scaling of the train step, {args.shape}, seq {args.seq}, NF4 + LoRA r=16 (7 proj), "
     f"{args.batch} sequences per data replica",
     note="efficiency = tokens/s / (GPUs x tokens/s on 1 GPU in the same run); "
-    "efficiency_vs_bubble = efficiency / (1 - predicted GPipe bubble); step_gib is XLA's "
+    "efficiency_vs_bubble (pipe) = tokens/s / (GPUs x tokens/s on 1 GPU at the micro-batch "
+    "size) / (1 - predicted GPipe bubble); step_gib is XLA's "
     "per-GPU plan for the step, process_peak_gib the process's peak so far."
     + "".join(f" Failed: {f}." for f in failed),
     out_dir=args.results_dir,
