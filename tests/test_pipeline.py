@@ -137,9 +137,8 @@ def test_offload_keeps_layer_inputs_on_the_host_under_a_pipeline(host_model, sin
   assert "f32<host>[8,8,16,128]" in jaxpr
 
 
-@pytest.mark.parametrize("microbatches", [1, 2])
-def test_microbatch_counts(host_model, single, microbatches):
-  _assert_same(loss_and_grads(host_model, "2x2x2", microbatches=microbatches), single, "M")
+def test_fewer_microbatches_than_sequences(host_model, single):
+  _assert_same(loss_and_grads(host_model, "2x2x2", microbatches=2), single, "M=2")
 
 
 def test_microbatches_must_divide_the_shard_batch(host_model):
