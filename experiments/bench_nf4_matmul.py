@@ -3,8 +3,8 @@
 For M in --ms and (K, N) from Llama-3.1-8B's projections, times forward y = x @ W^T and
 backward dx = dy @ W three ways: (a) bf16 jnp.dot on a bf16 copy of W, (b) XLA
 dequantize-then-dot on the NF4 weight, (c) the Mosaic GPU kernel. Checks the kernel against the
-float32 reference in the same run. Each timed call runs the op over several weight copies inside
-one jit (more bytes than the L2 cache holds, no host gaps), median of --reps.
+float32 reference in the same run. Each timing rotates over weight copies (more bytes than the L2
+cache holds) and counts device time only (CUPTI), median of --reps.
 
   python experiments/bench_nf4_matmul.py --results-dir $OUT
 """
@@ -29,13 +29,17 @@ from pallas_kernels.nf4_matmul import kernel, ops, reference  # noqa: E402
 LLAMA_8B = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]
 
 
-def time_per_call(fn, args, copies, reps):
-  """Median device time (CUPTI: the sum of the kernels' own times, no host gaps) per copy."""
+def time_per_call(fn, a, operands, reps):
+  """Median device time per call (CUPTI: the kernels' own times, no host gaps), the calls
+  rotating over weight copies that together outgrow the L2 cache."""
   from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 (GPU only)
 
-  jax.block_until_ready(fn(*args))
-  _, times = profiler.measure(fn, aggregate=True, iterations=reps)(*args)
-  return statistics.median(times) / copies  # ms
+  def all_copies(a):
+    return [fn(a, w) for w in operands]
+
+  jax.block_until_ready(all_copies(a))
+  _, times = profiler.measure(all_copies, aggregate=True, iterations=reps)(a)
+  return statistics.median(times) / len(operands)  # ms
 
 
 def kernel_breakdown(fn, args) -> str:
@@ -68,6 +72,18 @@ def weights(rng, k, n, copies):
   return qs, dense
 
 
+def record_rows(rows, out_dir):
+  """One table per row, written as soon as it is measured (a run cut short keeps its rows)."""
+  record(
+    "bench_nf4_matmul",
+    rows,
+    "NF4 dequant-matmul kernel vs bf16 dot and XLA dequantize-then-dot (Llama-3.1-8B shapes)",
+    note="ms per call (CUPTI device time, median); *_kernel_vs_bf16 = kernel / bf16 time (target "
+    "<= 1.10 at M >= 4096, <= 0.33 at M <= 16); *_xla_vs_kernel = XLA / kernel (target >= 1.2).",
+    out_dir=out_dir,
+  )
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--ms", default="1,16,256,4096,16384")
@@ -82,7 +98,7 @@ def main():
   rng = np.random.default_rng(0)
   rows, table = [], []
   for k, n in shapes:
-    copies = max(2, -(-256 * 2**20 // (k * n * 2)))
+    copies = max(2, -(-64 * 2**20 // (k * n // 2)))  # NF4 bytes of all copies >= 64 MiB
     qs, dense = weights(rng, k, n, copies)
     for m in (int(v) for v in args.ms.split(",")):
       x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
@@ -92,26 +108,25 @@ def main():
       w0 = np.asarray(nf4.dequantize_linear(*q0, jnp.float32))
       ref_b = np.asarray(dy.astype(jnp.float32)) @ w0
 
+      # One compiled op per variant, called once per weight copy; CUPTI sums the kernels.
       fwd = {
-        "bf16": jax.jit(lambda x, ws: [x @ w.T for w in ws]),
-        "xla": jax.jit(lambda x, qs: [reference.dequantize_then_dot(x, *q) for q in qs]),
-        "kernel": jax.jit(lambda x, qs: [ops.nf4_matmul(x, *q, impl="kernel") for q in qs]),
+        "bf16": jax.jit(lambda x, w: x @ w.T),
+        "xla": jax.jit(lambda x, q: reference.dequantize_then_dot(x, *q)),
+        "kernel": jax.jit(lambda x, q: ops.nf4_matmul(x, *q, impl="kernel")),
       }
       bwd = {
-        "bf16": jax.jit(lambda d, ws: [d @ w for w in ws]),
-        "xla": jax.jit(lambda d, qs: [reference.dequantize_then_dot_t(d, *q) for q in qs]),
-        "kernel": jax.jit(lambda d, qs: [ops._bwd_impl("kernel", d, q) for q in qs]),
+        "bf16": jax.jit(lambda d, w: d @ w),
+        "xla": jax.jit(lambda d, q: reference.dequantize_then_dot_t(d, *q)),
+        "kernel": jax.jit(lambda d, q: ops._bwd_impl("kernel", d, q)),
       }
       row = {"M": m, "K": k, "N": n}
       try:
-        row["fwd_err"] = rel_err(fwd["kernel"](x, qs[:1])[0], ref_f)
-        row["bwd_err"] = rel_err(bwd["kernel"](dy, qs[:1])[0], ref_b)
-        for name, fn in fwd.items():
-          operand = dense if name == "bf16" else qs
-          row[f"fwd_{name}_ms"] = time_per_call(fn, (x, operand), copies, args.reps)
-        for name, fn in bwd.items():
-          operand = dense if name == "bf16" else qs
-          row[f"bwd_{name}_ms"] = time_per_call(fn, (dy, operand), copies, args.reps)
+        row["fwd_err"] = rel_err(fwd["kernel"](x, qs[0]), ref_f)
+        row["bwd_err"] = rel_err(bwd["kernel"](dy, qs[0]), ref_b)
+        for d, fns, a in (("fwd", fwd, x), ("bwd", bwd, dy)):
+          for name, fn in fns.items():
+            operands = dense if name == "bf16" else qs
+            row[f"{d}_{name}_ms"] = time_per_call(fn, a, operands, args.reps)
       except Exception:  # a benchmark reports a failing case and goes on to the next
         traceback.print_exc(limit=3)
         continue
@@ -119,12 +134,11 @@ def main():
         row[f"{d}_kernel_vs_bf16"] = row[f"{d}_kernel_ms"] / row[f"{d}_bf16_ms"]
         row[f"{d}_xla_vs_kernel"] = row[f"{d}_xla_ms"] / row[f"{d}_kernel_ms"]
       rows.append(row)
+      record_rows([row], args.results_dir)
       if m in (1, 4096) and (k, n) == shapes[0]:
-        table.append(
-          f"M={m} K={k} N={n} kernel fwd: {kernel_breakdown(fwd['kernel'], (x, qs[:1]))}"
-        )
-        table.append(f"M={m} K={k} N={n} xla fwd: {kernel_breakdown(fwd['xla'], (x, qs[:1]))}")
-        table.append(f"M={m} K={k} N={n} bf16 fwd: {kernel_breakdown(fwd['bf16'], (x, dense[:1]))}")
+        for name, fn in fwd.items():
+          where = kernel_breakdown(fn, (x, dense[0] if name == "bf16" else qs[0]))
+          table.append(f"M={m} K={k} N={n} {name} fwd: {where}")
         print("\n".join(table[-3:]), flush=True)
       print({key: f"{v:.4g}" if isinstance(v, float) else v for key, v in row.items()}, flush=True)
 
@@ -145,7 +159,7 @@ def main():
             xp = ops._pad_rows(x, cfg.block_m)
             f = jax.jit(functools.partial(kernel.forward, config=cfg, lookup=lookup))
             err = rel_err(f(xp, w4, s)[:m], ref_f)
-            ms = time_per_call(f, (xp, w4, s), 1, args.reps)
+            ms = time_per_call(lambda a, w, f=f: f(a, *w), xp, [(w4, s)], args.reps)
             table.append(
               f"variant {label} M={m} K={k} N={n}: err {err:.2e}, {ms:.4f} ms (1 copy, with prep)"
             )
@@ -164,20 +178,11 @@ def main():
             cfg = kernel.Config(block_m=bm, block_n=bn, block_k_out=bko)
             f = jax.jit(functools.partial(kernel.backward, config=cfg))
             err = rel_err(f(dy, w4, s), ref_b)
-            ms = time_per_call(f, (dy, w4, s), 1, args.reps)
+            ms = time_per_call(lambda a, w, f=f: f(a, *w), dy, [(w4, s)], args.reps)
             table.append(f"bwd variant bm={bm} bn={bn} bko={bko} M={m}: err {err:.2e}, {ms:.4f} ms")
             print(table[-1], flush=True)
           except Exception:
             traceback.print_exc(limit=3)
-  if rows:
-    record(
-      "bench_nf4_matmul",
-      rows,
-      "NF4 dequant-matmul kernel vs bf16 dot and XLA dequantize-then-dot (Llama-3.1-8B shapes)",
-      note="ms per call (median); *_kernel_vs_bf16 = kernel time / bf16 time (target <= 1.10 at "
-      "M >= 4096, <= 0.33 at M <= 16); *_xla_vs_kernel = XLA time / kernel time (target >= 1.2).",
-      out_dir=args.results_dir,
-    )
   print("\n".join(table))
   print("     M      K      N | fwd k/bf16  xla/k | bwd k/bf16  xla/k")
   for r in rows:

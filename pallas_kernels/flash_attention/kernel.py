@@ -128,15 +128,25 @@ def _q_blocks(o: Options, k0, k1, window, block):
   return lo, a, b, hi
 
 
-def _visible(o: Options, q_ids, k_ids, window, q_seg, k_seg):
-  """Boolean mask from broadcast query/key positions (and segment ids where segmented)."""
-  ok = k_ids < o.seq_len
-  if o.causal:
-    ok &= q_ids >= k_ids
-  if o.windowed:
-    ok &= (window <= 0) | (q_ids - k_ids < window)
+def _visible(o: Options, padded: bool, q_ids, k_ids, reach, q_seg, k_seg):
+  """Boolean mask from broadcast query/key positions (and segment ids where segmented).
+
+  ``reach``: the window as a scalar, a huge number when there is none.
+  """
+  ok = None
+  conds = []
+  if padded:
+    conds.append(k_ids < o.seq_len)
+  if o.causal or o.windowed:
+    back = q_ids - k_ids
+    if o.causal:
+      conds.append(back >= 0)
+    if o.windowed:
+      conds.append(back < reach)
   if o.segmented:
-    ok &= q_seg == k_seg
+    conds.append(q_seg == k_seg)
+  for c in conds:
+    ok = c if ok is None else ok & c
   return ok
 
 
@@ -234,7 +244,11 @@ def _compiler_params():
 
 
 def _read_window(o: Options, window_ref):
-  return window_ref[0] if o.windowed else jnp.int32(0)
+  """-> (window, reach): the run-time window (0: none) and the same as a distance bound."""
+  if not o.windowed:
+    return jnp.int32(0), None
+  window = window_ref[0]
+  return window, jnp.where(window > 0, window, jnp.int32(2**30))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,6 +264,7 @@ def forward(q, k, v, segment_ids, window, o: Options, blocks: Blocks, interpret=
   bq, bk, stages = blocks.q, blocks.kv, blocks.num_stages
   dtype = q.dtype
   interpreted = interpret is not None
+  padded = o.seq_len < t
   tile = _COMPUTE_WGS * bq
   num_tiles = t // tile
 
@@ -262,7 +277,7 @@ def forward(q, k, v, segment_ids, window, o: Options, blocks: Blocks, interpret=
     tile_idx = num_tiles - 1 - lax.axis_index("q_tiles")  # the longest causal tiles first
     q0 = tile_idx * tile
     wg = lax.axis_index("wg")
-    window = _read_window(o, win_ref)
+    window, reach = _read_window(o, win_ref)
     lo, a, c, hi = _kv_blocks(o, q0, q0 + tile, window, bk)
     n = hi - lo
 
@@ -313,9 +328,10 @@ def forward(q, k, v, segment_ids, window, o: Options, blocks: Blocks, interpret=
             k_seg = lax.broadcast_in_dim(k_seg, (bq, bk), [1])
           k0 = (lo + i) * bk
           ok = _visible(
-            o, _row_ids((bq, bk), base, 0), _row_ids((bq, bk), k0, 1), window, q_seg, k_seg
+            o, padded, _row_ids((bq, bk), base, 0), _row_ids((bq, bk), k0, 1), reach, q_seg, k_seg
           )
-          s = jnp.where(ok, s, MASKED)
+          if ok is not None:
+            s = jnp.where(ok, s, MASKED)
         plgpu.barrier_arrive(k_free.at[slot])
 
         m_new = jnp.maximum(m_i, s.max(axis=1))
@@ -421,6 +437,7 @@ def backward_dq(
   bq, bk, stages = blocks.dq_q, blocks.dq_kv, blocks.num_stages
   dtype = q.dtype
   interpreted = interpret is not None
+  padded = o.seq_len < t
   tile = _COMPUTE_WGS * bq
   num_tiles = t // tile
 
@@ -433,7 +450,7 @@ def backward_dq(
     kv_head = lax.div(head, jnp.int32(group))
     q0 = (num_tiles - 1 - lax.axis_index("q_tiles")) * tile
     wg = lax.axis_index("wg")
-    window = _read_window(o, win_ref)
+    window, reach = _read_window(o, win_ref)
     lo, a, c, hi = _kv_blocks(o, q0, q0 + tile, window, bk)
     n = hi - lo
 
@@ -478,9 +495,10 @@ def backward_dq(
             k_seg = lax.broadcast_in_dim(k_seg, (bq, bk), [1])
           k0 = (lo + i) * bk
           ok = _visible(
-            o, _row_ids((bq, bk), base, 0), _row_ids((bq, bk), k0, 1), window, q_seg, k_seg
+            o, padded, _row_ids((bq, bk), base, 0), _row_ids((bq, bk), k0, 1), reach, q_seg, k_seg
           )
-          s = jnp.where(ok, s, MASKED)
+          if ok is not None:
+            s = jnp.where(ok, s, MASKED)
         p = jnp.exp2(s - lse)
         ds = p * (dp - delta)
         if t_cap is not None:
@@ -562,6 +580,7 @@ def backward_dkv(
   bk, bq, stages = blocks.dkv_kv, blocks.dkv_q, blocks.num_stages
   dtype = q.dtype
   interpreted = interpret is not None
+  padded = o.seq_len < t
   split = head_dim > 128
   kv_bufs = 1 if split else _COMPUTE_WGS
   tile = bk if split else _COMPUTE_WGS * bk
@@ -577,7 +596,7 @@ def backward_dkv(
     kv_head = lax.axis_index("heads")
     k_tile0 = (num_tiles - 1 - lax.axis_index("kv_tiles")) * tile
     wg = lax.axis_index("wg")
-    window = _read_window(o, win_ref)
+    window, reach = _read_window(o, win_ref)
     lo, a, c, hi = _q_blocks(o, k_tile0, k_tile0 + tile, window, bq)
     per_head = hi - lo
     n = group * per_head
@@ -628,9 +647,16 @@ def backward_dkv(
             q_seg = plgpu.load(qseg_smem.at[slot], layout=col)
             q_seg = lax.broadcast_in_dim(q_seg, (bk, bq), [1])
           ok = _visible(
-            o, _row_ids((bk, bq), qb * bq, 1), _row_ids((bk, bq), base, 0), window, q_seg, k_seg
+            o,
+            padded,
+            _row_ids((bk, bq), qb * bq, 1),
+            _row_ids((bk, bq), base, 0),
+            reach,
+            q_seg,
+            k_seg,
           )
-          s = jnp.where(ok, s, MASKED)
+          if ok is not None:
+            s = jnp.where(ok, s, MASKED)
         lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=col), (bk, bq), [1])
         p = jnp.exp2(s - lse)
         out = []

@@ -39,8 +39,9 @@ def _forward_config(m: int, n: int, k: int, interpret: bool) -> kernel.Config | 
   cells = (n // (wgs * kernel.WG_ROWS)) * (-(-m // bm))
   split = 1
   # Few output tiles (decoding): split K until the grid covers the GPU twice over, keeping
-  # at least 4 steps of 64 per cell.
-  while cells * split < _TARGET_CELLS and k % (kernel.BLOCK_K * split * 2) == 0:
+  # at least 4 steps of 64 per cell. Not with wide tiles: their float32 partial outputs would
+  # not fit in shared memory beside the pipeline.
+  while bm <= 64 and cells * split < _TARGET_CELLS and k % (kernel.BLOCK_K * split * 2) == 0:
     if k // (split * 2) < 4 * kernel.BLOCK_K:
       break
     split *= 2
