@@ -34,11 +34,11 @@ def time_per_call(fn, a, operands, reps):
   rotating over weight copies that together outgrow the L2 cache."""
   from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 (GPU only)
 
-  def all_copies(a):
+  def all_copies(a, operands):  # operands as arguments: captured, they become constants
     return [fn(a, w) for w in operands]
 
-  jax.block_until_ready(all_copies(a))
-  _, times = profiler.measure(all_copies, aggregate=True, iterations=reps)(a)
+  jax.block_until_ready(all_copies(a, operands))
+  _, times = profiler.measure(all_copies, aggregate=True, iterations=reps)(a, operands)
   return statistics.median(times) / len(operands)  # ms
 
 
