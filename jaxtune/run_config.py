@@ -79,7 +79,9 @@ class RunConfig:
   )
   rslora: bool = False
   skip_nonfinite: bool = False  # skip (count) steps with NaN/inf/zero loss instead of stopping
-  remat: str = "full"  # a policy of models/decoder.py: none | full | dots | dots_no_batch
+  remat: str = "full"  # a policy of models/decoder.py: none|full|dots|dots_no_batch|offload
+  microbatches: int = 0  # pipeline micro-batches per step (mesh pipe > 1); 0: automatic
+  shard_frozen: bool = False  # also split the frozen NF4 weights over data (FSDP-style)
   attention: str | None = None  # xla | fused; None: fused on GPU, xla elsewhere
   # Output
   log_every: int = 1

@@ -254,6 +254,14 @@ def run_training(run: RunConfig, resume: bool = False) -> Path:
     if why:
       say(why)
       run = run.replace(dtype=dtype)
+    if mesh.shape.get("pipe", 1) > 1:
+      from jaxtune import pipeline
+
+      plan = pipeline.plan(mesh, cfg.num_layers, run.batch_size // run.grad_accum, run.microbatches)
+      say(
+        f"pipeline: {plan.stages} stages of {plan.layers_per_stage} layers, "
+        f"{plan.microbatches} micro-batches per step, expected bubble {plan.bubble:.0%}"
+      )
     model = build_model(run, model_path, mesh)
   except (MeshError, CheckpointError, ConfigError, DataError, ValueError) as e:
     raise UserError(str(e)) from e

@@ -44,7 +44,12 @@ _HELP = {
   "rslora": "rank-stabilised LoRA scaling",
   "skip_nonfinite": "skip steps whose loss is NaN, inf or exactly 0 (counted in metrics) "
   "instead of stopping the run",
-  "remat": "activation checkpointing per layer: none, full, dots, dots_no_batch",
+  "remat": "activation checkpointing per layer: none, full, dots, dots_no_batch, offload "
+  "(layer inputs kept in host memory)",
+  "microbatches": "pipeline micro-batches per step when the mesh has pipe > 1 (0: one per "
+  "sequence of a data shard)",
+  "shard_frozen": "also split the frozen NF4 weights over the data axis, gathered per layer "
+  "(for models that do not fit one copy per data shard)",
   "attention": "xla or fused (jax.nn.dot_product_attention: cuDNN on GPU, exact for one "
   "document per row, which is all jaxtune's data makes today); unset: fused on GPU",
   "log_every": "write metrics every N steps",

@@ -191,13 +191,16 @@ def fp32_master(lora):
   )
 
 
-def place(model, mesh: Mesh | None):
-  """Split the model and put every piece on its sharding; returns (graphdef, lora, frozen)."""
+def place(model, mesh: Mesh | None, shard_frozen: bool = False):
+  """Split the model and put every piece on its sharding; returns (graphdef, lora, frozen).
+
+  ``shard_frozen`` also splits the NF4 storage over ``data`` (gathered per layer in the scan).
+  """
   graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
   lora = fp32_master(lora)
   if mesh is not None:
     lora = jax.device_put(lora, sharding.state_shardings(lora, mesh))
-    frozen = jax.device_put(frozen, sharding.state_shardings(frozen, mesh))
+    frozen = jax.device_put(frozen, sharding.state_shardings(frozen, mesh, shard_frozen))
   return graphdef, lora, frozen
 
 
@@ -303,8 +306,9 @@ def train(
     remat=run.remat,
     attention_impl=run.attention or model.default_attention(),
     activation_sharding=None if mesh is None else NamedSharding(mesh, PartitionSpec("data")),
+    microbatches=run.microbatches,
   )
-  graphdef, lora, frozen = place(model, mesh)
+  graphdef, lora, frozen = place(model, mesh, run.shard_frozen)
   if loss_scale is None and run.dtype == "float16":
     loss_scale = LossScale()
   tx, schedule = make_optimizer(run)

@@ -40,7 +40,7 @@ def _dataset(vocab=256, n=16, t=32, seed=0):
   return data.Dataset(ids, labels, np.ones_like(ids))
 
 
-def _losses(path, mesh_spec, tmp_path, steps=3, accum=2, quantization="nf4"):
+def _losses(path, mesh_spec, tmp_path, steps=3, accum=2, quantization="nf4", **run_kw):
   tmp_path.mkdir(parents=True, exist_ok=True)
   run = RunConfig(
     out=str(tmp_path / f"run_{mesh_spec}"),
@@ -53,7 +53,7 @@ def _losses(path, mesh_spec, tmp_path, steps=3, accum=2, quantization="nf4"):
     lora_rank=4,
     remat="full",
     quantization=quantization,
-  )
+  ).replace(**run_kw)
   (tmp_path / f"run_{mesh_spec}").mkdir(exist_ok=True)
   devices = jax.devices() if mesh_spec != "1" else jax.devices()[:1]
   mesh = meshlib.make_mesh(mesh_spec, devices)
@@ -70,6 +70,16 @@ def test_mesh_losses_equal_single_device(hf_llama_dir, tmp_path):
   assert single[-1] < single[0]  # it learns, so the comparison is not of constants
   for spec in ("2x4", "8", "1x8", "data=2,tensor=4"):
     np.testing.assert_allclose(_losses(path, spec, tmp_path), single, rtol=2e-5, err_msg=spec)
+
+
+def test_pipeline_run_settings_train_like_one_device(hf_llama_dir, tmp_path):
+  """--mesh 2x2x2 with --shard-frozen, --microbatches and --remat offload, through the
+  trainer's own placement: the same losses as one device."""
+  path, _ = _tiny_dir(hf_llama_dir)
+  single = _losses(path, "1", tmp_path / "one", steps=2)
+  settings = dict(shard_frozen=True, microbatches=2, remat="offload")
+  piped = _losses(path, "2x2x2", tmp_path / "piped", steps=2, **settings)
+  np.testing.assert_allclose(piped, single, rtol=2e-5)
 
 
 def test_grad_accumulation_normalises_over_all_micro_batches(hf_llama_dir, tmp_path):
