@@ -16,6 +16,7 @@ Recomputation under remat is not counted as useful work in either.
 """
 
 import argparse
+import itertools
 import statistics
 import sys
 import tempfile
@@ -34,6 +35,7 @@ import jaxtune  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
 from jaxtune import attention, trainer  # noqa: E402
+from jaxtune.lora import iter_linears  # noqa: E402
 from jaxtune.run_config import RunConfig  # noqa: E402
 
 
@@ -68,11 +70,13 @@ def peak_gib() -> float:
   return stats.get("peak_bytes_in_use", 0) / 2**30
 
 
-def time_steps(model, b: int, args, attention: str, remat: str) -> dict:
+def time_steps(model, b: int, args, attention: str, remat: str, nf4_matmul: str = "auto") -> dict:
   """Median step time of the jitted train step at micro-batch b (compilation excluded)."""
   cfg = model.config
   run = RunConfig(steps=args.steps, batch_size=b, seq_len=args.seq, lora_rank=16, lora_alpha=16)
   model.set_runtime(remat=remat, attention_impl=attention)
+  for _, linear in iter_linears(model):
+    linear.nf4_impl = None if nf4_matmul == "auto" else nf4_matmul
   graphdef, lora, frozen = trainer.place(model, None)
   tx, _ = trainer.make_optimizer(run)
   opt_state = tx.init(lora)
@@ -100,6 +104,7 @@ def time_steps(model, b: int, args, attention: str, remat: str) -> dict:
     "seq": args.seq,
     "remat": remat,
     "attention": attention,
+    "nf4_matmul": nf4_matmul,
     "lora_rank": 16,
     "tokens_per_s": b * args.seq / (ms / 1e3),
     "ms_per_step": ms,
@@ -140,6 +145,7 @@ def main():
   ap.add_argument("--remat", default="dots_no_batch", help="comma-separated policies")
   ap.add_argument("--attention", default="fused", help="comma-separated: xla, fused")
   ap.add_argument("--quantization", default="nf4", help="comma-separated: nf4, none")
+  ap.add_argument("--nf4-matmul", default="auto", help="comma-separated: auto, kernel, xla")
   ap.add_argument("--results-dir", default=None)
   ap.add_argument("--matmul-n", type=int, default=8192, help="size of the reference matmul")
   args = ap.parse_args()
@@ -169,8 +175,10 @@ def main():
       check_attention(model, args.seq)
       for attention in args.attention.split(","):
         for remat in args.remat.split(","):
-          for b in (int(x) for x in args.batches.split(",")):
-            row = time_steps(model, b, args, attention, remat)
+          for b, nf4_matmul in itertools.product(
+            (int(x) for x in args.batches.split(",")), args.nf4_matmul.split(",")
+          ):
+            row = time_steps(model, b, args, attention, remat, nf4_matmul)
             row.update(quantization=quantization, **load, matmul_tflops=rate)
             cfg = model.config
             matmul_params = cfg.num_layers * sum(o * i for o, i in cfg.linear_shapes().values())

@@ -17,6 +17,7 @@ CHOICES = {
   "quantization": ("nf4", None),
   "dtype": ("bfloat16", "float32", "float16"),
   "export": ("merged", "peft", "bnb4", None),
+  "nf4_matmul": ("kernel", "xla", None),
 }
 # Smallest allowed value of numeric settings (None: any value).
 MINIMUM = {
@@ -83,6 +84,9 @@ class RunConfig:
   microbatches: int = 0  # pipeline micro-batches per step (mesh pipe > 1); 0: automatic
   shard_frozen: bool = False  # also split the frozen NF4 weights over data (FSDP-style)
   attention: str | None = None  # xla | fused; None: fused on GPU, xla elsewhere
+  # NF4 linear layers: the Pallas kernel or XLA's dequantize-then-dot; None: per shape (the
+  # kernel for at most 64 tokens on one Hopper GPU, where it measured faster)
+  nf4_matmul: str | None = None
   # Output
   log_every: int = 1
   save_every: int = 50

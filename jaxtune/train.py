@@ -52,6 +52,8 @@ _HELP = {
   "(for models that do not fit one copy per data shard)",
   "attention": "xla or fused (jax.nn.dot_product_attention: cuDNN on GPU, exact for one "
   "document per row, which is all jaxtune's data makes today); unset: fused on GPU",
+  "nf4_matmul": "NF4 linear layers: kernel (Pallas, Hopper GPUs) or xla (dequantize then "
+  "dot); unset: the kernel for at most 64 tokens on one Hopper GPU, XLA otherwise",
   "log_every": "write metrics every N steps",
   "save_every": "checkpoint every N steps",
   "keep_checkpoints": "how many checkpoints to keep",

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtune import distributed, run_log, sharding
 from jaxtune.data import IGNORE, Dataset
+from jaxtune.lora import iter_linears
 from jaxtune.run_config import RunConfig
 
 
@@ -308,6 +309,8 @@ def train(
     activation_sharding=None if mesh is None else NamedSharding(mesh, PartitionSpec("data")),
     microbatches=run.microbatches,
   )
+  for _, linear in iter_linears(model):
+    linear.nf4_impl = run.nf4_matmul
   graphdef, lora, frozen = place(model, mesh, run.shard_frozen)
   if loss_scale is None and run.dtype == "float16":
     loss_scale = LossScale()
