@@ -1,7 +1,10 @@
 """Attention: causal, grouped-query, packed segments.
 
-Two implementations today (the Pallas kernel of pallas_kernels/flash_attention comes next):
+Three implementations:
   "xla":   plain einsums with the full [T, T] mask; handles packed segments. The reference.
+  "pallas": pallas_kernels.flash_attention: the Mosaic GPU flash kernel on Hopper (segments,
+           sliding window as a traced per-layer value, softcap; nothing [T, T]); elsewhere that
+           op's own fallback (cuDNN where the options allow, else its jnp reference).
   "fused": jax.nn.dot_product_attention, causal only: cuDNN's fused kernel on NVIDIA GPUs
            (asked for explicitly: left to choose, JAX picks its XLA version, which
            materialises float32 scores), jax.nn's XLA version elsewhere. Exact when each
@@ -12,6 +15,8 @@ Two implementations today (the Pallas kernel of pallas_kernels/flash_attention c
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.flash_attention import flash_attention
 
 
 def make_mask(segment_ids: jax.Array) -> jax.Array:
@@ -25,7 +30,7 @@ def make_mask(segment_ids: jax.Array) -> jax.Array:
   return (causal[None] & same)[:, None, None]
 
 
-IMPLEMENTATIONS = ("xla", "fused")
+IMPLEMENTATIONS = ("xla", "fused", "pallas")
 
 
 def default_implementation() -> str:
@@ -50,6 +55,10 @@ def attention(
   positions back. ``softcap``: cap * tanh(scores / cap) (Gemma 2). "fused" reads neither
   segments, window nor softcap (the caller checks it may use it).
   """
+  if implementation == "pallas":
+    return flash_attention(
+      q, k, v, segment_ids=segment_ids, causal=True, window=window, softcap=softcap, scale=scale
+    )
   if implementation == "fused":
     impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=impl)

@@ -53,14 +53,17 @@ class Blocks:
   dq_kv: int = 64  # dQ: keys per step
   dkv_kv: int = 64  # dK/dV: keys per warpgroup
   dkv_q: int = 64  # dK/dV: queries per step
+  dq_wgs: int = 2  # dQ: compute warpgroups (query tiles of dq_wgs * dq_q rows)
   num_stages: int = 2
 
   @classmethod
   def for_head_dim(cls, head_dim: int) -> "Blocks":
     if head_dim <= 128:
       return cls()
-    # 256: the f32 accumulators take half the registers, and K/V tiles the shared memory.
-    return cls(kv=64, dq_kv=32)
+    # 256: the f32 accumulators take half the registers, and K/V tiles the shared memory:
+    # 64-key steps (the least a bf16 wgmma contracts over), one dQ warpgroup (its Q and dO
+    # tiles and a two-stage K/V ring fill 192 KiB).
+    return cls(kv=64, dq_wgs=1)
 
   @property
   def multiple(self) -> int:
@@ -68,7 +71,7 @@ class Blocks:
     sizes = (
       _COMPUTE_WGS * self.q,
       self.kv,
-      _COMPUTE_WGS * self.dq_q,
+      self.dq_wgs * self.dq_q,
       self.dq_kv,
       _COMPUTE_WGS * self.dkv_kv,
       self.dkv_q,
@@ -434,11 +437,11 @@ def backward_dq(
   batch, t, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
   group = num_heads // num_kv_heads
-  bq, bk, stages = blocks.dq_q, blocks.dq_kv, blocks.num_stages
+  bq, bk, stages, wgs = blocks.dq_q, blocks.dq_kv, blocks.num_stages, blocks.dq_wgs
   dtype = q.dtype
   interpreted = interpret is not None
   padded = o.seq_len < t
-  tile = _COMPUTE_WGS * bq
+  tile = wgs * bq
   num_tiles = t // tile
 
   def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, win_ref, dq_ref, scratch):
@@ -454,7 +457,7 @@ def backward_dq(
     lo, a, c, hi = _kv_blocks(o, q0, q0 + tile, window, bk)
     n = hi - lo
 
-    @pl.when(wg < _COMPUTE_WGS)
+    @pl.when(wg < wgs)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
       stage = None if stage_smem is None else stage_smem.at[wg]
@@ -516,7 +519,7 @@ def backward_dq(
       plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, head])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == _COMPUTE_WGS)
+    @pl.when(wg == wgs)
     def _memory():
       plgpu.set_max_registers(40, action="decrease")
 
@@ -531,19 +534,19 @@ def backward_dq(
 
   seg = 1 if o.segmented else 0
   scratch = (
-    _smem((_COMPUTE_WGS, bq, head_dim), dtype),
-    _smem((_COMPUTE_WGS, bq, head_dim), dtype),
-    plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),
-    plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),
-    plgpu.SMEM((_COMPUTE_WGS, bq), jnp.int32),
+    _smem((wgs, bq, head_dim), dtype),
+    _smem((wgs, bq, head_dim), dtype),
+    plgpu.SMEM((wgs, bq), jnp.float32),
+    plgpu.SMEM((wgs, bq), jnp.float32),
+    plgpu.SMEM((wgs, bq), jnp.int32),
     _smem((stages, bk, head_dim), dtype),
     _smem((stages, bk, head_dim), dtype),
     plgpu.SMEM((stages, bk), jnp.int32),
-    plgpu.SMEM((_COMPUTE_WGS, bq, bk), dtype) if interpreted else None,
+    plgpu.SMEM((wgs, bq, bk), dtype) if interpreted else None,
     (
-      plgpu.Barrier(num_arrivals=4 + seg, num_barriers=_COMPUTE_WGS),
+      plgpu.Barrier(num_arrivals=4 + seg, num_barriers=wgs),
       plgpu.Barrier(num_arrivals=2 + seg, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
     ),
   )
   return plgpu.kernel(
@@ -552,7 +555,7 @@ def backward_dq(
     scratch_types=scratch,
     grid=(num_heads, num_tiles, batch),
     grid_names=("heads", "q_tiles", "batch"),
-    num_threads=_COMPUTE_WGS + 1,
+    num_threads=wgs + 1,
     thread_name="wg",
     compiler_params=_compiler_params(),
     interpret=interpret,
@@ -606,7 +609,9 @@ def backward_dkv(
       plgpu.set_max_registers(232, action="increase")
       stage = None if stage_smem is None else stage_smem.at[wg]
       buf = 0 if split else wg
-      k_smem, v_smem = k_smem2.at[buf], v_smem2.at[buf]
+      # Split: one unindexed K/V tile (a constant index would be closed over by the
+      # accumulator scopes, which Mosaic GPU cannot lower).
+      k_smem, v_smem = (k_smem2, v_smem2) if split else (k_smem2.at[buf], v_smem2.at[buf])
       base = k_tile0 + (0 if split else wg * bk)
       rows = pl.ds(base, bk)
 
@@ -741,8 +746,8 @@ def backward_dkv(
 
   seg = 1 if o.segmented else 0
   scratch = (
-    _smem((kv_bufs, bk, head_dim), dtype),
-    _smem((kv_bufs, bk, head_dim), dtype),
+    _smem((bk, head_dim) if split else (kv_bufs, bk, head_dim), dtype),
+    _smem((bk, head_dim) if split else (kv_bufs, bk, head_dim), dtype),
     plgpu.SMEM((kv_bufs, bk), jnp.int32),
     _smem((stages, bq, head_dim), dtype),
     _smem((stages, bq, head_dim), dtype),

@@ -5,11 +5,16 @@
 "interpret": the same kernels in Mosaic GPU's CPU interpreter (tests).
 "cudnn":     jax.nn.dot_product_attention's cuDNN kernel; no segments, softcap or traced window.
 "xla":       reference.py under XLA autodiff ([T, T] scores: small shapes only).
-Left unset: "mosaic" on Hopper; elsewhere "cudnn" on an NVIDIA GPU when the options allow it,
-else "xla".
+Left unset: "mosaic" on Hopper when the kernel takes the inputs (bf16/f16, head_dim a multiple
+of 64 up to 256); otherwise "cudnn" on an NVIDIA GPU when the options allow it, else "xla".
+
+Interpret mode runs each kernel's three warpgroups as concurrent CPU computations that wait on
+each other: it needs at least three XLA CPU threads (several CPU devices, as the tests fake,
+or more than two cores).
 """
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +52,11 @@ def flash_attention(
   static_window = _static_int(window)
   if implementation is None:
     implementation = default_implementation(
-      segmented=segment_ids is not None, softcap=softcap, static_window=static_window
+      segmented=segment_ids is not None,
+      softcap=softcap,
+      static_window=static_window,
+      dtype=q.dtype,
+      head_dim=h,
     )
   if implementation == "xla":
     return reference.attention(
@@ -91,13 +100,23 @@ def flash_attention(
   return out[:, :t]
 
 
-def default_implementation(*, segmented=False, softcap=None, static_window=0) -> str:
+def default_implementation(
+  *, segmented=False, softcap=None, static_window=0, dtype=jnp.bfloat16, head_dim=128
+) -> str:
+  kernel_ok = dtype in (jnp.bfloat16, jnp.float16) and head_dim % 64 == 0 and head_dim <= 256
   if _gpu.on_hopper():
-    return "mosaic"
+    if kernel_ok:
+      return "mosaic"
+    _log_once(f"flash attention: no kernel for {jnp.dtype(dtype).name} head_dim {head_dim}")
   cudnn_ok = not segmented and softcap is None and static_window is not None
   if jax.default_backend() == "gpu" and cudnn_ok:
     return "cudnn"
   return "xla"
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+  logging.getLogger(__name__).warning("%s; using the fallback.", message)
 
 
 def _static_int(x):
