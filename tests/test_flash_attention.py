@@ -27,6 +27,7 @@ CASES = {
   "segments-window-softcap": (200, 4, 2, 64, {"segments": True, "window": 48, "softcap": 3.0}),
   "noncausal-segments-window": (200, 2, 1, 64, {"causal": False, "segments": True, "window": 50}),
   "h128-segments-gqa2": (130, 2, 1, 128, {"segments": True}),
+  "one-segment-window": (330, 2, 1, 64, {"segments": "one", "window": 200}),
   "h256-softcap-window": (200, 2, 1, 256, {"softcap": 4.0, "window": 64}),
   "h256-segments-noncausal-gqa4": (128, 4, 1, 256, {"segments": True, "causal": False}),
 }
@@ -63,8 +64,10 @@ def _errors(f, q, k, v, do):
 def test_kernels_match_reference(name):
   t, n, kv, h, opts = CASES[name]
   q, k, v, do, seg = _inputs(t, n, kv, h, seed=len(name))
+  if not opts.get("segments"):
+    seg = None
   kw = dict(
-    segment_ids=seg if opts.get("segments") else None,
+    segment_ids=jnp.ones_like(seg) if opts.get("segments") == "one" else seg,
     causal=opts.get("causal", True),
     window=opts.get("window", 0),
     softcap=opts.get("softcap"),

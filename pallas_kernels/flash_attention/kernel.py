@@ -28,6 +28,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 LOG2E = math.log2(math.e)
 MASKED = -1e30
+SEGMENT_BLOCK = 64  # rows summarised by one entry of the ``uniform`` segment array
+MIXED = -(2**31)  # its value for a block holding several segment ids
 _COMPUTE_WGS = 2
 
 
@@ -103,8 +105,6 @@ def _kv_blocks(o: Options, q0, q1, window, block):
     on = window > 0
     lo = jnp.where(on, lax.div(jnp.maximum(q0 - window + 1, 0), jnp.int32(block)), 0)
     full_lo = jnp.where(on, _cdiv(jnp.maximum(q1 - window, 0), block), 0)
-  if o.segmented:
-    full_lo = hi
   a = _clamp(full_lo, lo, hi)
   b = _clamp(full_hi, a, hi)
   return lo, a, b, hi
@@ -124,15 +124,13 @@ def _q_blocks(o: Options, k0, k1, window, block):
     on = window > 0
     hi = jnp.where(on, jnp.minimum(hi, _cdiv(k1 - 1 + window, block)), hi)
     full_hi = jnp.where(on, lax.div(k0 + window, jnp.int32(block)), hi)
-  if o.segmented:
-    full_lo = hi
   a = _clamp(full_lo, lo, hi)
   b = _clamp(full_hi, a, hi)
   return lo, a, b, hi
 
 
-def _visible(o: Options, padded: bool, q_ids, k_ids, reach, q_seg, k_seg):
-  """Boolean mask from broadcast query/key positions (and segment ids where segmented).
+def _visible(o: Options, padded: bool, q_ids, k_ids, reach):
+  """Boolean mask from broadcast query/key positions, or None when all are visible.
 
   ``reach``: the window as a scalar, a huge number when there is none.
   """
@@ -146,11 +144,28 @@ def _visible(o: Options, padded: bool, q_ids, k_ids, reach, q_seg, k_seg):
       conds.append(back >= 0)
     if o.windowed:
       conds.append(back < reach)
-  if o.segmented:
-    conds.append(q_seg == k_seg)
   for c in conds:
     ok = c if ok is None else ok & c
   return ok
+
+
+def _uniform_id(uniform_ref, b, start, rows):
+  """The segment id shared by rows [start, start + rows), or MIXED (``uniform`` of ops.py)."""
+  first = lax.div(start, jnp.int32(SEGMENT_BLOCK))
+  u = uniform_ref[b, first]
+  for j in range(1, rows // SEGMENT_BLOCK):
+    other = uniform_ref[b, first + j]
+    u = jnp.where(other == u, u, jnp.int32(MIXED))
+  return u
+
+
+def _mask_segments(s, u_rows, u_cols, same_segment):
+  """Mask s where ``same_segment()`` is False, unless rows and columns are one segment.
+
+  Packed rows mostly pair blocks of a single document, and then skip the compares.
+  """
+  need = (u_rows == MIXED) | (u_rows != u_cols)
+  return lax.cond(need, lambda s: jnp.where(same_segment(), s, MASKED), lambda s: s, s)
 
 
 def _log2_scores(o: Options, raw):
@@ -259,7 +274,7 @@ def _read_window(o: Options, window_ref):
 # ---------------------------------------------------------------------------------------------
 
 
-def forward(q, k, v, segment_ids, window, o: Options, blocks: Blocks, interpret=None):
+def forward(q, k, v, segment_ids, uniform, window, o: Options, blocks: Blocks, interpret=None):
   """-> out [B, T, N, H] (q's dtype), lse [B, N, T] float32 (log2 units)."""
   batch, t, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
@@ -271,7 +286,7 @@ def forward(q, k, v, segment_ids, window, o: Options, blocks: Blocks, interpret=
   tile = _COMPUTE_WGS * bq
   num_tiles = t // tile
 
-  def body(q_ref, k_ref, v_ref, seg_ref, win_ref, out_ref, lse_ref, scratch):
+  def body(q_ref, k_ref, v_ref, seg_ref, uni_ref, win_ref, out_ref, lse_ref, scratch):
     (qo_smem, k_smem, v_smem, lse_smem, qseg_smem, kseg_smem, stage_smem, barriers) = scratch
     q_bar, k_bar, v_bar, k_free, v_free, sched = barriers
     b = lax.axis_index("batch")
@@ -298,10 +313,9 @@ def forward(q, k, v, segment_ids, window, o: Options, blocks: Blocks, interpret=
       if o.segmented:
         plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(base, bq)], qseg_smem.at[wg], q_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
-      q_seg = None
       if o.segmented:
         q_seg = plgpu.load(qseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-        q_seg = lax.broadcast_in_dim(q_seg, (bq, bk), [0])
+        q_uni = _uniform_id(uni_ref, b, base, bq)
 
       m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
       l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -324,17 +338,20 @@ def forward(q, k, v, segment_ids, window, o: Options, blocks: Blocks, interpret=
 
         s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
         s, _ = _log2_scores(o, s)
+        k0 = (lo + i) * bk
         if masked:
-          k_seg = None
-          if o.segmented:
-            k_seg = plgpu.load(kseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-            k_seg = lax.broadcast_in_dim(k_seg, (bq, bk), [1])
-          k0 = (lo + i) * bk
-          ok = _visible(
-            o, padded, _row_ids((bq, bk), base, 0), _row_ids((bq, bk), k0, 1), reach, q_seg, k_seg
-          )
+          ok = _visible(o, padded, _row_ids((bq, bk), base, 0), _row_ids((bq, bk), k0, 1), reach)
           if ok is not None:
             s = jnp.where(ok, s, MASKED)
+        if o.segmented:
+
+          def same_segment():
+            k_seg = plgpu.load(kseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            return lax.broadcast_in_dim(q_seg, (bq, bk), [0]) == lax.broadcast_in_dim(
+              k_seg, (bq, bk), [1]
+            )
+
+          s = _mask_segments(s, q_uni, _uniform_id(uni_ref, b, k0, bk), same_segment)
         plgpu.barrier_arrive(k_free.at[slot])
 
         m_new = jnp.maximum(m_i, s.max(axis=1))
@@ -413,7 +430,7 @@ def forward(q, k, v, segment_ids, window, o: Options, blocks: Blocks, interpret=
     jax.ShapeDtypeStruct((batch, num_heads, t), jnp.float32),
   )
   return plgpu.kernel(
-    lambda *refs: body(*refs[:7], refs[7:]),
+    lambda *refs: body(*refs[:8], refs[8:]),
     out_type=out_type,
     scratch_types=scratch,
     grid=(num_heads, num_tiles, batch),
@@ -422,7 +439,7 @@ def forward(q, k, v, segment_ids, window, o: Options, blocks: Blocks, interpret=
     thread_name="wg",
     compiler_params=_compiler_params(),
     interpret=interpret,
-  )(q, k, v, segment_ids, window)
+  )(q, k, v, segment_ids, uniform, window)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,7 +448,7 @@ def forward(q, k, v, segment_ids, window, o: Options, blocks: Blocks, interpret=
 
 
 def backward_dq(
-  q, k, v, do, lse, delta, segment_ids, window, o: Options, blocks: Blocks, interpret=None
+  q, k, v, do, lse, delta, segment_ids, uniform, window, o: Options, blocks: Blocks, interpret=None
 ):
   """-> dq [B, T, N, H] in q's dtype."""
   batch, t, num_heads, head_dim = q.shape
@@ -444,7 +461,9 @@ def backward_dq(
   tile = wgs * bq
   num_tiles = t // tile
 
-  def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, win_ref, dq_ref, scratch):
+  def body(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, uni_ref, win_ref, dq_ref, scratch
+  ):
     (q_smem2, do_smem2, lse_smem, delta_smem, qseg_smem, k_smem, v_smem, kseg_smem) = scratch[:8]
     stage_smem, barriers = scratch[8:]
     q_bar, kv_bar, kv_free = barriers
@@ -472,11 +491,12 @@ def backward_dq(
         plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], qseg_smem.at[wg], q_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
       row = plgpu.Layout.WGMMA.reduce(1)
-      lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[wg], layout=row), (bq, bk), [0])
-      delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[wg], layout=row), (bq, bk), [0])
-      q_seg = None
+      lse = plgpu.load(lse_smem.at[wg], layout=row)
+      delta = plgpu.load(delta_smem.at[wg], layout=row)
       if o.segmented:
-        q_seg = lax.broadcast_in_dim(plgpu.load(qseg_smem.at[wg], layout=row), (bq, bk), [0])
+        q_seg = plgpu.load(qseg_smem.at[wg], layout=row)
+        q_uni = _uniform_id(uni_ref, b, base, bq)
+      by_row = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
       dq = plgpu.layout_cast(jnp.full((bq, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
       def step(i, dq, masked):
@@ -491,19 +511,20 @@ def backward_dq(
           stage,
         )
         s, t_cap = _log2_scores(o, s)
+        k0 = (lo + i) * bk
         if masked:
-          k_seg = None
-          if o.segmented:
-            k_seg = plgpu.load(kseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-            k_seg = lax.broadcast_in_dim(k_seg, (bq, bk), [1])
-          k0 = (lo + i) * bk
-          ok = _visible(
-            o, padded, _row_ids((bq, bk), base, 0), _row_ids((bq, bk), k0, 1), reach, q_seg, k_seg
-          )
+          ok = _visible(o, padded, _row_ids((bq, bk), base, 0), _row_ids((bq, bk), k0, 1), reach)
           if ok is not None:
             s = jnp.where(ok, s, MASKED)
-        p = jnp.exp2(s - lse)
-        ds = p * (dp - delta)
+        if o.segmented:
+
+          def same_segment():
+            k_seg = plgpu.load(kseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            return by_row(q_seg) == lax.broadcast_in_dim(k_seg, (bq, bk), [1])
+
+          s = _mask_segments(s, q_uni, _uniform_id(uni_ref, b, k0, bk), same_segment)
+        p = jnp.exp2(s - by_row(lse))
+        ds = p * (dp - by_row(delta))
         if t_cap is not None:
           ds = ds * (1.0 - t_cap * t_cap)
 
@@ -550,7 +571,7 @@ def backward_dq(
     ),
   )
   return plgpu.kernel(
-    lambda *refs: body(*refs[:9], refs[9:]),
+    lambda *refs: body(*refs[:10], refs[10:]),
     out_type=jax.ShapeDtypeStruct(q.shape, dtype),
     scratch_types=scratch,
     grid=(num_heads, num_tiles, batch),
@@ -559,7 +580,7 @@ def backward_dq(
     thread_name="wg",
     compiler_params=_compiler_params(),
     interpret=interpret,
-  )(q, k, v, do, lse, delta, segment_ids, window)
+  )(q, k, v, do, lse, delta, segment_ids, uniform, window)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -569,7 +590,7 @@ def backward_dq(
 
 
 def backward_dkv(
-  q, k, v, do, lse, delta, segment_ids, window, o: Options, blocks: Blocks, interpret=None
+  q, k, v, do, lse, delta, segment_ids, uniform, window, o: Options, blocks: Blocks, interpret=None
 ):
   """-> dk, dv [B, T, K, H] in k's dtype.
 
@@ -590,14 +611,15 @@ def backward_dkv(
   num_tiles = t // tile
 
   def body(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, win_ref, dk_ref, dv_ref, scratch
-  ):
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, uni_ref, win_ref, dk_ref, dv_ref,
+    scratch,
+  ):  # fmt: skip
     (k_smem2, v_smem2, kseg_smem, q_smem, do_smem, lse_smem, delta_smem, qseg_smem) = scratch[:8]
     stage_smem, barriers = scratch[8:]
     kv_bar, q_bar, q_free, done = barriers
     b = lax.axis_index("batch")
     kv_head = lax.axis_index("heads")
-    k_tile0 = (num_tiles - 1 - lax.axis_index("kv_tiles")) * tile
+    k_tile0 = lax.axis_index("kv_tiles") * tile  # causal: the first keys have the most work
     wg = lax.axis_index("wg")
     window, reach = _read_window(o, win_ref)
     lo, a, c, hi = _q_blocks(o, k_tile0, k_tile0 + tile, window, bq)
@@ -626,10 +648,9 @@ def backward_dkv(
       else:
         load_kv()
       plgpu.barrier_wait(kv_bar.at[buf])
-      k_seg = None
       if o.segmented:
         k_seg = plgpu.load(kseg_smem.at[buf], layout=plgpu.Layout.WGMMA.reduce(1))
-        k_seg = lax.broadcast_in_dim(k_seg, (bk, bq), [0])
+        k_uni = _uniform_id(uni_ref, b, base, bk)
       zeros = plgpu.layout_cast(jnp.full((bk, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
       def step(i, carry, masked, want_dk, want_dv):
@@ -647,21 +668,20 @@ def backward_dkv(
         s = pl.run_scoped(s_t, plgpu.ACC((bk, bq), jnp.float32))  # [keys, queries]
         s, t_cap = _log2_scores(o, s)
         if masked:
-          q_seg = None
-          if o.segmented:
-            q_seg = plgpu.load(qseg_smem.at[slot], layout=col)
-            q_seg = lax.broadcast_in_dim(q_seg, (bk, bq), [1])
           ok = _visible(
-            o,
-            padded,
-            _row_ids((bk, bq), qb * bq, 1),
-            _row_ids((bk, bq), base, 0),
-            reach,
-            q_seg,
-            k_seg,
+            o, padded, _row_ids((bk, bq), qb * bq, 1), _row_ids((bk, bq), base, 0), reach
           )
           if ok is not None:
             s = jnp.where(ok, s, MASKED)
+        if o.segmented:
+
+          def same_segment():
+            q_seg = plgpu.load(qseg_smem.at[slot], layout=col)
+            return lax.broadcast_in_dim(k_seg, (bk, bq), [0]) == lax.broadcast_in_dim(
+              q_seg, (bk, bq), [1]
+            )
+
+          s = _mask_segments(s, k_uni, _uniform_id(uni_ref, b, qb * bq, bq), same_segment)
         lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=col), (bk, bq), [1])
         p = jnp.exp2(s - lse)
         out = []
@@ -764,7 +784,7 @@ def backward_dkv(
   )
   out = jax.ShapeDtypeStruct(k.shape, dtype)
   return plgpu.kernel(
-    lambda *refs: body(*refs[:10], refs[10:]),
+    lambda *refs: body(*refs[:11], refs[11:]),
     out_type=(out, out),
     scratch_types=scratch,
     grid=(num_kv_heads, num_tiles, batch),
@@ -773,4 +793,4 @@ def backward_dkv(
     thread_name="wg",
     compiler_params=_compiler_params(),
     interpret=interpret,
-  )(q, k, v, do, lse, delta, segment_ids, window)
+  )(q, k, v, do, lse, delta, segment_ids, uniform, window)

@@ -89,15 +89,14 @@ def flash_attention(
   interpret = _gpu.interpret_params() if implementation == "interpret" else None
   pad = -t % blocks.multiple
   if segment_ids is None:
-    seg = jnp.zeros((1, 16), jnp.int32)  # never read
+    seg = uniform = jnp.zeros((1, 16), jnp.int32)  # never read
   else:
     seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
+    uniform = _uniform_segments(seg)
   win = jnp.asarray(window, jnp.int32).reshape(1)
   rows = ((0, 0), (0, pad), (0, 0), (0, 0))
-  out = _flash(
-    jnp.pad(q, rows), jnp.pad(k, rows), jnp.pad(v, rows), seg, win, opts, blocks, interpret
-  )
-  return out[:, :t]
+  q, k, v = (jnp.pad(x, rows) for x in (q, k, v))
+  return _flash(q, k, v, seg, uniform, win, opts, blocks, interpret)[:, :t]
 
 
 def default_implementation(
@@ -119,6 +118,17 @@ def _log_once(message: str) -> None:
   logging.getLogger(__name__).warning("%s; using the fallback.", message)
 
 
+def _uniform_segments(seg):
+  """[B, T] ids -> [B, T / 64]: each block's id where all its 64 tokens share one, else MIXED.
+
+  The kernels skip the per-element segment compare for pairs of blocks with the same id.
+  """
+  b, t = seg.shape
+  blocks = seg.reshape(b, t // kernel.SEGMENT_BLOCK, kernel.SEGMENT_BLOCK)
+  lo, hi = blocks.min(axis=-1), blocks.max(axis=-1)
+  return jnp.where(lo == hi, lo, kernel.MIXED).astype(jnp.int32)
+
+
 def _static_int(x):
   """The Python int behind ``x``, or None when it is traced."""
   try:
@@ -127,25 +137,25 @@ def _static_int(x):
     return None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _flash(q, k, v, seg, win, opts, blocks, interpret):
-  out, _ = kernel.forward(q, k, v, seg, win, opts, blocks, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _flash(q, k, v, seg, uniform, win, opts, blocks, interpret):
+  out, _ = kernel.forward(q, k, v, seg, uniform, win, opts, blocks, interpret)
   return out
 
 
-def _flash_fwd(q, k, v, seg, win, opts, blocks, interpret):
-  out, lse = kernel.forward(q, k, v, seg, win, opts, blocks, interpret)
-  return out, (q, k, v, seg, win, out, lse)
+def _flash_fwd(q, k, v, seg, uniform, win, opts, blocks, interpret):
+  out, lse = kernel.forward(q, k, v, seg, uniform, win, opts, blocks, interpret)
+  return out, (q, k, v, seg, uniform, win, out, lse)
 
 
 def _flash_bwd(opts, blocks, interpret, res, do):
-  q, k, v, seg, win, out, lse = res
+  q, k, v, seg, uniform, win, out, lse = res
   do = do.astype(q.dtype)
   delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
-  args = (q, k, v, do, lse, delta, seg, win, opts, blocks, interpret)
+  args = (q, k, v, do, lse, delta, seg, uniform, win, opts, blocks, interpret)
   dq = kernel.backward_dq(*args)
   dk, dv = kernel.backward_dkv(*args)
-  return dq, dk, dv, None, None
+  return dq, dk, dv, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
