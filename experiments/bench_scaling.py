@@ -27,6 +27,7 @@ Meshes that need more devices than present are skipped.
 """
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -220,6 +221,9 @@ def main():
     row["efficiency"] = row["tokens_per_s"] / (row["devices"] * base)
     row["efficiency_vs_bubble"] = row["efficiency"]
     rows.append(row)
+    if args.results_dir:  # a run cut short by its time limit keeps what it measured
+      with open(Path(args.results_dir) / "scaling_partial.jsonl", "a") as f:
+        f.write(json.dumps({k: v for k, v in row.items() if not callable(v)}) + "\n")
     print(
       f"{name} (batch {row['batch']}): {row['tokens_per_s']:.0f} tokens/s, "
       f"{row['ms_per_step']:.1f} ms/step, {row['step_gib']:.2f} GiB, "
