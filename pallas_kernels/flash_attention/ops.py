@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _gpu
-from pallas_kernels.flash_attention import kernel, reference
+from pallas_kernels.flash_attention import kernel, kernel_backward, reference
 
 IMPLEMENTATIONS = ("mosaic", "interpret", "cudnn", "xla")
 
@@ -153,8 +153,8 @@ def _flash_bwd(opts, blocks, interpret, res, do):
   do = do.astype(q.dtype)
   delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
   args = (q, k, v, do, lse, delta, seg, uniform, win, opts, blocks, interpret)
-  dq = kernel.backward_dq(*args)
-  dk, dv = kernel.backward_dkv(*args)
+  dq = kernel_backward.backward_dq(*args)
+  dk, dv = kernel_backward.backward_dkv(*args)
   return dq, dk, dv, None, None, None
 
 
