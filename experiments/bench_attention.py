@@ -5,7 +5,8 @@ Cases (batch 1, bf16, causal):
   gemma256: 16 query heads, 8 K/V heads, head_dim 256, scale 256**-0.5; plain, softcap 50,
             window 4096, softcap + window (the window passed as a traced value, as in the
             model's layer scan).
-Implementations: "mosaic" (ours), "cudnn" (jax.nn.dot_product_attention, when it can express
+Implementations: "mosaic" (ours), "mosaic_fused" (ours, head_dim 128, dQ accumulated by the
+dK/dV kernel: Blocks(fused_dq=True)), "cudnn" (jax.nn.dot_product_attention, when it can express
 the variant), "xla" (jax.nn.dot_product_attention's XLA version, or our jnp reference for
 softcap; skipped where its [T, T] float32 scores would not fit).
 
@@ -52,10 +53,16 @@ def attention_fn(impl, case, variant):
   scale = case["scale"] or case["head_dim"] ** -0.5
   softcap = variant.get("softcap")
   windowed = "window" in variant
-  if impl == "mosaic":
+  if impl in ("mosaic", "mosaic_fused"):
+    if impl == "mosaic_fused" and case["head_dim"] != 128:
+      return None
+    blocks = kernel.Blocks.for_head_dim(case["head_dim"])
+    if impl == "mosaic_fused":
+      blocks = kernel.Blocks(fused_dq=True)
     return lambda q, k, v, w: ops.flash_attention(
-      q, k, v, window=w if windowed else 0, softcap=softcap, scale=scale, implementation=MOSAIC
-    )
+      q, k, v, window=w if windowed else 0, softcap=softcap, scale=scale, implementation=MOSAIC,
+      blocks=blocks,
+    )  # fmt: skip
   if softcap is not None and impl == "cudnn":
     return None
   if impl == "cudnn" or (impl == "xla" and softcap is None):
@@ -206,7 +213,7 @@ def main():
   ap.add_argument("--seqs", default="2048,8192,32768")
   ap.add_argument("--batch", type=int, default=1)
   ap.add_argument("--cases", default="gqa128,gemma256")
-  ap.add_argument("--impls", default="mosaic,cudnn,xla")
+  ap.add_argument("--impls", default="mosaic,cudnn,xla,mosaic_fused")
   ap.add_argument("--no-checks", action="store_true")
   ap.add_argument("--sweep", action="store_true", help="also time a few block-size choices")
   ap.add_argument("--results-dir", default=None)
@@ -226,17 +233,19 @@ def main():
   for case_name in args.cases.split(","):
     case = CASES[case_name]
     for var_name, variant in VARIANTS[case_name].items():
-      err = None
-      if not args.no_checks:
+      errs = {}
+      for impl in ("mosaic", "mosaic_fused"):
+        f = attention_fn(impl, case, variant)
+        if args.no_checks or impl not in impls or f is None:
+          continue
         q, k, v, do = inputs(case, 1, 256 if args.interpret else 2048, seed=7)
         w = jnp.int32(variant.get("window", 0))
         try:
-          err = check(attention_fn("mosaic", case, variant), reference_fn(case, variant),
-                      q, k, v, w, do)  # fmt: skip
+          errs[impl] = check(f, reference_fn(case, variant), q, k, v, w, do)
         except Exception as e:  # noqa: BLE001  (report and go on to the timings)
-          print(f"FAILED check {case_name} {var_name}: {str(e)[:3000]}", flush=True)
-          err = float("nan")
-        print(f"check {case_name} {var_name} seq 2048: max rel err {err:.2e}", flush=True)
+          print(f"FAILED check {impl} {case_name} {var_name}: {str(e)[:3000]}", flush=True)
+          errs[impl] = float("nan")
+        print(f"check {impl} {case_name} {var_name} seq 2048: max rel err {errs[impl]:.2e}")
       for seq in seqs:
         q, k, v, do = inputs(case, args.batch, seq)
         w = jnp.int32(variant.get("window", 0))
@@ -270,13 +279,10 @@ def main():
             "fwd_tflops": flops / t_f / 1e12,
             "fwd_bwd_tflops": 3.5 * flops / t_fb / 1e12,
             "temp_gib": temp_gib(fwd_bwd, q, k, v, w, do),
-            "check_rel_err": err if impl == "mosaic" else None,
+            "check_rel_err": errs.get(impl),
           }
           rows.append(row)
           print({k_: (round(x, 4) if isinstance(x, float) else x) for k_, x in row.items()})
-
-  if args.sweep:
-    sweep(args.batch, 8192)
 
   def find(r, impl=None, variant=None):
     for o in rows:
@@ -323,6 +329,8 @@ def main():
       f"{fmt(r['speedup_vs_cudnn_fwd_bwd'])} | {fmt(r['speedup_vs_xla_fwd_bwd'])} | "
       f"{fmt(r['time_vs_plain_fwd_bwd'])} |"
     )
+  if args.sweep:  # last: recorded rows are safe whatever happens here
+    sweep(args.batch, 8192)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ unmasked blocks), softcap, custom scale, segment ids with padding, lengths that 
 multiple of the tile. Interpreting is slow: shapes are as small as the tiles allow.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -30,6 +32,15 @@ CASES = {
   "one-segment-window": (330, 2, 1, 64, {"segments": "one", "window": 200}),
   "h256-softcap-window": (200, 2, 1, 256, {"softcap": 4.0, "window": 64}),
   "h256-segments-noncausal-gqa4": (128, 4, 1, 256, {"segments": True, "causal": False}),
+  # dQ accumulated by the dK/dV kernel (head_dim 128 only)
+  "fused-dq-gqa2": (200, 4, 2, 128, {"fused_dq": True}),
+  "fused-dq-segments-window-softcap": (
+    330,
+    2,
+    1,
+    128,
+    {"fused_dq": True, "segments": True, "window": 100, "softcap": 5.0},
+  ),
 }
 
 
@@ -43,6 +54,10 @@ def _inputs(t, n, kv, h, seed):
   seg = jnp.sort(jax.random.randint(ks[4], (1, t), 1, 4), axis=1)
   seg = seg.at[:, t - t // 5 :].set(0)
   return q, k, v, do, seg
+
+
+def _blocks(head_dim, fused_dq):
+  return dataclasses.replace(kernel.Blocks.for_head_dim(head_dim), fused_dq=fused_dq)
 
 
 def _rel(x, ref):
@@ -73,7 +88,8 @@ def test_kernels_match_reference(name):
     softcap=opts.get("softcap"),
     scale=opts.get("scale"),
   )
-  f = lambda q, k, v, impl: ops.flash_attention(q, k, v, implementation=impl, **kw)
+  blocks = _blocks(h, opts.get("fused_dq", False))
+  f = lambda q, k, v, impl: ops.flash_attention(q, k, v, implementation=impl, blocks=blocks, **kw)
   errs = _errors(f, q, k, v, do)
   assert max(errs) < TOL, dict(zip(("out", "dq", "dk", "dv"), errs, strict=True))
 
@@ -94,9 +110,9 @@ def test_traced_window_in_a_layer_scan():
   assert max(errs) < TOL, errs
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim, fused", [(64, False), (128, False), (128, True), (256, False)])
 @pytest.mark.parametrize("everything", [False, True])
-def test_kernels_lower_for_hopper(head_dim, everything):
+def test_kernels_lower_for_hopper(head_dim, fused, everything):
   """Mosaic GPU lowering (layouts, shared-memory budget) runs without a GPU: catch it here."""
   q = jax.ShapeDtypeStruct((1, 1000, 4, head_dim), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 1000, 2, head_dim), jnp.bfloat16)
@@ -105,12 +121,15 @@ def test_kernels_lower_for_hopper(head_dim, everything):
 
   def f(q, k, v, do, seg, window):
     kw = dict(segment_ids=seg, window=window, softcap=30.0) if everything else {}
-    attn = lambda q, k, v: ops.flash_attention(q, k, v, implementation="mosaic", **kw)
+    blocks = _blocks(head_dim, fused)
+    attn = lambda q, k, v: ops.flash_attention(
+      q, k, v, implementation="mosaic", blocks=blocks, **kw
+    )
     out, vjp = jax.vjp(attn, q, k, v)
     return out, *vjp(do)
 
   text = jax.jit(f).trace(q, k, k, q, seg, window).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("mosaic_gpu") >= 3  # forward, dQ, dK/dV
+  assert text.count("mosaic_gpu") >= (2 if fused else 3)  # forward, dQ, dK/dV
 
 
 def test_tile_ranges_cover_exactly_the_visible_blocks():

@@ -20,6 +20,7 @@ from pallas_kernels.flash_attention.kernel import (
   _log2_scores,
   _mask_segments,
   _mma,
+  _mma_sum,
   _q_blocks,
   _read_window,
   _row_ids,
@@ -177,13 +178,20 @@ def backward_dq(
 
 
 def backward_dkv(
-  q, k, v, do, lse, delta, segment_ids, uniform, window, o: Options, blocks: Blocks, interpret=None
-):
+  q, k, v, do, lse, delta, segment_ids, uniform, window, o: Options, blocks: Blocks,
+  interpret=None, dq_acc=None,
+):  # fmt: skip
   """-> dk, dv [B, T, K, H] in k's dtype.
 
   Head dim <= 128: each compute warpgroup owns its own ``dkv_kv`` keys and accumulates both
   dK and dV. Larger: two f32 accumulators do not fit the registers, so both warpgroups take
   the same keys, one accumulating dV (2 matmuls a step), the other dK (3 matmuls).
+
+  ``dq_acc`` (head_dim 128 only): a zeroed float32 [B, T, N, H] ``jax.Ref``. Then this kernel
+  also adds dS @ K (unscaled) into it, FlashAttention-3's backward: no separate dQ kernel
+  recomputing S and dP. Both warpgroups share their dS tiles through shared memory and each
+  adds one half of the head dim with a TMA reduction (on the interpreter, which has none: a
+  read-add-write, race-free since each warpgroup owns its columns and CTAs run in turn).
   """
   batch, t, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
@@ -193,17 +201,21 @@ def backward_dkv(
   interpreted = interpret is not None
   padded = o.seq_len < t
   split = head_dim > 128
+  fused = dq_acc is not None
+  if fused and head_dim != 128:
+    raise ValueError(f"the fused dQ takes head_dim 128 (whole 64-wide halves), not {head_dim}")
+  half = head_dim // 2
   kv_bufs = 1 if split else _COMPUTE_WGS
   tile = bk if split else _COMPUTE_WGS * bk
   num_tiles = t // tile
 
-  def body(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, uni_ref, win_ref, dk_ref, dv_ref,
-    scratch,
-  ):  # fmt: skip
+  def body(*refs):
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, uni_ref, win_ref) = refs[:9]
+    dq_ref = refs[9] if fused else None
+    dk_ref, dv_ref, scratch = refs[9 + fused], refs[10 + fused], refs[11 + fused :]
     (k_smem2, v_smem2, kseg_smem, q_smem, do_smem, lse_smem, delta_smem, qseg_smem) = scratch[:8]
-    stage_smem, barriers = scratch[8:]
-    kv_bar, q_bar, q_free, done = barriers
+    stage_smem, ds_smem, dq_smem, barriers = scratch[8:]
+    kv_bar, q_bar, q_free, done, ds_ready = barriers
     b = lax.axis_index("batch")
     kv_head = lax.axis_index("heads")
     k_tile0 = lax.axis_index("kv_tiles") * tile  # causal: the first keys have the most work
@@ -283,13 +295,39 @@ def backward_dkv(
           if t_cap is not None:
             ds = ds * (1.0 - t_cap * t_cap)
 
-          out += _mma([(carry[0], ds.astype(dtype), q_s)], stage)
+          ds16 = ds.astype(dtype)
+          out += _mma([(carry[0], ds16, q_s)], stage)
           if want_dv:
             out.append(dv)
+          if fused:
+            add_dq(i, qb, ds16)
         else:
           out += _mma([(carry[0], p.astype(dtype), do_s)], stage)
         plgpu.barrier_arrive(q_free.at[slot])
         return tuple(out)
+
+      def add_dq(i, qb, ds16):
+        """dq[queries, this warpgroup's half of H] += dS^T @ K over both warpgroups' keys."""
+        par = lax.rem(i, 2)  # two dS buffers: the other warpgroup may still read the last one
+        ds_smem.at[par, wg][...] = ds16
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ds_ready.at[par])
+        plgpu.barrier_wait(ds_ready.at[par])
+        cols = pl.ds(wg * half, half)
+        # Indices from wg (traced): accumulator scopes cannot close over constant indices.
+        dqp = _mma_sum(
+          (bq, half),
+          [(ds_smem.at[par, w].transpose((1, 0)), k_smem2.at[w].at[:, cols]) for w in (wg, 1 - wg)],
+        )
+        head = kv_head * group + lax.div(i, jnp.maximum(per_head, 1))
+        dst = dq_ref.at[b, pl.ds(qb * bq, bq), head, cols]
+        if interpreted:
+          dst[...] = dst[...] + dqp
+        else:
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction read dq_smem
+          dq_smem.at[wg][...] = dqp
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op="add")
 
       def run(want_dk, want_dv):
         def head_loop(g, carry):
@@ -329,6 +367,9 @@ def backward_dkv(
 
       else:
         dk, dv = run(True, True)
+        if fused:  # the other warpgroup's last dQ product reads this warpgroup's K
+          plgpu.barrier_arrive(done)
+          plgpu.barrier_wait(done)
         store(dk, k_smem, dk_ref, o.scale)
         store(dv, v_smem, dv_ref, 1.0)
 
@@ -362,16 +403,26 @@ def backward_dkv(
     plgpu.SMEM((stages, bq), jnp.float32),
     plgpu.SMEM((stages, bq), jnp.int32),
     plgpu.SMEM((_COMPUTE_WGS, bk, bq), dtype) if interpreted else None,
+    _smem((2, _COMPUTE_WGS, bk, bq), dtype) if fused else None,
+    plgpu.SMEM(
+      (_COMPUTE_WGS, bq, half),
+      jnp.float32,
+      transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)),
+    )
+    if fused and not interpreted
+    else None,
     (
       plgpu.Barrier(num_arrivals=2 + seg, num_barriers=kv_bufs),
       plgpu.Barrier(num_arrivals=4 + seg, num_barriers=stages),
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=2),
     ),
   )
   out = jax.ShapeDtypeStruct(k.shape, dtype)
+  operands = (q, k, v, do, lse, delta, segment_ids, uniform, window)
   return plgpu.kernel(
-    lambda *refs: body(*refs[:11], refs[11:]),
+    body,
     out_type=(out, out),
     scratch_types=scratch,
     grid=(num_kv_heads, num_tiles, batch),
@@ -380,4 +431,4 @@ def backward_dkv(
     thread_name="wg",
     compiler_params=_compiler_params(),
     interpret=interpret,
-  )(q, k, v, do, lse, delta, segment_ids, uniform, window)
+  )(*operands, *((dq_acc,) if fused else ()))

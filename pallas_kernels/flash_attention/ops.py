@@ -153,8 +153,13 @@ def _flash_bwd(opts, blocks, interpret, res, do):
   do = do.astype(q.dtype)
   delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
   args = (q, k, v, do, lse, delta, seg, uniform, win, opts, blocks, interpret)
-  dq = kernel_backward.backward_dq(*args)
-  dk, dv = kernel_backward.backward_dkv(*args)
+  if blocks.fused_dq and q.shape[-1] == 128:
+    dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+    dk, dv = kernel_backward.backward_dkv(*args, dq_acc=dq_acc)
+    dq = (dq_acc[...] * opts.scale).astype(q.dtype)
+  else:
+    dq = kernel_backward.backward_dq(*args)
+    dk, dv = kernel_backward.backward_dkv(*args)
   return dq, dk, dv, None, None, None
 
 
