@@ -18,6 +18,7 @@ Times are medians over repeats of a loop of calls (block_until_ready after each 
 """
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -160,10 +161,14 @@ def packed_checks(lengths=(1000,)):
     (t,) = lengths
     q, k, v, do = inputs(case, 2, t, seed=h)
     seg = jnp.sort(jax.random.randint(jax.random.key(h), (2, t), 0, 5), axis=1)
-    for kw in ({}, {"softcap": 20.0, "window": 300}):
-      f = lambda q, k, v, w, kw=kw, seg=seg: ops.flash_attention(
+    options = [{}, {"softcap": 20.0, "window": 300}]
+    if h == 128:
+      options.append({"softcap": 20.0, "window": 300, "fused_dq": True})
+    for kw in options:
+      blocks = dataclasses.replace(kernel.Blocks.for_head_dim(h), fused_dq="fused_dq" in kw)
+      f = lambda q, k, v, w, kw=kw, seg=seg, blocks=blocks: ops.flash_attention(
         q, k, v, segment_ids=seg, window=w if "window" in kw else 0,
-        softcap=kw.get("softcap"), scale=0.1, implementation=MOSAIC,
+        softcap=kw.get("softcap"), scale=0.1, implementation=MOSAIC, blocks=blocks,
       )  # fmt: skip
       r = lambda q, k, v, w, kw=kw, seg=seg: reference.attention(
         q, k, v, segment_ids=seg, window=w if "window" in kw else 0,
@@ -175,7 +180,7 @@ def packed_checks(lengths=(1000,)):
       except Exception as e:  # noqa: BLE001  (report and go on to the timings)
         print(f"FAILED check head_dim {h} packed {kw}: {str(e)[:3000]}", flush=True)
         err = float("nan")
-      out.append((h, "seg" + ("+softcap+window" if kw else ""), err))
+      out.append((h, "+".join(["seg", *kw]), err))
       print(f"check head_dim {h} T={t} packed {kw}: max rel err {err:.2e}", flush=True)
   return out
 
