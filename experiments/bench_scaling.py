@@ -108,7 +108,7 @@ def time_mesh(name, host_state, graphdef, cfg, args, per_replica=None) -> dict:
   model = nnx.merge(graphdef, *host_state)
   model.set_runtime(
     remat=args.remat,
-    attention_impl=args.attention or model.default_attention(),
+    attention_impl=args.attention or trainer.default_attention(model, mesh),
     activation_sharding=NamedSharding(mesh, PartitionSpec("data")) if n > 1 else None,
     microbatches=args.microbatches,
   )

@@ -257,6 +257,11 @@ def run_training(run: RunConfig, resume: bool = False) -> Path:
     if mesh.shape.get("pipe", 1) > 1:
       from jaxtune import pipeline
 
+      if run.attention == "fused":
+        raise UserError(
+          "--attention fused (cuDNN) cannot run inside the pipeline yet; use --attention xla "
+          "with a pipe axis in --mesh."
+        )
       plan = pipeline.plan(mesh, cfg.num_layers, run.batch_size // run.grad_accum, run.microbatches)
       say(
         f"pipeline: {plan.stages} stages of {plan.layers_per_stage} layers, "

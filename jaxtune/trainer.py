@@ -192,6 +192,14 @@ def fp32_master(lora):
   )
 
 
+def default_attention(model, mesh: Mesh | None) -> str:
+  """The model's default, except under a pipeline: cuDNN's fused attention cannot be
+  partitioned inside the pipeline's shard_map (seen on 2 H200s), so "xla" there."""
+  if mesh is not None and mesh.shape.get("pipe", 1) > 1:
+    return "xla"
+  return model.default_attention()
+
+
 def place(model, mesh: Mesh | None, shard_frozen: bool = False):
   """Split the model and put every piece on its sharding; returns (graphdef, lora, frozen).
 
@@ -305,7 +313,7 @@ def train(
   """
   model.set_runtime(
     remat=run.remat,
-    attention_impl=run.attention or model.default_attention(),
+    attention_impl=run.attention or default_attention(model, mesh),
     activation_sharding=None if mesh is None else NamedSharding(mesh, PartitionSpec("data")),
     microbatches=run.microbatches,
   )

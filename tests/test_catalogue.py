@@ -321,6 +321,16 @@ CASES = [
     r"tensor=8 does not divide the model's 4 attention heads and 2 key/value heads",
   ),
   Case(
+    "mesh-pipe-not-dividing-layers",
+    lambda w: w.train_args("--mesh", "1x1x8"),
+    r"layers do not split into 8 equal pipeline stages",
+  ),
+  Case(
+    "mesh-pipe-with-fused-attention",
+    lambda w: w.train_args("--mesh", "4x1x2", "--attention", "fused"),
+    r"--attention fused \(cuDNN\) cannot run inside the pipeline yet",
+  ),
+  Case(
     "mesh-data-not-dividing-batch",
     lambda w: w.train_args("--mesh", "8", "--batch-size", "4"),
     r"the batch of 4 sequences does not split over data=8",
