@@ -50,8 +50,9 @@ _HELP = {
   "sequence of a data shard)",
   "shard_frozen": "also split the frozen NF4 weights over the data axis, gathered per layer "
   "(for models that do not fit one copy per data shard)",
-  "attention": "xla or fused (jax.nn.dot_product_attention: cuDNN on GPU, exact for one "
-  "document per row, which is all jaxtune's data makes today); unset: fused on GPU",
+  "attention": "xla, fused (cuDNN on GPU, exact for one document per row, which is all "
+  "jaxtune's data makes today) or pallas (Mosaic GPU flash attention on Hopper: packing, "
+  "windows, softcaps); unset: fused on GPU (xla under a pipe axis)",
   "nf4_matmul": "NF4 linear layers: kernel (Pallas, Hopper GPUs) or xla (dequantize then "
   "dot); unset: the kernel for at most 64 tokens on one Hopper GPU, XLA otherwise",
   "log_every": "write metrics every N steps",
