@@ -156,6 +156,12 @@ def _visible(o: Options, padded: bool, q_ids, k_ids, reach):
   return ok
 
 
+def _mask_invisible(o: Options, s, padded: bool, q_ids, k_ids, reach):
+  """Scores of keys a query may not see (padding, the future, beyond the window) -> MASKED."""
+  ok = _visible(o, padded, q_ids, k_ids, reach)
+  return s if ok is None else jnp.where(ok, s, MASKED)
+
+
 def _uniform_id(uniform_ref, b, start, rows):
   """The segment id shared by rows [start, start + rows), or MIXED (``uniform`` of ops.py)."""
   first = lax.div(start, jnp.int32(SEGMENT_BLOCK))
@@ -358,9 +364,8 @@ def forward(q, k, v, segment_ids, uniform, window, o: Options, blocks: Blocks, i
         s, _ = _log2_scores(o, s)
         k0 = (lo + i) * bk
         if masked:
-          ok = _visible(o, padded, _row_ids((bq, bk), base, 0), _row_ids((bq, bk), k0, 1), reach)
-          if ok is not None:
-            s = jnp.where(ok, s, MASKED)
+          q_ids, k_ids = _row_ids((bq, bk), base, 0), _row_ids((bq, bk), k0, 1)
+          s = _mask_invisible(o, s, padded, q_ids, k_ids, reach)
         if o.segmented:
 
           def same_segment():

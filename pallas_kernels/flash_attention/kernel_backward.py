@@ -12,12 +12,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.flash_attention.kernel import (
   _COMPUTE_WGS,
-  MASKED,
   Blocks,
   Options,
   _compiler_params,
   _kv_blocks,
   _log2_scores,
+  _mask_invisible,
   _mask_segments,
   _mma,
   _mma_sum,
@@ -27,7 +27,6 @@ from pallas_kernels.flash_attention.kernel import (
   _smem,
   _stream,
   _uniform_id,
-  _visible,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -101,9 +100,8 @@ def backward_dq(
         s, t_cap = _log2_scores(o, s)
         k0 = (lo + i) * bk
         if masked:
-          ok = _visible(o, padded, _row_ids((bq, bk), base, 0), _row_ids((bq, bk), k0, 1), reach)
-          if ok is not None:
-            s = jnp.where(ok, s, MASKED)
+          q_ids, k_ids = _row_ids((bq, bk), base, 0), _row_ids((bq, bk), k0, 1)
+          s = _mask_invisible(o, s, padded, q_ids, k_ids, reach)
         if o.segmented:
 
           def same_segment():
@@ -267,11 +265,8 @@ def backward_dkv(
         s = pl.run_scoped(s_t, plgpu.ACC((bk, bq), jnp.float32))  # [keys, queries]
         s, t_cap = _log2_scores(o, s)
         if masked:
-          ok = _visible(
-            o, padded, _row_ids((bk, bq), qb * bq, 1), _row_ids((bk, bq), base, 0), reach
-          )
-          if ok is not None:
-            s = jnp.where(ok, s, MASKED)
+          q_ids, k_ids = _row_ids((bk, bq), qb * bq, 1), _row_ids((bk, bq), base, 0)
+          s = _mask_invisible(o, s, padded, q_ids, k_ids, reach)
         if o.segmented:
 
           def same_segment():
