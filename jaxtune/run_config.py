@@ -29,6 +29,7 @@ MINIMUM = {
   "batch_size": 1,
   "grad_accum": 1,
   "seq_len": 2,
+  "loss_chunk": 0,
   "eval_every": 0,
   "lora_rank": 1,
   "lora_alpha": 0.0,  # exclusive
@@ -87,6 +88,7 @@ class RunConfig:
   # NF4 linear layers: the Pallas kernel or XLA's dequantize-then-dot; None: per shape (the
   # kernel for at most 64 tokens on one Hopper GPU, where it measured faster)
   nf4_matmul: str | None = None
+  loss_chunk: int = 0  # > 0: float32 logits for this many tokens per row at a time; 0: all
   # Output
   log_every: int = 1
   save_every: int = 50

@@ -55,6 +55,8 @@ _HELP = {
   "windows, softcaps); unset: fused on GPU (xla under a pipe axis)",
   "nf4_matmul": "NF4 linear layers: kernel (Pallas, Hopper GPUs) or xla (dequantize then "
   "dot); unset: the kernel for at most 64 tokens on one Hopper GPU, XLA otherwise",
+  "loss_chunk": "compute the loss N tokens per row at a time (the float32 logits of the "
+  "whole sequence never exist; the output layer runs twice); 0: all at once",
   "log_every": "write metrics every N steps",
   "save_every": "checkpoint every N steps",
   "keep_checkpoints": "how many checkpoints to keep",

@@ -51,14 +51,48 @@ def make_optimizer(run: RunConfig) -> tuple[optax.GradientTransformation, optax.
   ), schedule
 
 
-def loss_sums(graphdef, lora, frozen, batch, key):
-  """(sum of token losses, number of loss tokens) of one micro-batch."""
+def loss_sums(graphdef, lora, frozen, batch, key, chunk: int = 0):
+  """(sum of token losses, number of loss tokens) of one micro-batch.
+
+  ``chunk`` > 0: the float32 logits exist ``chunk`` tokens per row at a time
+  (``chunked_loss_sums``), trading one recomputation of the output layer for their memory.
+  """
   model = nnx.merge(graphdef, lora, frozen)
-  logits = model(batch["input_ids"], segment_ids=batch["segment_ids"], dropout_key=key)
-  labels = batch["labels"]
+  ids, segments, labels = batch["input_ids"], batch["segment_ids"], batch["labels"]
+  if chunk:
+    h = model.hidden_states(ids, segment_ids=segments, dropout_key=key)
+    return chunked_loss_sums(model.logits_from_hidden, h, labels, chunk)
+  logits = model(ids, segment_ids=segments, dropout_key=key)
   mask = labels != IGNORE
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels, 0))
   return jnp.sum(ce * mask), jnp.sum(mask)
+
+
+def chunked_loss_sums(head, h, labels, chunk: int):
+  """Cross-entropy sums over hidden states [B, T, D] without the full [B, T, V] float32 logits.
+
+  The sequence is cut into pieces of ``chunk`` tokens per row (the largest divisor of T not
+  above it); a scan computes each piece's logits, loss and count, and remat makes the backward
+  recompute them piece by piece, so at most [B, chunk, V] logits are alive in either pass. The
+  batch axis stays whole, so its data sharding is untouched.
+  """
+  b, t, d = h.shape
+  c = max(x for x in range(1, min(chunk, t) + 1) if t % x == 0)
+  pieces = (h.reshape(b, t // c, c, d).swapaxes(0, 1), labels.reshape(b, t // c, c).swapaxes(0, 1))
+
+  @jax.checkpoint
+  def piece(h_c, labels_c):
+    logits = head(h_c).astype(jnp.float32)  # [B, c, V]
+    mask = labels_c != IGNORE
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels_c, 0))
+    return jnp.sum(ce * mask), jnp.sum(mask)
+
+  def step(carry, xs):
+    total, count = piece(*xs)
+    return (carry[0] + total, carry[1] + count), None
+
+  zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+  return jax.lax.scan(step, zero, pieces)[0]
 
 
 class TrainingError(RuntimeError):
@@ -97,7 +131,9 @@ class LossScale:
     }
 
 
-def make_train_step(graphdef, tx, loss_scale: LossScale | None = None, out_shardings=None):
+def make_train_step(
+  graphdef, tx, loss_scale: LossScale | None = None, out_shardings=None, loss_chunk: int = 0
+):
   """The jitted step. ``loss_scale``: dynamic loss scaling (float16); None: no scaling.
 
   With ``loss_scale`` the optimizer state is ``{"tx": tx's state, "loss_scale": ...}``
@@ -116,7 +152,7 @@ def make_train_step(graphdef, tx, loss_scale: LossScale | None = None, out_shard
       tx_state, scale = opt_state, jnp.float32(1.0)
 
     def scaled_loss(lora_, mb, k):
-      s, n = loss_sums(graphdef, lora_, frozen, mb, k)
+      s, n = loss_sums(graphdef, lora_, frozen, mb, k, loss_chunk)
       return s * scale, (s, n)
 
     def micro(carry, xs):
@@ -343,7 +379,7 @@ def train(
   if mesh is not None:
     replicated = NamedSharding(mesh, PartitionSpec())
     out_shardings = (placements["lora"], placements["opt_state"], replicated)
-  step_fn = make_train_step(graphdef, tx, loss_scale, out_shardings)
+  step_fn = make_train_step(graphdef, tx, loss_scale, out_shardings, run.loss_chunk)
   skipped = overflows = 0
   eval_step = make_eval_step(graphdef) if eval_dataset is not None else None
   shard = batch_sharding(mesh)

@@ -7,9 +7,11 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import torch
 from conftest import max_rel_err
+from flax import nnx
 
 import jaxtune
 from jaxtune import data, default_model, trainer
@@ -73,13 +75,43 @@ def test_mesh_losses_equal_single_device(hf_llama_dir, tmp_path):
 
 
 def test_pipeline_run_settings_train_like_one_device(hf_llama_dir, tmp_path):
-  """--mesh 2x2x2 with --shard-frozen, --microbatches and --remat offload, through the
+  """--mesh 2x2x2 with --shard-frozen, --microbatches, --remat offload and --loss-chunk, via the
   trainer's own placement: the same losses as one device."""
   path, _ = _tiny_dir(hf_llama_dir)
   single = _losses(path, "1", tmp_path / "one", steps=2)
-  settings = dict(shard_frozen=True, microbatches=2, remat="offload")
+  settings = dict(shard_frozen=True, microbatches=2, remat="offload", loss_chunk=8)
   piped = _losses(path, "2x2x2", tmp_path / "piped", steps=2, **settings)
   np.testing.assert_allclose(piped, single, rtol=2e-5)
+
+
+def test_chunked_loss_equals_the_full_logits_loss(hf_llama_dir):
+  """Loss sums and LoRA gradients of the chunked cross-entropy (pieces of 4 tokens, 4 being
+  the largest divisor of 24 not above 5) equal those of the full [B, T, V] logits."""
+  path, _ = _tiny_dir(hf_llama_dir)
+  model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32")
+  model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0, targets=("q_proj", "lm_head"))
+  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  lora = jax.tree.map(lambda x: x + 0.01, lora)  # B = 0 would hide the adapters' gradients
+  ds = _dataset(vocab=model.config.vocab_size, n=2, t=24, seed=3)
+  ids, labels = jnp.asarray(ds.input_ids), jnp.asarray(ds.labels)
+
+  def full(lora):
+    m = nnx.merge(graphdef, lora, frozen)
+    logits = m(ids)
+    mask = labels != data.IGNORE
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels, 0))
+    return jnp.sum(ce * mask), jnp.sum(mask)
+
+  def chunked(lora):
+    m = nnx.merge(graphdef, lora, frozen)
+    return trainer.chunked_loss_sums(m.logits_from_hidden, m.hidden_states(ids), labels, 5)
+
+  (ref, ref_n), ref_g = jax.value_and_grad(full, has_aux=True)(lora)
+  (got, got_n), got_g = jax.value_and_grad(chunked, has_aux=True)(lora)
+  assert int(got_n) == int(ref_n) > 0
+  np.testing.assert_allclose(float(got), float(ref), rtol=1e-5)
+  for g, r in zip(jax.tree.leaves(got_g), jax.tree.leaves(ref_g), strict=True):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6)
 
 
 def test_grad_accumulation_normalises_over_all_micro_batches(hf_llama_dir, tmp_path):
