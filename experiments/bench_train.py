@@ -35,7 +35,6 @@ import jaxtune  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
 from jaxtune import attention, trainer  # noqa: E402
-from jaxtune.lora import iter_linears  # noqa: E402
 from jaxtune.run_config import RunConfig  # noqa: E402
 
 
@@ -74,9 +73,7 @@ def time_steps(model, b: int, args, attention: str, remat: str, nf4_matmul: str 
   """Median step time of the jitted train step at micro-batch b (compilation excluded)."""
   cfg = model.config
   run = RunConfig(steps=args.steps, batch_size=b, seq_len=args.seq, lora_rank=16, lora_alpha=16)
-  model.set_runtime(remat=remat, attention_impl=attention)
-  for _, linear in iter_linears(model):
-    linear.nf4_impl = None if nf4_matmul == "auto" else nf4_matmul
+  model.set_runtime(remat=remat, attention_impl=attention, nf4_matmul=nf4_matmul)
   graphdef, lora, frozen = trainer.place(model, None)
   tx, _ = trainer.make_optimizer(run)
   opt_state = tx.init(lora)

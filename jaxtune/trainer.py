@@ -27,7 +27,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtune import distributed, run_log, sharding
 from jaxtune.data import IGNORE, Dataset
-from jaxtune.lora import iter_linears
 from jaxtune.run_config import RunConfig
 
 
@@ -352,9 +351,8 @@ def train(
     attention_impl=run.attention or default_attention(model, mesh),
     activation_sharding=None if mesh is None else NamedSharding(mesh, PartitionSpec("data")),
     microbatches=run.microbatches,
+    nf4_matmul=run.nf4_matmul or "auto",
   )
-  for _, linear in iter_linears(model):
-    linear.nf4_impl = run.nf4_matmul
   graphdef, lora, frozen = place(model, mesh, run.shard_frozen)
   if loss_scale is None and run.dtype == "float16":
     loss_scale = LossScale()

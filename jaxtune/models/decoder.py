@@ -378,14 +378,28 @@ class Decoder(nnx.Module):
     return attention.default_implementation()
 
   def set_runtime(
-    self, *, remat=None, attention_impl=None, activation_sharding=None, microbatches=None
+    self,
+    *,
+    remat=None,
+    attention_impl=None,
+    activation_sharding=None,
+    microbatches=None,
+    nf4_matmul=None,
   ):
     """Runtime choices that change how, not what, the model computes.
 
     ``activation_sharding``: a NamedSharding of the residual stream [B, T, D] (or None); its
     mesh is the one the model runs under, pipelined when that mesh has a ``pipe`` axis > 1.
     ``microbatches``: pipeline micro-batches per step (0: one per sequence of a data shard).
+    ``nf4_matmul``: "kernel" or "xla" for every NF4 linear layer, "auto" to let
+    pallas_kernels.nf4_matmul choose per shape and device.
     """
+    if nf4_matmul is not None:
+      if nf4_matmul not in ("auto", "kernel", "xla"):
+        raise ValueError(f"nf4_matmul must be auto, kernel or xla, got {nf4_matmul!r}.")
+      for _, node in nnx.iter_graph(self):
+        if isinstance(node, Linear):
+          node.nf4_impl = None if nf4_matmul == "auto" else nf4_matmul
     if microbatches is not None:
       if microbatches < 0:
         raise ValueError(f"microbatches must be 0 (automatic) or positive, got {microbatches}.")
