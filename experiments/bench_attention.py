@@ -19,6 +19,7 @@ Times are medians over repeats of a loop of calls (block_until_ready after each 
 
 import argparse
 import dataclasses
+import json
 import statistics
 import sys
 import time
@@ -288,6 +289,9 @@ def main():
           }
           rows.append(row)
           print({k_: (round(x, 4) if isinstance(x, float) else x) for k_, x in row.items()})
+          if args.results_dir:  # a run cut short by its time limit keeps what it measured
+            with open(Path(args.results_dir) / "attention_partial.jsonl", "a") as fh:
+              fh.write(json.dumps(row) + "\n")
 
   def find(r, impl=None, variant=None):
     for o in rows:
