@@ -31,7 +31,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.record import record  # noqa: E402
-from pallas_kernels.flash_attention import kernel, ops, reference  # noqa: E402
+from pallas_kernels.flash_attention import kernel, kernel_backward, ops, reference  # noqa: E402
 
 CASES = {
   "gqa128": dict(heads=32, kv_heads=8, head_dim=128, scale=None),
@@ -188,30 +188,73 @@ def packed_checks(lengths=(1000,)):
 
 SWEEP = [
   kernel.Blocks(),
-  kernel.Blocks(kv=64),
   kernel.Blocks(dq_kv=128),
+  kernel.Blocks(num_stages=3),
+  kernel.Blocks(dq_kv=128, num_stages=3),
   kernel.Blocks(kv=64, num_stages=3),
+  kernel.Blocks(fused_dq=True),
 ]
 
 
-def sweep(batch, seq):
-  """gqa128 Mosaic fwd and fwd+bwd times for a few block choices (printed, not recorded)."""
-  for case_name in ("gqa128",):
-    case = CASES[case_name]
-    q, k, v, do = inputs(case, batch, seq)
-    w = jnp.int32(0)
-    scale = case["scale"] or case["head_dim"] ** -0.5
-    for blocks in SWEEP:
-      f = lambda q, k, v, w, b=blocks, scale=scale: ops.flash_attention(
-        q, k, v, scale=scale, implementation=MOSAIC, blocks=b
-      )
-      fwd, fwd_bwd = fwd_and_grad(f)
-      try:
-        t_f, t_fb = timed(fwd, q, k, v, w), timed(fwd_bwd, q, k, v, w, do)
-        print(f"sweep {case_name} seq {seq} {blocks}: fwd {t_f * 1e3:.3f} ms, "
-              f"fwd+bwd {t_fb * 1e3:.3f} ms", flush=True)  # fmt: skip
-      except Exception as e:  # noqa: BLE001
-        print(f"sweep FAILED {case_name} {blocks}: {str(e)[:1500]}", flush=True)
+def sweep(batch, seq, results_dir):
+  """gqa128 Mosaic times per block choice, split into forward, dQ and dK/dV kernels.
+
+  Each kernel is timed alone on the same inputs (the backward ones on the forward's lse and
+  delta), next to cuDNN's forward and forward+backward in the same run.
+  """
+  case = CASES["gqa128"]
+  q, k, v, do = inputs(case, batch, seq)
+  w = jnp.int32(0)
+  scale = case["head_dim"] ** -0.5
+  rows = []
+  cud_f, cud_fb = fwd_and_grad(attention_fn("cudnn", case, VARIANTS["gqa128"]["plain"]))
+  cudnn = {"fwd": timed(cud_f, q, k, v, w), "fwd_bwd": timed(cud_fb, q, k, v, w, do)}
+  print(f"sweep cudnn seq {seq}: fwd {cudnn['fwd'] * 1e3:.3f} ms, "
+        f"fwd+bwd {cudnn['fwd_bwd'] * 1e3:.3f} ms", flush=True)  # fmt: skip
+  opts = kernel.Options(seq_len=seq, scale=scale)
+  zeros = jnp.zeros((1, 16), jnp.int32)
+  win = jnp.zeros((1,), jnp.int32)
+  for blocks in SWEEP:
+    f = lambda q, k, v, w, b=blocks: ops.flash_attention(
+      q, k, v, scale=scale, implementation=MOSAIC, blocks=b
+    )
+    fwd, fwd_bwd = fwd_and_grad(f)
+    try:
+      row = {"seq": seq, "blocks": str(blocks).removeprefix("Blocks")}
+      row["fwd_ms"] = timed(fwd, q, k, v, w) * 1e3
+      row["fwd_bwd_ms"] = timed(fwd_bwd, q, k, v, w, do) * 1e3
+      out, lse = jax.jit(lambda q, k, v, b=blocks: kernel.forward(
+        q, k, v, zeros, zeros, win, opts, b, None))(q, k, v)  # fmt: skip
+      delta_f = jax.jit(lambda o, d: jnp.einsum(
+        "btnh,btnh->bnt", o.astype(jnp.float32), d.astype(jnp.float32)))  # fmt: skip
+      delta = delta_f(out, do)
+      row["delta_ms"] = timed(delta_f, out, do) * 1e3
+      bargs = (q, k, v, do, lse, delta)
+      rest = (zeros, zeros, win, opts, blocks, None)
+      if not blocks.fused_dq:
+        dq_f = jax.jit(lambda *a, r=rest: kernel_backward.backward_dq(*a, *r))
+        row["dq_ms"] = timed(dq_f, *bargs) * 1e3
+        dkv_f = jax.jit(lambda *a, r=rest: kernel_backward.backward_dkv(*a, *r))
+        row["dkv_ms"] = timed(dkv_f, *bargs) * 1e3
+      row["vs_cudnn_fwd"] = cudnn["fwd"] * 1e3 / row["fwd_ms"]
+      row["vs_cudnn_fwd_bwd"] = cudnn["fwd_bwd"] * 1e3 / row["fwd_bwd_ms"]
+      print("sweep", {k_: (round(x, 4) if isinstance(x, float) else x) for k_, x in row.items()},
+            flush=True)  # fmt: skip
+      rows.append(row)
+      if results_dir:
+        with open(Path(results_dir) / "attention_partial.jsonl", "a") as fh:
+          fh.write(json.dumps(row) + "\n")
+    except Exception as e:  # noqa: BLE001
+      print(f"sweep FAILED {blocks}: {str(e)[:1500]}", flush=True)
+  if rows:
+    record(
+      "bench_attention_sweep",
+      rows,
+      f"Flash attention block sweep, gqa128 (32 q / 8 kv heads, head_dim 128), causal, seq {seq}",
+      note=f"cuDNN in the same run: fwd {cudnn['fwd'] * 1e3:.3f} ms, fwd+bwd "
+      f"{cudnn['fwd_bwd'] * 1e3:.3f} ms. dq_ms, dkv_ms, delta_ms: each kernel timed alone.",
+      out_dir=results_dir,
+    )
 
 
 def main():
@@ -222,6 +265,7 @@ def main():
   ap.add_argument("--impls", default="mosaic,cudnn,xla,mosaic_fused")
   ap.add_argument("--no-checks", action="store_true")
   ap.add_argument("--sweep", action="store_true", help="also time a few block-size choices")
+  ap.add_argument("--sweep-only", action="store_true", help="only the block sweep")
   ap.add_argument("--results-dir", default=None)
   ap.add_argument("--interpret", action="store_true", help="CPU smoke test (interpret mode)")
   args = ap.parse_args()
@@ -234,6 +278,9 @@ def main():
   peak = matmul_tflops(256 if args.interpret else 8192)
   print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s", flush=True)
 
+  if args.sweep_only:
+    sweep(args.batch, 8192, args.results_dir)
+    return
   checks = [] if args.no_checks else packed_checks((200,) if args.interpret else (1000,))
   rows = []
   for case_name in args.cases.split(","):
@@ -339,7 +386,7 @@ def main():
       f"{fmt(r['time_vs_plain_fwd_bwd'])} |"
     )
   if args.sweep:  # last: recorded rows are safe whatever happens here
-    sweep(args.batch, 8192)
+    sweep(args.batch, 8192, args.results_dir)
 
 
 if __name__ == "__main__":
