@@ -231,6 +231,7 @@ def sweep(batch, seq, results_dir):
       row["delta_ms"] = timed(delta_f, out, do) * 1e3
       bargs = (q, k, v, do, lse, delta)
       rest = (zeros, zeros, win, opts, blocks, None)
+      row["dq_ms"] = row["dkv_ms"] = None  # the fused backward has no separate dQ kernel
       if not blocks.fused_dq:
         dq_f = jax.jit(lambda *a, r=rest: kernel_backward.backward_dq(*a, *r))
         row["dq_ms"] = timed(dq_f, *bargs) * 1e3
