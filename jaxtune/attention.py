@@ -4,18 +4,24 @@ Three implementations:
   "xla":   plain einsums with the full [T, T] mask; handles packed segments. The reference.
   "pallas": pallas_kernels.flash_attention: the Mosaic GPU flash kernel on Hopper (segments,
            sliding window as a traced per-layer value, softcap; nothing [T, T]); elsewhere that
-           op's own fallback (cuDNN where the options allow, else its jnp reference).
+           op's own fallback (cuDNN where the options allow, else its jnp reference). Under a
+           data x tensor mesh the kernel runs per shard in a ``shard_map`` (batch over data,
+           heads over tensor): a custom call has no partitioning rule of its own.
   "fused": jax.nn.dot_product_attention, causal only: cuDNN's fused kernel on NVIDIA GPUs
            (asked for explicitly: left to choose, JAX picks its XLA version, which
            materialises float32 scores), jax.nn's XLA version elsewhere. Exact when each
            row holds one document followed by padding, since causal attention never lets
            a real token see the padding after it; it does NOT separate
-           several packed documents, so packing must use "xla" until the kernel lands.
+           several packed documents (the trainer refuses it for packed data).
+The default (``default_implementation``): "pallas" on Hopper, "fused" on other GPUs where it
+computes the same function, "xla" elsewhere.
 """
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from pallas_kernels import _gpu
 from pallas_kernels.flash_attention import flash_attention
 
 
@@ -31,10 +37,17 @@ def make_mask(segment_ids: jax.Array) -> jax.Array:
 
 
 IMPLEMENTATIONS = ("xla", "fused", "pallas")
+# Tests only: the Pallas kernels in Mosaic GPU's CPU interpreter.
+PALLAS_INTERPRET = "pallas_interpret"
 
 
-def default_implementation() -> str:
-  return "fused" if jax.default_backend() == "gpu" else "xla"
+def default_implementation(*, softcap=False, window=False, packed=False) -> str:
+  """The fastest implementation that computes the model's attention on this device."""
+  if _gpu.on_hopper():
+    return "pallas"
+  if jax.default_backend() == "gpu" and not (softcap or window or packed):
+    return "fused"
+  return "xla"
 
 
 def attention(
@@ -47,23 +60,45 @@ def attention(
   window=0,
   softcap=None,
   implementation: str = "xla",
+  mesh=None,
 ):
   """Causal self-attention within documents. q [B, T, N, H], k/v [B, T, K, H] -> [B, T, N, H].
 
   N is a multiple of K (GQA/MQA). ``segment_ids`` [B, T] int: tokens attend only within their
   segment (0 = padding). ``window`` (int or traced scalar, 0 = none): keys fewer than that many
   positions back. ``softcap``: cap * tanh(scores / cap) (Gemma 2). "fused" reads neither
-  segments, window nor softcap (the caller checks it may use it).
+  segments, window nor softcap (the caller checks it may use it). ``mesh``: the data x tensor
+  mesh q, k, v are sharded over ("pallas" runs per shard on it).
   """
-  if implementation == "pallas":
-    return flash_attention(
-      q, k, v, segment_ids=segment_ids, causal=True, window=window, softcap=softcap, scale=scale
-    )
+  if implementation in ("pallas", PALLAS_INTERPRET):
+    kernel = "interpret" if implementation == PALLAS_INTERPRET else None
+    return _flash_sharded(q, k, v, segment_ids, window, scale, softcap, kernel, mesh)
   if implementation == "fused":
     impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=impl)
   mask = window_mask(make_mask(segment_ids), window)
   return masked_attention(q, k, v, mask, scale, softcap)
+
+
+def _flash_sharded(q, k, v, segment_ids, window, scale, softcap, kernel, mesh):
+  """The flash kernel, per (data, tensor) shard of a mesh with more than one device."""
+
+  def flash(q, k, v, segment_ids, window):
+    return flash_attention(
+      q, k, v, segment_ids=segment_ids, causal=True, window=window, softcap=softcap,
+      scale=scale, implementation=kernel,
+    )  # fmt: skip
+
+  if mesh is None or mesh.size == 1:
+    return flash(q, k, v, segment_ids, window)
+  heads = P("data", None, "tensor", None)
+  return jax.shard_map(
+    flash,
+    mesh=mesh,
+    in_specs=(heads, heads, heads, P("data", None), P()),
+    out_specs=heads,
+    check_vma=False,
+  )(q, k, v, segment_ids, jnp.asarray(window, jnp.int32))
 
 
 def window_mask(mask: jax.Array, window: jax.Array) -> jax.Array:

@@ -4,8 +4,15 @@ Each line is either ``{"text": ...}`` (continued pretraining: loss on every toke
 ``{"messages": [{"role": ..., "content": ...}, ...]}`` rendered with the tokenizer's own chat
 template, loss on the assistant turns only (unless ``train_on_prompt``). Everything is read
 and checked before any compute, so a bad line fails in a second, not after compiling.
+
+Packing (the default): several examples share one row of ``seq_len`` tokens, each with its own
+segment id (1, 2, ...; 0 is padding) and positions restarting at 0, so attention never crosses
+documents (attention.py masks by segment) and little compute goes to padding. Rows are filled
+best-fit, longest example first. Labels are shifted inside each example before packing, so no
+token learns to predict the next document's first token.
 """
 
+import bisect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +30,30 @@ class DataError(ValueError):
 class Dataset:
   input_ids: np.ndarray  # int32 [N, T]
   labels: np.ndarray  # int32 [N, T], IGNORE where no loss
-  segment_ids: np.ndarray  # int32 [N, T], 1 on tokens, 0 on padding
+  segment_ids: np.ndarray  # int32 [N, T], example number within its row (1, 2, ...), 0: padding
+  positions: np.ndarray | None = None  # int32 [N, T], position in its example; None: 0..T-1
+  examples: int = 0  # examples read (several per row when packed); 0: one per row
+
+  def __post_init__(self):
+    if self.positions is None:
+      self.positions = np.broadcast_to(
+        np.arange(self.input_ids.shape[1], dtype=np.int32), self.input_ids.shape
+      )
+    self.examples = self.examples or len(self)
 
   def __len__(self) -> int:
+    """Rows (sequences of T tokens)."""
     return self.input_ids.shape[0]
+
+  @property
+  def packed(self) -> bool:
+    """Whether some row holds more than one example."""
+    return bool(np.any(self.segment_ids > 1))
+
+  @property
+  def packing_efficiency(self) -> float:
+    """Fraction of the rows' token slots that hold real tokens (not padding)."""
+    return float(np.count_nonzero(self.segment_ids)) / self.segment_ids.size
 
   def batch(self, step: int, global_batch: int, accum: int, seed: int) -> dict[str, np.ndarray]:
     """The batch of a step: [accum, global_batch // accum, T], a pure function of step.
@@ -47,10 +74,13 @@ class Dataset:
       "input_ids": self.input_ids[idx].reshape(shape),
       "labels": self.labels[idx].reshape(shape),
       "segment_ids": self.segment_ids[idx].reshape(shape),
+      "positions": self.positions[idx].reshape(shape),
     }
 
 
-def load_jsonl(path: str | Path, tokenizer, seq_len: int, train_on_prompt: bool = False):
+def load_jsonl(
+  path: str | Path, tokenizer, seq_len: int, train_on_prompt: bool = False, pack: bool = True
+):
   if seq_len < 2:
     raise DataError(f"--seq-len {seq_len} is too short; a sequence needs at least 2 tokens.")
   path = Path(path)
@@ -88,20 +118,62 @@ def load_jsonl(path: str | Path, tokenizer, seq_len: int, train_on_prompt: bool 
       labels.append(lab[1:])
   if not rows:
     raise DataError(f"{path} holds no examples; it is empty.")
-  n = len(rows)
-  input_ids = np.zeros((n, seq_len), np.int32)
-  label_arr = np.full((n, seq_len), IGNORE, np.int32)
-  segments = np.zeros((n, seq_len), np.int32)
-  for i, (ids, lab) in enumerate(zip(rows, labels, strict=True)):
-    input_ids[i, : len(ids)] = ids
-    label_arr[i, : len(lab)] = lab
-    segments[i, : len(ids)] = 1
-  if not np.any(label_arr != IGNORE):
+  dataset = to_rows(rows, labels, seq_len, pack)
+  if not np.any(dataset.labels != IGNORE):
     raise DataError(
       f"every label in {path} is masked (no assistant tokens within --seq-len {seq_len}); "
       "raise --seq-len, check the chat roles, or use --train-on-prompt."
     )
-  return Dataset(input_ids, label_arr, segments)
+  return dataset
+
+
+def to_rows(examples: list, labels: list, seq_len: int, pack: bool = True) -> Dataset:
+  """Token lists of at most ``seq_len`` each -> rows of ``seq_len`` (see the module docstring).
+
+  Unpacked, each example gets a row of its own.
+  """
+  rows = (
+    pack_rows([len(e) for e in examples], seq_len) if pack else [[i] for i in range(len(examples))]
+  )
+  n = len(rows)
+  input_ids = np.zeros((n, seq_len), np.int32)
+  label_arr = np.full((n, seq_len), IGNORE, np.int32)
+  segments = np.zeros((n, seq_len), np.int32)
+  positions = np.zeros((n, seq_len), np.int32)
+  for r, members in enumerate(rows):
+    at = 0
+    for seg, i in enumerate(members, 1):
+      ids, lab = examples[i], labels[i]
+      input_ids[r, at : at + len(ids)] = ids
+      label_arr[r, at : at + len(lab)] = lab
+      segments[r, at : at + len(ids)] = seg
+      positions[r, at : at + len(ids)] = np.arange(len(ids))
+      at += len(ids)
+  return Dataset(input_ids, label_arr, segments, positions, len(examples))
+
+
+def pack_rows(lengths: list[int], seq_len: int) -> list[list[int]]:
+  """Best-fit decreasing: example indices per row, no row over ``seq_len`` tokens.
+
+  Each example, longest first, goes into the open row it fills most tightly; a new row when
+  none has room. Within a row, examples keep their file order.
+  """
+  rows: list[list[int]] = []
+  free: list[tuple[int, int]] = []  # sorted (room left, row) of rows with room
+  for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    need = lengths[i]
+    if need == 0:  # a one-token example has no next-token pair
+      continue
+    j = bisect.bisect_left(free, (need, -1))
+    if j < len(free):
+      room, r = free.pop(j)
+    else:
+      room, r = seq_len, len(rows)
+      rows.append([])
+    rows[r].append(i)
+    if room - need > 0:
+      bisect.insort(free, (room - need, r))
+  return [sorted(members) for members in rows]
 
 
 ROLES = ("system", "user", "assistant", "tool")

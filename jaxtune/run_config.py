@@ -60,6 +60,7 @@ class RunConfig:
   grad_accum: int = 1
   seq_len: int = 128
   train_on_prompt: bool = False
+  packing: bool = True  # several examples per row (segment ids, positions restart)
   # Evaluation
   eval_data: str | None = None  # held-out JSONL, same format as data
   eval_every: int = 0  # 0: only at the end (when eval_data is set)
@@ -84,7 +85,7 @@ class RunConfig:
   remat: str = "full"  # a policy of models/decoder.py: none|full|dots|dots_no_batch|offload
   microbatches: int = 0  # pipeline micro-batches per step (mesh pipe > 1); 0: automatic
   shard_frozen: bool = False  # also split the frozen NF4 weights over data (FSDP-style)
-  attention: str | None = None  # xla | fused; None: fused on GPU, xla elsewhere
+  attention: str | None = None  # xla | fused | pallas; None: the fastest exact one here
   # NF4 linear layers: the Pallas kernel or XLA's dequantize-then-dot; None: per shape (the
   # kernel for at most 64 tokens on one Hopper GPU, where it measured faster)
   nf4_matmul: str | None = None

@@ -244,11 +244,13 @@ def run_training(run: RunConfig, resume: bool = False) -> Path:
     check_targets(run, cfg)
     tokenizer = load_tokenizer(model_path)
     dataset = data.load_jsonl(
-      run.data or default_model.DATASET, tokenizer, run.seq_len, run.train_on_prompt
+      run.data or default_model.DATASET, tokenizer, run.seq_len, run.train_on_prompt, run.packing
     )
     eval_dataset = None
     if run.eval_data:
-      eval_dataset = data.load_jsonl(run.eval_data, tokenizer, run.seq_len, run.train_on_prompt)
+      eval_dataset = data.load_jsonl(
+        run.eval_data, tokenizer, run.seq_len, run.train_on_prompt, run.packing
+      )
     sample_fn = make_sample_fn(run, tokenizer)
     dtype, why = compute_dtype(run.dtype, jax.local_devices())
     if why:
@@ -257,15 +259,21 @@ def run_training(run: RunConfig, resume: bool = False) -> Path:
     if mesh.shape.get("pipe", 1) > 1:
       from jaxtune import pipeline
 
-      if run.attention == "fused":
+      if run.attention in ("fused", "pallas"):
+        kind = "cuDNN" if run.attention == "fused" else "the Mosaic GPU kernel"
         raise UserError(
-          "--attention fused (cuDNN) cannot run inside the pipeline yet; use --attention xla "
-          "with a pipe axis in --mesh."
+          f"--attention {run.attention} ({kind}) cannot run inside the pipeline yet; use "
+          "--attention xla with a pipe axis in --mesh."
         )
       plan = pipeline.plan(mesh, cfg.num_layers, run.batch_size // run.grad_accum, run.microbatches)
       say(
         f"pipeline: {plan.stages} stages of {plan.layers_per_stage} layers, "
         f"{plan.microbatches} micro-batches per step, expected bubble {plan.bubble:.0%}"
+      )
+    if run.attention == "fused" and (dataset.packed or (eval_dataset and eval_dataset.packed)):
+      raise UserError(
+        "--attention fused (cuDNN, causal only) would let packed examples attend to each other; "
+        "use --attention pallas or xla, or --no-packing."
       )
     model = build_model(run, model_path, mesh)
   except (MeshError, CheckpointError, ConfigError, DataError, ValueError) as e:
@@ -277,7 +285,9 @@ def run_training(run: RunConfig, resume: bool = False) -> Path:
     tmp.replace(out / "config.yaml")
   distributed.barrier("jaxtune run directory")
   say(
-    f"jaxtune: {cfg.model_type} {cfg.num_layers} layers, {len(dataset)} examples, "
+    f"jaxtune: {cfg.model_type} {cfg.num_layers} layers, {dataset.examples} examples in "
+    f"{len(dataset)} rows of {run.seq_len} tokens ({dataset.packing_efficiency:.0%} tokens, "
+    f"{'packed' if run.packing else 'not packed'}), "
     f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s)"
     + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
   )

@@ -31,6 +31,8 @@ _HELP = {
   "grad_accum": "micro-batches per step (batch_size must divide by it)",
   "seq_len": "tokens per sequence (longer examples are truncated)",
   "train_on_prompt": "also train on user/system tokens of chat data",
+  "packing": "pack several examples into each row of --seq-len tokens, attention kept within "
+  "each example (--no-packing: one example per row, padded)",
   "eval_data": "held-out JSONL (same format as --data) for eval loss and perplexity",
   "eval_every": "evaluate every N steps (0: only at the end)",
   "eval_prompts": "text file, one prompt per line, whose generations are logged at each eval",

@@ -58,10 +58,11 @@ def loss_sums(graphdef, lora, frozen, batch, key, chunk: int = 0):
   """
   model = nnx.merge(graphdef, lora, frozen)
   ids, segments, labels = batch["input_ids"], batch["segment_ids"], batch["labels"]
+  positions = batch.get("positions")  # packed rows restart positions at each example
   if chunk:
-    h = model.hidden_states(ids, segment_ids=segments, dropout_key=key)
+    h = model.hidden_states(ids, positions, segments, dropout_key=key)
     return chunked_loss_sums(model.logits_from_hidden, h, labels, chunk)
-  logits = model(ids, segment_ids=segments, dropout_key=key)
+  logits = model(ids, positions, segments, dropout_key=key)
   mask = labels != IGNORE
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels, 0))
   return jnp.sum(ce * mask), jnp.sum(mask)
@@ -227,12 +228,13 @@ def fp32_master(lora):
   )
 
 
-def default_attention(model, mesh: Mesh | None) -> str:
-  """The model's default, except under a pipeline: cuDNN's fused attention cannot be
-  partitioned inside the pipeline's shard_map (seen on 2 H200s), so "xla" there."""
+def default_attention(model, mesh: Mesh | None, packed: bool = False) -> str:
+  """The model's default, except under a pipeline: neither cuDNN's fused attention (fails to
+  partition, seen on 2 H200s) nor the Pallas kernel runs inside the pipeline's shard_map yet,
+  so "xla" there."""
   if mesh is not None and mesh.shape.get("pipe", 1) > 1:
     return "xla"
-  return model.default_attention()
+  return model.default_attention(packed)
 
 
 def place(model, mesh: Mesh | None, shard_frozen: bool = False):
@@ -271,6 +273,7 @@ def evaluate(eval_step, lora, frozen, dataset: Dataset, batch_size: int, shard=N
         (np.arange(start, start + batch_size) < n)[:, None], dataset.labels[idx], IGNORE
       ),  # wrapped-around fill rows count nothing
       "segment_ids": dataset.segment_ids[idx],
+      "positions": dataset.positions[idx],
     }
     batch = {k: distributed.global_batch(v, shard) for k, v in batch.items()}
     s, c = eval_step(lora, frozen, batch)
@@ -348,7 +351,7 @@ def train(
   """
   model.set_runtime(
     remat=run.remat,
-    attention_impl=run.attention or default_attention(model, mesh),
+    attention_impl=run.attention or default_attention(model, mesh, dataset.packed),
     activation_sharding=None if mesh is None else NamedSharding(mesh, PartitionSpec("data")),
     microbatches=run.microbatches,
     nf4_matmul=run.nf4_matmul or "auto",

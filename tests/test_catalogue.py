@@ -331,6 +331,16 @@ CASES = [
     r"--attention fused \(cuDNN\) cannot run inside the pipeline yet",
   ),
   Case(
+    "mesh-pipe-with-pallas-attention",
+    lambda w: w.train_args("--mesh", "4x1x2", "--attention", "pallas"),
+    r"--attention pallas \(the Mosaic GPU kernel\) cannot run inside the pipeline yet",
+  ),
+  Case(
+    "attention-fused-with-packing",
+    lambda w: w.train_args("--attention", "fused"),
+    r"--attention fused \(cuDNN, causal only\) would let packed examples attend to each other",
+  ),
+  Case(
     "mesh-data-not-dividing-batch",
     lambda w: w.train_args("--mesh", "8", "--batch-size", "4"),
     r"the batch of 4 sequences does not split over data=8",

@@ -81,6 +81,7 @@ class Attention(nnx.Module):
     else:
       self.q_norm = self.k_norm = None
     self.attention_impl = "xla"  # set for the whole model by Decoder.set_runtime
+    self.attention_mesh = None  # likewise: the data x tensor mesh "pallas" runs per shard on
     self.num_heads = cfg.num_heads
     self.num_kv_heads = cfg.num_kv_heads
     self.head_dim = cfg.head_dim
@@ -107,6 +108,7 @@ class Attention(nnx.Module):
         window=window,
         softcap=self.softcap,
         implementation=self.attention_impl,
+        mesh=self.attention_mesh,
       )
     else:  # the decoder decides where keys are kept and which it attends to
       out, cache = cache(q, k, v, self.scale, self.softcap)
@@ -371,11 +373,16 @@ class Decoder(nnx.Module):
     logits = self.logits_from_hidden(self.norm(x[:, -1:]))
     return logits[:, -1].astype(jnp.float32), cache
 
-  def default_attention(self) -> str:
-    """ "fused" where it computes the same function (GPU, no softcap, no window), else "xla"."""
-    if self.config.attn_logit_softcap or self.config.has_sliding_layers:
-      return "xla"
-    return attention.default_implementation()
+  def default_attention(self, packed: bool = False) -> str:
+    """The fastest attention that computes this model's function on this device.
+
+    ``packed``: rows hold several examples, which "fused" (cuDNN, causal only) cannot separate.
+    """
+    return attention.default_implementation(
+      softcap=bool(self.config.attn_logit_softcap),
+      window=self.config.has_sliding_layers,
+      packed=packed,
+    )
 
   def set_runtime(
     self,
@@ -423,6 +430,9 @@ class Decoder(nnx.Module):
         )
       self.layers.self_attn.attention_impl = attention_impl
     self.activation_sharding = activation_sharding
+    mesh = getattr(activation_sharding, "mesh", None)
+    pipelined = mesh is not None and mesh.shape.get("pipe", 1) > 1
+    self.layers.self_attn.attention_mesh = None if pipelined else mesh
 
   def logits_from_hidden(self, h: jax.Array) -> jax.Array:
     logits = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)

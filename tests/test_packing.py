@@ -1,0 +1,204 @@
+"""Packing: rows of several examples train each example as if it ran alone; the kernel path
+(NF4 and flash attention in Mosaic GPU's interpreter) computes the XLA path's loss."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxtune
+from jaxtune import attention, data, trainer
+
+SEQ = 128  # one flash-attention block multiple, so the kernel path pads nothing
+
+
+def test_pack_rows_places_every_example_once_within_the_row_length():
+  rng = np.random.default_rng(0)
+  lengths = list(rng.integers(1, 60, 200)) + [64, 64, 0]
+  rows = data.pack_rows(lengths, 64)
+  placed = sorted(i for row in rows for i in row)
+  assert placed == [i for i, n in enumerate(lengths) if n]  # the empty example is dropped
+  assert all(sum(lengths[i] for i in row) <= 64 for row in rows)
+  assert all(row == sorted(row) for row in rows)
+  # Near the lower bound: no fewer rows than the volume needs, nor than examples over half a
+  # row (no two of them share one); 103 here, against 202 rows unpacked.
+  bound = max(-(-sum(lengths) // 64), sum(n > 32 for n in lengths))
+  assert bound <= len(rows) <= bound + 5
+
+
+def test_packed_dataset_restarts_positions_and_numbers_segments():
+  examples = [[5, 6, 7], [8, 9], [1, 2, 3, 4, 5, 6], [3]]
+  labels = [[6, 7, -100], [9, -100], [2, 3, 4, 5, 6, -100], [-100]]
+  ds = data.to_rows(examples, labels, 8)
+  assert (len(ds), ds.examples) == (2, 4)
+  assert ds.packed and ds.packing_efficiency == 12 / 16
+  for r in range(len(ds)):
+    segs, pos, ids = ds.segment_ids[r], ds.positions[r], ds.input_ids[r]
+    for s in range(1, segs.max() + 1):
+      at = np.flatnonzero(segs == s)
+      np.testing.assert_array_equal(pos[at], np.arange(len(at)))  # restart at 0
+      assert list(ids[at]) in examples
+    assert (ids[segs == 0] == 0).all()
+  plain = data.to_rows(examples, labels, 8, pack=False)
+  assert (len(plain), plain.packed, plain.packing_efficiency) == (4, False, 12 / 32)
+
+
+def _gemma2_dir(tmp_path):
+  """Tiny Gemma 2: attention softcap, final-logit softcap and a sliding window of 8."""
+  import torch
+  import transformers as tf
+
+  torch.manual_seed(0)
+  cfg = tf.Gemma2Config(
+    vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=48,
+    sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+    max_position_embeddings=256,
+  )  # fmt: skip
+  model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
+  model.save_pretrained(tmp_path / "gemma2")
+  return tmp_path / "gemma2"
+
+
+def _token_losses(model, ids, labels, positions=None, segments=None):
+  logits = model(jnp.asarray(ids), positions, segments)
+  mask = labels != data.IGNORE
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels, 0))
+  return np.asarray(ce) * mask
+
+
+def _use_kernels(model, on: bool):
+  """Every NF4 layer and the attention on the Mosaic GPU kernels' interpreter, or on XLA."""
+  model.set_runtime(attention_impl="xla", nf4_matmul="xla")
+  if on:
+    model.set_runtime(nf4_matmul="kernel")
+    for _, node in nnx.iter_graph(model):
+      if getattr(node, "nf4_impl", None) == "kernel":
+        node.nf4_impl = "interpret"
+    model.layers.self_attn.attention_impl = attention.PALLAS_INTERPRET
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["xla", "interpret-kernels"])
+def test_packed_rows_give_each_example_its_own_loss(tmp_path, kernels):
+  """Three examples packed into one row (segment ids, positions restarting) have the per-token
+  losses they have alone; the sliding window, softcaps and rope all see the restart."""
+  dtype = "bfloat16" if kernels else "float32"  # the kernels take bf16
+  model = jaxtune.from_pretrained(_gemma2_dir(tmp_path), quantization="nf4", dtype=dtype)
+  _use_kernels(model, kernels)
+  rng = np.random.default_rng(1)
+  examples = [list(rng.integers(1, 256, n)) for n in (40, 25, 50)]
+  labels = [e[1:] + [data.IGNORE] for e in examples]
+  packed = data.to_rows(examples, labels, SEQ)
+  assert len(packed) == 1 and packed.segment_ids.max() == 3
+  got = _token_losses(model, packed.input_ids, packed.labels, packed.positions, packed.segment_ids)[
+    0
+  ]
+  tol = dict(rtol=3e-2, atol=3e-2) if kernels else dict(rtol=1e-5, atol=1e-5)
+  for s, example in enumerate(examples, 1):
+    alone = data.to_rows([example], [labels[s - 1]], SEQ, pack=False)
+    want = _token_losses(model, alone.input_ids, alone.labels)[0, : len(example)]
+    np.testing.assert_allclose(got[packed.segment_ids[0] == s], want, **tol)
+  # Without segment ids the later examples would attend to the earlier ones: not the same.
+  mixed = _token_losses(model, packed.input_ids, packed.labels, packed.positions)[0]
+  second = packed.segment_ids[0] == 2
+  assert np.abs(mixed[second] - got[second]).max() > 10 * tol["atol"]
+
+
+def test_kernel_path_computes_the_xla_loss_and_gradients(hf_llama_dir):
+  """A training micro-batch of packed rows: loss and LoRA gradients of the Mosaic GPU kernels
+  (NF4 matmul forward and backward, flash attention forward and backward, interpreted)
+  against XLA's dequantize-then-dot and masked softmax attention."""
+  path, _ = hf_llama_dir(
+    hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+    head_dim=64, num_hidden_layers=2,
+  )  # fmt: skip
+  model = jaxtune.from_pretrained(path, quantization="nf4", dtype="bfloat16")
+  model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
+  rng = np.random.default_rng(2)
+  examples = [list(rng.integers(1, 256, n)) for n in (70, 50, 90, 30, 16)]
+  ds = data.to_rows(examples, [e[1:] + [data.IGNORE] for e in examples], SEQ)
+  batch = {
+    "input_ids": ds.input_ids,
+    "labels": ds.labels,
+    "segment_ids": ds.segment_ids,
+    "positions": ds.positions,
+  }
+  assert ds.packed
+
+  def loss_and_grads(kernels):
+    _use_kernels(model, kernels)
+    graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    lora = jax.tree.map(lambda x: x + 0.02, lora)  # B = 0 would hide the adapters' gradients
+
+    def mean_loss(lora):
+      s, n = trainer.loss_sums(graphdef, lora, frozen, batch, None)
+      return s / n
+
+    fn = jax.jit(jax.value_and_grad(mean_loss))
+    jaxpr = str(jax.make_jaxpr(jax.value_and_grad(mean_loss))(lora))
+    return fn(lora), jaxpr
+
+  (ref, ref_g), ref_jaxpr = loss_and_grads(False)
+  (got, got_g), got_jaxpr = loss_and_grads(True)
+  # The kernels really ran: wgmma (both kernels), exp2 (the flash softmax) and int4 codes
+  # (the NF4 kernel reads bnb's bytes as int4) in the interpreted program, none in XLA's.
+  for marker in ("wgmma", "exp2", "i4["):
+    assert marker in got_jaxpr and marker not in ref_jaxpr, marker
+  np.testing.assert_allclose(float(got), float(ref), rtol=1e-2)
+  for g, r in zip(jax.tree.leaves(got_g), jax.tree.leaves(ref_g), strict=True):
+    g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+    assert np.linalg.norm(g - r) <= 5e-2 * np.linalg.norm(r) + 1e-6
+
+
+def test_pallas_attention_runs_per_shard_of_a_data_tensor_mesh():
+  """Under --mesh 2x4 the flash op runs per (data, tensor) shard in a shard_map (on CPU its
+  fallback runs inside): the same output as the unsharded reference, window traced."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from jaxtune import mesh as meshlib
+
+  mesh = meshlib.make_mesh("2x4", jax.devices())
+  ks = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(ks[0], (4, 64, 8, 32), jnp.float32)
+  k, v = (jax.random.normal(x, (4, 64, 4, 32), jnp.float32) for x in ks[1:])
+  seg = jnp.asarray(np.repeat([[1] * 40 + [2] * 24], 4, axis=0), jnp.int32)
+  kw = dict(segment_ids=seg, scale=0.2, softcap=4.0)
+  want = attention.attention(q, k, v, window=jnp.int32(16), implementation="xla", **kw)
+  heads = NamedSharding(mesh, P("data", None, "tensor", None))
+  q, k, v = (jax.device_put(x, heads) for x in (q, k, v))
+
+  @jax.jit
+  def sharded(q, k, v, window):
+    return attention.attention(q, k, v, window=window, implementation="pallas", mesh=mesh, **kw)
+
+  got = sharded(q, k, v, jnp.int32(16))
+  assert got.sharding.spec == P("data", None, "tensor", None)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_loss_equals_the_full_loss_under_the_final_logit_softcap(tmp_path):
+  """Gemma 2's final-logit softcap (3.0 here) inside the chunked cross-entropy: loss sums and
+  LoRA gradients equal those of the full [B, T, V] logits (the head is the tied embedding)."""
+  model = jaxtune.from_pretrained(_gemma2_dir(tmp_path), quantization="nf4", dtype="float32")
+  assert model.config.final_logit_softcap == 3.0
+  model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0, targets=("q_proj", "down_proj"))
+  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  lora = jax.tree.map(lambda x: x + 0.01, lora)
+  rng = np.random.default_rng(4)
+  ids = rng.integers(1, 256, (2, 24)).astype(np.int32)
+  labels = np.where(rng.random((2, 24)) < 0.3, data.IGNORE, np.roll(ids, -1, axis=1))
+  batch = {"input_ids": ids, "labels": labels, "segment_ids": np.ones_like(ids)}
+
+  def loss(lora, chunk):
+    s, n = trainer.loss_sums(graphdef, lora, frozen, batch, None, chunk)
+    return s, n
+
+  (ref, ref_n), ref_g = jax.value_and_grad(lambda x: loss(x, 0), has_aux=True)(lora)
+  (got, got_n), got_g = jax.value_and_grad(lambda x: loss(x, 5), has_aux=True)(lora)
+  assert int(got_n) == int(ref_n) > 0
+  np.testing.assert_allclose(float(got), float(ref), rtol=1e-5)
+  for g, r in zip(jax.tree.leaves(got_g), jax.tree.leaves(ref_g), strict=True):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6)
