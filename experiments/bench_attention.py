@@ -188,11 +188,10 @@ def packed_checks(lengths=(1000,)):
 
 SWEEP = [
   kernel.Blocks(),
+  kernel.Blocks(defer_dk=False),
+  kernel.Blocks(dkv_stages=2),
   kernel.Blocks(dq_kv=128),
-  kernel.Blocks(num_stages=3),
-  kernel.Blocks(dq_kv=128, num_stages=3),
-  kernel.Blocks(kv=64, num_stages=3),
-  kernel.Blocks(fused_dq=True),
+  kernel.Blocks(dq_kv=128, defer_dk=False),
 ]
 
 

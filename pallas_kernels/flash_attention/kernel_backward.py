@@ -194,12 +194,14 @@ def backward_dkv(
   batch, t, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
   group = num_heads // num_kv_heads
-  bk, bq, stages = blocks.dkv_kv, blocks.dkv_q, blocks.num_stages
+  bk, bq = blocks.dkv_kv, blocks.dkv_q
   dtype = q.dtype
   interpreted = interpret is not None
   padded = o.seq_len < t
   split = head_dim > 128
   fused = dq_acc is not None
+  defer = blocks.defer_dk and not fused  # the fused dQ reads dS in its own step
+  stages = blocks.dkv_stages if defer else blocks.num_stages
   if fused and head_dim != 128:
     raise ValueError(f"the fused dQ takes head_dim 128 (whole 64-wide halves), not {head_dim}")
   half = head_dim // 2
@@ -251,18 +253,25 @@ def backward_dkv(
       zeros = plgpu.layout_cast(jnp.full((bk, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
       def step(i, carry, masked, want_dk, want_dv):
-        """carry: (dk, dv), (dk,) or (dv,) as wanted."""
+        """carry: (dk, dv), (dk,) or (dv,) as wanted; deferring, dk's are followed by the
+        last step's dS and Q slot, whose product is added here (see ``Blocks.defer_dk``)."""
         slot = lax.rem(i, jnp.int32(stages))
         qb = lo + lax.rem(i, jnp.maximum(per_head, 1))
         plgpu.barrier_wait(q_bar.at[slot])
         q_s, do_s = q_smem.at[slot], do_smem.at[slot]
         col = plgpu.Layout.WGMMA.reduce(0)
+        s_mma = ((bk, bq), k_smem, q_s.transpose((1, 0)))  # S^T: [keys, queries]
+        if want_dk and defer:
+          dk, *carry, ds_last, last = carry
+          dk, s = _mma([(dk, ds_last, q_smem.at[last]), s_mma], stage)
+          carry = (dk, *carry)
 
-        def s_t(acc_ref):
-          plgpu.wgmma(acc_ref, k_smem, q_s.transpose((1, 0)))
-          return acc_ref[...]
+          @pl.when(i > 0)  # at step 0 the "last" product was of zeros on this very slot
+          def _release_last():
+            plgpu.barrier_arrive(q_free.at[last])
 
-        s = pl.run_scoped(s_t, plgpu.ACC((bk, bq), jnp.float32))  # [keys, queries]
+        else:
+          (s,) = _mma([s_mma], stage)
         s, t_cap = _log2_scores(o, s)
         if masked:
           q_ids, k_ids = _row_ids((bk, bq), qb * bq, 1), _row_ids((bk, bq), base, 0)
@@ -291,11 +300,16 @@ def backward_dkv(
             ds = ds * (1.0 - t_cap * t_cap)
 
           ds16 = ds.astype(dtype)
-          out += _mma([(carry[0], ds16, q_s)], stage)
+          if defer:
+            out.append(carry[0])
+          else:
+            out += _mma([(carry[0], ds16, q_s)], stage)
           if want_dv:
             out.append(dv)
           if fused:
             add_dq(i, qb, ds16)
+          if defer:
+            return (*out, ds16, slot)  # the slot stays held until the product is issued
         else:
           out += _mma([(carry[0], p.astype(dtype), do_s)], stage)
         plgpu.barrier_arrive(q_free.at[slot])
@@ -336,7 +350,16 @@ def backward_dkv(
             )
           return carry
 
-        return lax.fori_loop(0, group, head_loop, (zeros,) * (want_dk + want_dv))
+        init = (zeros,) * (want_dk + want_dv)
+        if not (want_dk and defer):
+          return lax.fori_loop(0, group, head_loop, init)
+        no_ds = plgpu.layout_cast(jnp.zeros((bk, bq), dtype), plgpu.Layout.WGMMA)
+        dk, *rest, ds_last, last = lax.fori_loop(0, group, head_loop, (*init, no_ds, jnp.int32(0)))
+        # The last step's dK product. n >= 1: every key tile holds a real key (the padding is
+        # shorter than a tile), which at least its own query block sees.
+        (dk,) = _mma([(dk, ds_last, q_smem.at[last])], stage)
+        plgpu.barrier_arrive(q_free.at[last])
+        return (dk, *rest)
 
       def store(acc, smem, out_ref, scale):
         smem[...] = (acc * scale).astype(dtype)
