@@ -188,10 +188,10 @@ def packed_checks(lengths=(1000,)):
 
 SWEEP = [
   kernel.Blocks(),
-  kernel.Blocks(defer_dk=False),
-  kernel.Blocks(dkv_stages=2),
+  kernel.Blocks(defer_dq=False),
+  kernel.Blocks(defer_dk=False, defer_dq=False),
   kernel.Blocks(dq_kv=128),
-  kernel.Blocks(dq_kv=128, defer_dk=False),
+  kernel.Blocks(dkv_stages=3),
 ]
 
 

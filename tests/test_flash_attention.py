@@ -32,8 +32,9 @@ CASES = {
   "one-segment-window": (330, 2, 1, 64, {"segments": "one", "window": 200}),
   "h256-softcap-window": (200, 2, 1, 256, {"softcap": 4.0, "window": 64}),
   "h256-segments-noncausal-gqa4": (128, 4, 1, 256, {"segments": True, "causal": False}),
-  # dK products issued in their own step (Blocks(defer_dk=False)), not with the next S
-  "undeferred-dk-segments-gqa2": (200, 4, 2, 64, {"defer_dk": False, "segments": True}),
+  # dK and dQ products issued in their own step (Blocks(defer_dk=False, defer_dq=False)), not
+  # with the next step's products
+  "undeferred-segments-gqa2": (200, 4, 2, 64, {"defer": False, "segments": True}),
   # dQ accumulated by the dK/dV kernel (head_dim 128 only)
   "fused-dq-gqa2": (200, 4, 2, 128, {"fused_dq": True}),
   "fused-dq-segments-window-softcap": (
@@ -58,9 +59,9 @@ def _inputs(t, n, kv, h, seed):
   return q, k, v, do, seg
 
 
-def _blocks(head_dim, fused_dq, defer_dk=True):
+def _blocks(head_dim, fused_dq, defer=True):
   blocks = kernel.Blocks.for_head_dim(head_dim)
-  return dataclasses.replace(blocks, fused_dq=fused_dq, defer_dk=defer_dk)
+  return dataclasses.replace(blocks, fused_dq=fused_dq, defer_dk=defer, defer_dq=defer)
 
 
 def _rel(x, ref):
@@ -91,7 +92,7 @@ def test_kernels_match_reference(name):
     softcap=opts.get("softcap"),
     scale=opts.get("scale"),
   )
-  blocks = _blocks(h, opts.get("fused_dq", False), opts.get("defer_dk", True))
+  blocks = _blocks(h, opts.get("fused_dq", False), opts.get("defer", True))
   f = lambda q, k, v, impl: ops.flash_attention(q, k, v, implementation=impl, blocks=blocks, **kw)
   errs = _errors(f, q, k, v, do)
   assert max(errs) < TOL, dict(zip(("out", "dq", "dk", "dv"), errs, strict=True))

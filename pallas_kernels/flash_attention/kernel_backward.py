@@ -47,6 +47,7 @@ def backward_dq(
   padded = o.seq_len < t
   tile = wgs * bq
   num_tiles = t // tile
+  defer = blocks.defer_dq
 
   def body(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, uni_ref, win_ref, dq_ref, scratch
@@ -86,17 +87,25 @@ def backward_dq(
       by_row = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
       dq = plgpu.layout_cast(jnp.full((bq, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-      def step(i, dq, masked):
+      def step(i, carry, masked):
+        """carry: dq, or deferring (``Blocks.defer_dq``) dq, the last step's dS and K slot."""
         slot = lax.rem(i, jnp.int32(stages))
         plgpu.barrier_wait(kv_bar.at[slot])
+        s_dp = [
+          ((bq, bk), q_smem, k_smem.at[slot].transpose((1, 0))),
+          ((bq, bk), do_smem, v_smem.at[slot].transpose((1, 0))),
+        ]
+        if defer:
+          dq, ds_last, last = carry
+          dq, s, dp = _mma([(dq, ds_last, k_smem.at[last]), *s_dp], stage)
 
-        s, dp = _mma(
-          [
-            ((bq, bk), q_smem, k_smem.at[slot].transpose((1, 0))),
-            ((bq, bk), do_smem, v_smem.at[slot].transpose((1, 0))),
-          ],
-          stage,
-        )
+          @pl.when(i > 0)  # at step 0 the "last" product was of zeros on this very slot
+          def _release_last():
+            plgpu.barrier_arrive(kv_free.at[last])
+
+        else:
+          dq = carry
+          s, dp = _mma(s_dp, stage)
         s, t_cap = _log2_scores(o, s)
         k0 = (lo + i) * bk
         if masked:
@@ -114,13 +123,27 @@ def backward_dq(
         if t_cap is not None:
           ds = ds * (1.0 - t_cap * t_cap)
 
+        if defer:
+          return dq, ds.astype(dtype), slot  # the slot stays held until the product is issued
         (dq,) = _mma([(dq, ds.astype(dtype), k_smem.at[slot])], stage)
         plgpu.barrier_arrive(kv_free.at[slot])
         return dq
 
-      dq = lax.fori_loop(0, a - lo, lambda i, x: step(i, x, True), dq)
-      dq = lax.fori_loop(a - lo, c - lo, lambda i, x: step(i, x, False), dq)
-      dq = lax.fori_loop(c - lo, n, lambda i, x: step(i, x, True), dq)
+      carry = dq
+      if defer:
+        no_ds = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
+        carry = (dq, no_ds, jnp.int32(0))
+      carry = lax.fori_loop(0, a - lo, lambda i, x: step(i, x, True), carry)
+      carry = lax.fori_loop(a - lo, c - lo, lambda i, x: step(i, x, False), carry)
+      carry = lax.fori_loop(c - lo, n, lambda i, x: step(i, x, True), carry)
+      if defer:
+        # The last step's product. n >= 1: each query tile holds a real row (the padding is
+        # shorter than a tile), which sees at least its own key.
+        dq, ds_last, last = carry
+        (dq,) = _mma([(dq, ds_last, k_smem.at[last])], stage)
+        plgpu.barrier_arrive(kv_free.at[last])
+      else:
+        dq = carry
       q_smem[...] = (dq * o.scale).astype(dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, head])
