@@ -188,8 +188,8 @@ def packed_checks(lengths=(1000,)):
 
 SWEEP = [
   kernel.Blocks(),
-  kernel.Blocks(defer_dq=False),
-  kernel.Blocks(defer_dk=False, defer_dq=False),
+  kernel.Blocks(defer_dq=True),
+  kernel.Blocks(defer_dk=False),
   kernel.Blocks(dq_kv=128),
   kernel.Blocks(dkv_stages=3),
 ]

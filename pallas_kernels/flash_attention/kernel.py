@@ -67,8 +67,10 @@ class Blocks:
   # dK/dV: issue step i's dK product (dS_i @ Q_i) together with step i+1's S product, one
   # tensor-core wait for both instead of one each (dK/dV 1.98 -> 1.77 ms, H100, seq 8192).
   defer_dk: bool = True
-  # dQ likewise: step i's dS_i @ K_i goes with step i+1's S and dP products.
-  defer_dq: bool = True
+  # dQ likewise: step i's dS_i @ K_i goes with step i+1's S and dP products. Off: it measured
+  # slower (dQ 1.18 -> 1.59 ms, H100, seq 8192), three products in flight and the dS tile
+  # carried across steps crowd the registers.
+  defer_dq: bool = False
   # head_dim 128: the dK/dV kernel also accumulates dQ (f32, TMA reductions), and no dQ
   # kernel recomputes S and dP: 5 matmuls in the backward instead of 7.
   fused_dq: bool = False
