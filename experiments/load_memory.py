@@ -21,16 +21,16 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CHILD = r"""
-import json, sys, time
+import gc, json, sys, time
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 import jaxtune
-from jaxtune import nf4
 jnp.zeros(1).block_until_ready()
-# Warm the quantizer's compile caches on every linear shape so compile memory is not counted.
-cfg = jaxtune.ModelConfig.from_hf(sys.argv[1])
-for o, i in set(cfg.linear_shapes().values()):
-  jax.block_until_ready(nf4.quantize_linear(jnp.zeros((o, i), jnp.bfloat16)))
+# Load once so the loader's programs are compiled and compile memory is not counted.
+model = jaxtune.from_pretrained(sys.argv[1], quantization="nf4", dtype="bfloat16")
+jax.block_until_ready(nnx.state(model))
+del model
+gc.collect()
 print("READY", flush=True)
 sys.stdin.readline()
 t = time.perf_counter()

@@ -16,20 +16,31 @@ def device_name() -> str:
   return getattr(d, "device_kind", d.platform)
 
 
-def record(bench: str, rows: list[dict], title: str, note: str = "", out_dir=None) -> None:
-  """Rows are dicts of shape/config fields and figures (units in the keys).
+def run_meta(bench: str, device: str | None = None) -> dict:
+  """The fields every row of a run carries (also for rows written as they are measured).
 
-  ``out_dir`` (default: this folder) is where results.jsonl and RESULTS.md are appended; on a
-  lent GPU pass $OUT and append the returned files here afterwards.
+  ``device``: the GPU's name where this process must not start JAX on it (the GPU is its
+  subprocesses'); default: this process's first device.
   """
-  out_dir = Path(out_dir) if out_dir else HERE
-  meta = {
+  return {
     "bench": bench,
-    "device": device_name(),
+    "device": device or device_name(),
     "date": datetime.date.today().isoformat(),
     "jax": jax.__version__,
     "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
   }
+
+
+def record(
+  bench: str, rows: list[dict], title: str, note: str = "", out_dir=None, device=None
+) -> None:
+  """Rows are dicts of shape/config fields and figures (units in the keys).
+
+  ``out_dir`` (default: this folder) is where results.jsonl and RESULTS.md are appended; on a
+  lent GPU pass $OUT and append the returned files here afterwards. ``device``: as run_meta's.
+  """
+  out_dir = Path(out_dir) if out_dir else HERE
+  meta = run_meta(bench, device)
   with open(out_dir / "results.jsonl", "a") as f:
     for row in rows:
       f.write(json.dumps({**meta, **row}) + "\n")

@@ -1,7 +1,10 @@
-"""Write a random Llama checkpoint in HF format (config.json + sharded safetensors), no torch.
+"""Write a random checkpoint in HF format (config.json + sharded safetensors), no torch.
 
 Used by the benchmarks to produce full-size shapes on the machine that runs them; tensors are
 generated and written one at a time so writing never holds the model in memory either.
+A shape names its family ("llama" unless it says otherwise); ``hf_config`` writes the
+config.json that family's transformers class writes, so the converter reads it as it would
+read the released checkpoint's.
 """
 
 import argparse
@@ -11,7 +14,45 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from converters.synthetic import tensor_shapes, write_random_checkpoint  # noqa: E402
 
-__all__ = ["SHAPES", "hf_config", "tensor_shapes", "write"]
+__all__ = ["FAMILIES", "SHAPES", "hf_config", "tensor_shapes", "write"]
+
+# What the released checkpoints' config.json hold beyond the shape.
+FAMILIES = {
+  "llama": dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+    hidden_act="silu",
+    bos_token_id=1,
+    eos_token_id=2,
+  ),
+  "qwen2": dict(
+    model_type="qwen2",
+    architectures=["Qwen2ForCausalLM"],
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    max_position_embeddings=32768,
+    hidden_act="silu",
+    use_sliding_window=False,
+    bos_token_id=151643,
+    eos_token_id=151643,
+  ),
+  "gemma2": dict(
+    model_type="gemma2",
+    architectures=["Gemma2ForCausalLM"],
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=8192,
+    hidden_act="gelu_pytorch_tanh",
+    hidden_activation="gelu_pytorch_tanh",
+    attention_bias=False,
+    bos_token_id=2,
+    eos_token_id=1,
+    pad_token_id=0,
+  ),
+}
 
 SHAPES = {
   "llama-3.1-8b": dict(
@@ -33,6 +74,32 @@ SHAPES = {
     vocab_size=128256,
     tie_word_embeddings=True,
   ),
+  "qwen2.5-7b": dict(
+    family="qwen2",
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    vocab_size=152064,
+    tie_word_embeddings=False,
+  ),
+  "gemma-2-9b": dict(
+    family="gemma2",
+    hidden_size=3584,
+    intermediate_size=14336,
+    num_hidden_layers=42,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=256,
+    vocab_size=256000,
+    query_pre_attn_scalar=256,
+    attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0,
+    sliding_window=4096,
+    layer_types=["sliding_attention", "full_attention"] * 21,
+    tie_word_embeddings=True,
+  ),
   "small-500mb": dict(
     hidden_size=1536,
     intermediate_size=4096,
@@ -43,20 +110,36 @@ SHAPES = {
     tie_word_embeddings=False,
   ),
 }
+# CPU smoke shapes, one per family (Gemma's window shorter than a smoke run's sequence).
+_TINY = dict(
+  hidden_size=128,
+  intermediate_size=256,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=32,
+  vocab_size=512,
+  bos_token_id=1,
+  eos_token_id=2,
+)
+SHAPES["tiny-llama"] = dict(_TINY, tie_word_embeddings=False)
+SHAPES["tiny-qwen2"] = dict(_TINY, family="qwen2", tie_word_embeddings=False)
+SHAPES["tiny-gemma2"] = dict(
+  _TINY,
+  family="gemma2",
+  query_pre_attn_scalar=24,
+  attn_logit_softcapping=50.0,
+  final_logit_softcapping=30.0,
+  sliding_window=16,
+  layer_types=["sliding_attention", "full_attention"],
+  tie_word_embeddings=True,
+)
 
 
 def hf_config(shape: dict) -> dict:
-  return {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "max_position_embeddings": 8192,
-    "hidden_act": "silu",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    **shape,
-  }
+  """config.json of a shape: its family's fields, then the shape's own."""
+  shape = dict(shape)
+  return {**FAMILIES[shape.pop("family", "llama")], **shape}
 
 
 def write(out: Path, shape_name: str, seed: int = 0, shard_bytes: int = 2 << 30) -> Path:
