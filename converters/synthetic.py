@@ -1,7 +1,9 @@
-"""Random-weight Llama checkpoints in HF format, written tensor by tensor (no torch needed).
+"""Random-weight decoder checkpoints in HF format, written tensor by tensor (no torch needed).
 
 For the built-in default model and for benchmarks that need full-size shapes on a machine
-without downloads. Layout and names are exactly what transformers' save_pretrained writes.
+without downloads. Layout and names are exactly what transformers' save_pretrained writes for
+the config's model_type: Llama, plus Qwen's q/k/v biases, Qwen 3's and Gemma 3's q/k norms and
+Gemma 2's and 3's sandwich norms.
 """
 
 import json
@@ -15,25 +17,38 @@ _NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": 
 
 
 def tensor_shapes(cfg: dict):
-  """(name, PyTorch shape) of every tensor of a Llama checkpoint with this config.json."""
+  """(name, PyTorch shape) of every tensor of a checkpoint with this config.json."""
+  model_type = cfg.get("model_type", "llama")
   d, f = cfg["hidden_size"], cfg["intermediate_size"]
   h = cfg.get("head_dim") or d // cfg["num_attention_heads"]
   q, kv = (
     cfg["num_attention_heads"] * h,
     cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * h,
   )
+  attention_bias = cfg.get("attention_bias", False)
+  qkv_bias = attention_bias or model_type == "qwen2"
+  norms = ["input_layernorm", "post_attention_layernorm"]
+  if model_type in ("gemma2", "gemma3_text"):
+    norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
   yield "model.embed_tokens.weight", (cfg["vocab_size"], d)
   for i in range(cfg["num_hidden_layers"]):
     p = f"model.layers.{i}."
-    yield p + "input_layernorm.weight", (d,)
-    yield p + "post_attention_layernorm.weight", (d,)
+    for norm in norms:
+      yield p + f"{norm}.weight", (d,)
     attn = (("q_proj", (q, d)), ("k_proj", (kv, d)), ("v_proj", (kv, d)), ("o_proj", (d, q)))
     for name, shape in attn:
       yield p + f"self_attn.{name}.weight", shape
+      if (qkv_bias and name != "o_proj") or (attention_bias and name == "o_proj"):
+        yield p + f"self_attn.{name}.bias", shape[:1]
+    if model_type in ("qwen3", "gemma3_text"):
+      yield p + "self_attn.q_norm.weight", (h,)
+      yield p + "self_attn.k_norm.weight", (h,)
     for name, shape in (("gate_proj", (f, d)), ("up_proj", (f, d)), ("down_proj", (d, f))):
       yield p + f"mlp.{name}.weight", shape
+      if cfg.get("mlp_bias"):
+        yield p + f"mlp.{name}.bias", shape[:1]
   yield "model.norm.weight", (d,)
-  if not cfg.get("tie_word_embeddings"):
+  if not cfg.get("tie_word_embeddings", model_type.startswith("gemma")):
     yield "lm_head.weight", (cfg["vocab_size"], d)
 
 
@@ -66,10 +81,14 @@ def write_random_checkpoint(
     shards.append({})
     size = 0
 
+  # Gemma's norms scale by (1 + w): a weight near 0 is the identity there, near 1 elsewhere.
+  norm_one = np.float32(0.0 if cfg.get("model_type", "llama").startswith("gemma") else 1.0)
   for name, shape in tensor_shapes(cfg):
     t = np.resize(np.roll(pool, int(rng.integers(pool.size))), shape)
-    if len(shape) == 1:
-      t = np.float32(1.0) + np.float32(0.1) * t
+    if name.endswith(".bias"):
+      t = np.float32(0.1) * t
+    elif len(shape) == 1:
+      t = norm_one + np.float32(0.1) * t
     else:
       t = t * np.float32(shape[-1] ** -0.5)
     shards[-1][name] = t.astype(np_dtype)
