@@ -35,6 +35,7 @@ CASES = {
   # dK and dQ products issued in their own step (Blocks(defer_dk=False, defer_dq=False)), not
   # with the next step's products
   "undeferred-segments-gqa2": (200, 4, 2, 64, {"defer": False, "segments": True}),
+  "deferred-window-gqa4": (200, 4, 1, 64, {"defer": True, "window": 48}),
   # dQ accumulated by the dK/dV kernel (head_dim 128 only)
   "fused-dq-gqa2": (200, 4, 2, 128, {"fused_dq": True}),
   "fused-dq-segments-window-softcap": (
@@ -59,9 +60,12 @@ def _inputs(t, n, kv, h, seed):
   return q, k, v, do, seg
 
 
-def _blocks(head_dim, fused_dq, defer=True):
-  blocks = kernel.Blocks.for_head_dim(head_dim)
-  return dataclasses.replace(blocks, fused_dq=fused_dq, defer_dk=defer, defer_dq=defer)
+def _blocks(head_dim, fused_dq, defer=None):
+  """The head dim's blocks; ``defer`` (not None) sets both deferral options."""
+  blocks = dataclasses.replace(kernel.Blocks.for_head_dim(head_dim), fused_dq=fused_dq)
+  if defer is None:
+    return blocks
+  return dataclasses.replace(blocks, defer_dk=defer, defer_dq=defer)
 
 
 def _rel(x, ref):
@@ -92,7 +96,7 @@ def test_kernels_match_reference(name):
     softcap=opts.get("softcap"),
     scale=opts.get("scale"),
   )
-  blocks = _blocks(h, opts.get("fused_dq", False), opts.get("defer", True))
+  blocks = _blocks(h, opts.get("fused_dq", False), opts.get("defer"))
   f = lambda q, k, v, impl: ops.flash_attention(q, k, v, implementation=impl, blocks=blocks, **kw)
   errs = _errors(f, q, k, v, do)
   assert max(errs) < TOL, dict(zip(("out", "dq", "dk", "dv"), errs, strict=True))
