@@ -13,8 +13,8 @@ Three implementations:
            row holds one document followed by padding, since causal attention never lets
            a real token see the padding after it; it does NOT separate
            several packed documents (the trainer refuses it for packed data).
-The default (``default_implementation``): "pallas" on Hopper, "fused" on other GPUs where it
-computes the same function, "xla" elsewhere.
+The default (``default_implementation``): "fused" on a GPU where it computes the same
+function, else "pallas" on Hopper (packed rows, softcaps, windows), else "xla".
 """
 
 import jax
@@ -42,11 +42,15 @@ PALLAS_INTERPRET = "pallas_interpret"
 
 
 def default_implementation(*, softcap=False, window=False, packed=False) -> str:
-  """The fastest implementation that computes the model's attention on this device."""
-  if _gpu.on_hopper():
-    return "pallas"
+  """The fastest implementation that computes the model's attention on this device.
+
+  cuDNN where it can (one document per row, no softcap or window): in the 1B train step on an
+  H100 it measured 2.5% faster than the Pallas kernel and compiles in seconds, not ~18 s.
+  """
   if jax.default_backend() == "gpu" and not (softcap or window or packed):
     return "fused"
+  if _gpu.on_hopper():
+    return "pallas"
   return "xla"
 
 
