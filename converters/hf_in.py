@@ -5,23 +5,30 @@ is then read on its own from the safetensors files, checked against the shape th
 implies, quantized to NF4 on the accelerator if it is a frozen linear weight, and written into
 its (layer-stacked, sharded) buffer on the devices. Host memory therefore peaks near the
 largest single tensor, never near the model.
+
+The stages overlap: background threads read tensors and copy them to the device
+(converters/safetensors_read.py) while this thread dispatches the quantization of earlier
+ones, so a load costs about as long as its slowest stage. Every distinct weight shape compiles
+once; the stacked buffers are updated in place (donated), with the layer index a traced
+argument. The one host round trip of NF4 (the mean of absmax, computed in float64 on the host
+so the bytes match bitsandbytes') is started asynchronously and finished a few tensors later.
 """
 
+import collections
 import functools
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from converters import bnb
 from converters import table as tables
+from converters.safetensors_read import CheckpointError, Prefetcher, safetensors_files
 from jaxtune import nf4, sharding
 from jaxtune.config import SUPPORTED_MODEL_TYPES, ConfigError, ModelConfig
 from jaxtune.models.decoder import Decoder
@@ -30,10 +37,6 @@ log = logging.getLogger("jaxtune")
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 MODELS = dict.fromkeys(SUPPORTED_MODEL_TYPES, Decoder)
-
-
-class CheckpointError(ValueError):
-  """A checkpoint jaxtune cannot load; the message names the file or tensor and the fix."""
 
 
 def resolve_checkpoint(path_or_hub_id: str | Path) -> Path:
@@ -62,105 +65,6 @@ def resolve_checkpoint(path_or_hub_id: str | Path) -> Path:
     ) from e
 
 
-def safetensors_files(ckpt: Path) -> list[Path]:
-  """The checkpoint's safetensors files, from model.safetensors.index.json when sharded."""
-  index = ckpt / "model.safetensors.index.json"
-  if index.is_file():
-    try:
-      weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError) as e:
-      raise CheckpointError(f"{index} is not a valid safetensors index; re-download it.") from e
-    files = [ckpt / name for name in dict.fromkeys(weight_map.values())]
-    missing = [f.name for f in files if not f.is_file()]
-    if missing:
-      raise CheckpointError(
-        f"{ckpt} lacks {', '.join(missing)} listed in its index; the download is incomplete."
-      )
-    return files
-  files = sorted(ckpt.glob("*.safetensors"))
-  if not files:
-    raise CheckpointError(
-      f"no *.safetensors files in {ckpt}; jaxtune reads safetensors checkpoints only "
-      "(convert .bin files with transformers' save_pretrained(safe_serialization=True))."
-    )
-  return files
-
-
-_ST_DTYPES = {
-  "F32": np.float32,
-  "F16": np.float16,
-  "BF16": ml_dtypes.bfloat16,
-  "F64": np.float64,
-  "I64": np.int64,
-  "I32": np.int32,
-  "I16": np.int16,
-  "I8": np.int8,
-  "U8": np.uint8,
-  "BOOL": np.bool_,
-}
-
-
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, Path, np.ndarray]]:
-  """(name, file, array) one at a time, read with plain file reads.
-
-  Not memory-mapped on purpose: a mapped multi-GB shard shows up whole in the process's
-  resident memory while it is open. Here only the tensor being converted is ever resident.
-  """
-  for file in files:
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-      header = _read_header(f, file, size)
-      for name, info in header.items():
-        if name == "__header_size__":
-          continue
-        try:
-          dtype = _ST_DTYPES[info["dtype"]]
-          begin, end = (int(x) for x in info["data_offsets"])
-          shape = tuple(int(x) for x in info["shape"])
-        except (KeyError, TypeError, ValueError) as e:
-          raise CheckpointError(
-            f"{file} is truncated or corrupt (bad entry {name}); re-download it."
-          ) from e
-        start = 8 + header["__header_size__"] + begin
-        nbytes = end - begin
-        if start + nbytes > size or nbytes != int(np.prod(shape)) * np.dtype(dtype).itemsize:
-          raise CheckpointError(
-            f"{file} is truncated or corrupt (tensor {name} runs past the end of the file or has "
-            "the wrong size); re-download it."
-          )
-        buffer = np.empty(nbytes, np.uint8)
-        f.seek(start)
-        if f.readinto(buffer) != nbytes:
-          raise CheckpointError(f"{file} is truncated or corrupt (short read); re-download it.")
-        yield name, file, buffer.view(dtype).reshape(shape)
-        del buffer
-
-
-def _read_header(f, file: Path, size: int) -> dict:
-  raw = f.read(8)
-  if len(raw) < 8:
-    raise CheckpointError(f"{file} is truncated or corrupt (no header); re-download it.")
-  n = int.from_bytes(raw, "little")
-  if n <= 0 or 8 + n > size or n > 100_000_000:
-    raise CheckpointError(f"{file} is truncated or corrupt (bad header size); re-download it.")
-  try:
-    header = json.loads(f.read(n))
-    if not isinstance(header, dict):
-      raise ValueError("header is not a JSON object")
-  except (ValueError, UnicodeDecodeError) as e:
-    raise CheckpointError(
-      f"{file} is truncated or corrupt (unreadable header); re-download it."
-    ) from e
-  header.pop("__header_size__", None)
-  header["__header_size__"] = n
-  # Entries in file order, so reads move forward through the file.
-  ordered = sorted(
-    (k for k in header if not k.startswith("__")),
-    key=lambda k: header[k].get("data_offsets", [0])[0] if isinstance(header[k], dict) else 0,
-  )
-  return {"__header_size__": n, **{k: header[k] for k in ordered}}
-
-
 def from_pretrained(
   path_or_hub_id: str | Path,
   quantization: str | None = "nf4",
@@ -187,49 +91,60 @@ def from_pretrained(
   )
   graphdef, state = nnx.split(abstract)
   variables = dict(state.flat_state())
-  loader = _Loader(variables, mesh)
   table = tables.TABLES[cfg.model_type]
 
+  # Tensors go straight to the device from the reader's threads, except where a mesh decides
+  # their layout or they are pieces of a bnb-4bit Linear (assembled on the host).
+  device = jax.devices()[0]
+  to_device = mesh is None and not prequantized_file
+
+  def place(tensor: np.ndarray):
+    floating = jnp.issubdtype(tensor.dtype, jnp.floating) and tensor.dtype.itemsize <= 4
+    return jax.device_put(tensor, device) if to_device and floating else tensor
+
   pending: dict[str, dict] = {}  # pieces of bnb-4bit Linears until all six have been read
-  for name, file, tensor in iter_tensors(files):
-    prequantized = None
-    piece = bnb.split_name(name, tensor) if prequantized_file else None
-    if piece is not None:
-      base, part = piece
-      parts = pending.setdefault(base, {})
-      parts[part] = tensor
-      if len(parts) < len(bnb.PARTS):
-        continue
-      del pending[base]
-      try:
-        prequantized = bnb.unpack(base, parts)
-      except bnb.BnbError as e:
-        raise CheckpointError(f"{file.name}: {e}") from e
-      name, tensor = base, None
-    m = tables.match(table, name)
-    if m is None:
-      if tables.IGNORED.match(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
-        continue
-      raise CheckpointError(
-        f"tensor {name} in {file.name} is not part of a {cfg.model_type} model as its "
-        "config.json describes it; the checkpoint and config do not belong together."
-      )
-    if tensor is not None and not jnp.issubdtype(tensor.dtype, jnp.floating):
-      raise CheckpointError(
-        f"tensor {name} in {file.name} is stored as {tensor.dtype}, but model weights are "
-        "floating point; the file is corrupt or not a model checkpoint."
-      )
-    if m.layer is not None and m.layer >= cfg.num_layers:
-      raise CheckpointError(
-        f"tensor {name} in {file.name} is for layer {m.layer}, but config.json says "
-        f"num_hidden_layers={cfg.num_layers}."
-      )
-    if m.entry.kind == "linear":
-      loader.put_linear(name, m.target, m.layer, tensor, quantized, prequantized)
-    elif prequantized is not None:
-      raise CheckpointError(f"{name} is 4-bit quantized, but jaxtune keeps it unquantized.")
-    else:
-      loader.put(name, m.target, m.layer, tensor)
+  with Prefetcher(files, place) as tensors:  # reading starts now, while the buffers compile
+    loader = _Loader(variables, mesh)
+    for name, file, tensor in tensors:
+      prequantized = None
+      piece = bnb.split_name(name, tensor) if prequantized_file else None
+      if piece is not None:
+        base, part = piece
+        parts = pending.setdefault(base, {})
+        parts[part] = tensor
+        if len(parts) < len(bnb.PARTS):
+          continue
+        del pending[base]
+        try:
+          prequantized = bnb.unpack(base, parts)
+        except bnb.BnbError as e:
+          raise CheckpointError(f"{file.name}: {e}") from e
+        name, tensor = base, None
+      m = tables.match(table, name)
+      if m is None:
+        if tables.IGNORED.match(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+          continue
+        raise CheckpointError(
+          f"tensor {name} in {file.name} is not part of a {cfg.model_type} model as its "
+          "config.json describes it; the checkpoint and config do not belong together."
+        )
+      if tensor is not None and not jnp.issubdtype(tensor.dtype, jnp.floating):
+        raise CheckpointError(
+          f"tensor {name} in {file.name} is stored as {tensor.dtype}, but model weights are "
+          "floating point; the file is corrupt or not a model checkpoint."
+        )
+      if m.layer is not None and m.layer >= cfg.num_layers:
+        raise CheckpointError(
+          f"tensor {name} in {file.name} is for layer {m.layer}, but config.json says "
+          f"num_hidden_layers={cfg.num_layers}."
+        )
+      if m.entry.kind == "linear":
+        loader.put_linear(name, m.target, m.layer, tensor, quantized, prequantized)
+      elif prequantized is not None:
+        raise CheckpointError(f"{name} is 4-bit quantized, but jaxtune keeps it unquantized.")
+      else:
+        loader.put(name, m.target, m.layer, tensor)
+    loader.finish()
 
   if pending:
     some = sorted(pending)[0]
@@ -246,48 +161,60 @@ def from_pretrained(
   return model
 
 
+# Quantized weights whose host mean may still be outstanding: the device keeps this many
+# tensors of work queued while the host waits for the oldest one's absmax.
+_MEAN_LAG = 4
+_NF4_FIELDS = ("codes", "absmax", "nested_absmax", "offset")
+
+
 class _Loader:
   """Device buffers for every variable, filled one tensor (one layer slice) at a time."""
 
   def __init__(self, variables: dict, mesh: Mesh | None):
     self.variables = variables
     self.mesh = mesh
-    self.buffers: dict[tuple, jax.Array] = {}
     self.filled: dict[tuple, set] = {path: set() for path in variables}
+    # (target, layer, float32 absmax on its way to the host) awaiting the second NF4 stage.
+    self.pending: collections.deque = collections.deque()
+    # All layer-stacked buffers at once, zero-filled by one compiled program.
+    stacked = [path for path, var in variables.items() if _stacked(var)]
+    specs = tuple(
+      (variables[p].get_value().shape, variables[p].get_value().dtype, self._sharding(p))
+      for p in stacked
+    )
+    self.buffers: dict[tuple, jax.Array] = dict(zip(stacked, _zeros(specs), strict=True))
 
-  def _sharding(self, path, drop_layer=False):
+  def _sharding(self, path, drop_layer=False, shape=None):
     var = self.variables[path]
     value = var.get_value()
     axes = tuple(var.get_metadata().get("axes") or (None,) * value.ndim)
-    shape = value.shape
     if drop_layer:
-      axes, shape = axes[1:], shape[1:]
+      axes = axes[1:]
+    if shape is None:
+      shape = value.shape[1:] if drop_layer else value.shape
     return sharding.sharding_for(axes, shape, self.mesh)
 
   def _write(self, path, layer, value, hf_name: str):
     """Place one tensor (numpy from the file, or a jax array) into its variable's buffer."""
     var = self.variables[path]
     abstract = var.get_value()
-    stacked = "layers" in (var.get_metadata().get("axes") or ())
+    stacked = _stacked(var)
     expected = abstract.shape[1:] if stacked else abstract.shape
     if tuple(value.shape) != tuple(expected):
       raise CheckpointError(
         f"tensor {hf_name} has shape {tuple(value.shape)}, but config.json implies "
         f"{tuple(expected)}; the checkpoint and config do not belong together."
       )
-    if isinstance(value, np.ndarray):
-      value = value.astype(abstract.dtype, copy=False)  # one host copy at most, then to device
+    if isinstance(value, np.ndarray) and value.dtype.itemsize > 4:
+      value = value.astype(abstract.dtype)  # float64: round once, here, not via float32
+    # Copied as stored and cast on the device: no host-side conversion of a whole tensor.
+    value = jax.device_put(value, self._sharding(path, drop_layer=stacked))
+    if stacked:
+      buffer = self.buffers[path]
+      self.buffers[path] = _set_layer(buffer, value, np.int32(layer), buffer.sharding)
     else:
-      value = value.astype(abstract.dtype)
-    if not stacked:
-      self.buffers[path] = jax.device_put(value, self._sharding(path))
-      self.filled[path].add(None)
-      return
-    if path not in self.buffers:
-      self.buffers[path] = _zeros(abstract.shape, abstract.dtype, self._sharding(path))
-    slice_value = jax.device_put(value, self._sharding(path, drop_layer=True))
-    self.buffers[path] = _set_layer(self.buffers[path], slice_value, layer)
-    self.filled[path].add(layer)
+      self.buffers[path] = value.astype(abstract.dtype)
+    self.filled[path].add(layer if stacked else None)
 
   def put(self, hf_name, target, layer, tensor):
     path = tuple(target)
@@ -301,7 +228,7 @@ class _Loader:
     if not quantized or target == ("lm_head",):
       if prequantized is not None:
         q, shape = prequantized
-        tensor = np.asarray(nf4.dequantize(q, shape, jnp.float32))
+        tensor = nf4.dequantize(q, shape, jnp.float32)
       self.put(hf_name, (*target, "weight"), layer, tensor)
       return
     codes_path = (*target, "codes")
@@ -315,9 +242,7 @@ class _Loader:
         f"tensor {hf_name} has shape {tuple(shape)}, but config.json implies "
         f"{expected}; the checkpoint and config do not belong together."
       )
-    if prequantized is None:
-      q = nf4.quantize_linear(jnp.asarray(tensor))
-    else:
+    if prequantized is not None:
       flat = prequantized[0]
       q = nf4.NF4Quantized(
         flat.codes.reshape(out_features, half),
@@ -325,14 +250,45 @@ class _Loader:
         flat.nested_absmax,
         np.asarray(flat.offset, np.float32),
       )
-    for field, value in zip(("codes", "absmax", "nested_absmax", "offset"), q, strict=True):
-      self._write((*target, field), layer, value, hf_name)
+      for field, value in zip(_NF4_FIELDS, q, strict=True):
+        self._write((*target, field), layer, value, hf_name)
+      return
+    nf4.check_linear_shape(expected)
+    stacked = _stacked(self.variables[codes_path])
+    w = jax.device_put(tensor, self._sharding(codes_path, drop_layer=stacked, shape=expected))
+    if not stacked:
+      for field, value in zip(_NF4_FIELDS, nf4.quantize_linear(w), strict=True):
+        self._write((*target, field), layer, value, hf_name)
+      return
+    buffer = self.buffers[codes_path]
+    codes, absmax = _quantize_into(buffer, w, np.int32(layer), buffer.sharding)
+    self.buffers[codes_path] = codes
+    self.filled[codes_path].add(layer)
+    absmax.copy_to_host_async()
+    self.pending.append((target, layer, absmax))
+    while len(self.pending) > _MEAN_LAG:
+      self._double_quantize(*self.pending.popleft())
+
+  def _double_quantize(self, target, layer, absmax):
+    """Second NF4 stage of one layer's weight, once its absmax has reached the host."""
+    offset = nf4.host_mean(absmax)
+    paths = [(*target, field) for field in _NF4_FIELDS[1:]]
+    buffers = tuple(self.buffers[path] for path in paths)
+    shardings = tuple(buffer.sharding for buffer in buffers)
+    updated = _double_quantize_into(buffers, absmax, offset, np.int32(layer), shardings)
+    for path, buffer in zip(paths, updated, strict=True):
+      self.buffers[path] = buffer
+      self.filled[path].add(layer)
+
+  def finish(self):
+    """Complete every quantization still waiting for its host mean."""
+    while self.pending:
+      self._double_quantize(*self.pending.popleft())
 
   def missing(self) -> list[str]:
     out = []
     for path, var in self.variables.items():
-      stacked = "layers" in (var.get_metadata().get("axes") or ())
-      want = set(range(var.get_value().shape[0])) if stacked else {None}
+      want = set(range(var.get_value().shape[0])) if _stacked(var) else {None}
       if not want <= self.filled[path]:
         out.append(".".join(path))
     return out
@@ -341,13 +297,49 @@ class _Loader:
     return [(path, var.replace(self.buffers[path])) for path, var in self.variables.items()]
 
 
-def _zeros(shape, dtype, out_sharding):
-  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=out_sharding)()
+def _stacked(var) -> bool:
+  return "layers" in (var.get_metadata().get("axes") or ())
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _set_layer(buffer: jax.Array, value: jax.Array, layer) -> jax.Array:
-  return jax.lax.dynamic_update_index_in_dim(buffer, value, layer, axis=0)
+def _zeros(specs: tuple) -> tuple[jax.Array, ...]:
+  """Zero arrays for ((shape, dtype, sharding), ...), created where they live."""
+  return _zeros_program(specs)() if specs else ()
 
 
-__all__ = ["CheckpointError", "ConfigError", "from_pretrained"]
+@functools.cache
+def _zeros_program(specs: tuple):
+  return jax.jit(
+    lambda: tuple(jnp.zeros(shape, dtype) for shape, dtype, _ in specs),
+    out_shardings=tuple(out_sharding for *_, out_sharding in specs),
+  )
+
+
+def _update(buffer: jax.Array, value: jax.Array, layer, out_sharding) -> jax.Array:
+  # The buffer keeps the layout its variable declares, whatever layout the value has.
+  updated = jax.lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), layer, 0)
+  return jax.lax.with_sharding_constraint(updated, out_sharding)
+
+
+# Buffers are donated, so each update writes in place; the layer index is traced, so one
+# compiled program serves every layer of a shape. ``out_sharding``: the buffer's own.
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
+def _set_layer(buffer: jax.Array, value: jax.Array, layer, out_sharding) -> jax.Array:
+  return _update(buffer, value, layer, out_sharding)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
+def _quantize_into(codes_buffer: jax.Array, w: jax.Array, layer, out_sharding):
+  """First NF4 stage of one layer's weight [out, in], codes written into the stacked buffer;
+  returns the buffer and the float32 absmax [out, in / 64]."""
+  codes, absmax = nf4.quantize_linear_4bit(w)
+  return _update(codes_buffer, codes, layer, out_sharding), absmax
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=4)
+def _double_quantize_into(buffers: tuple, absmax: jax.Array, offset, layer, out_shardings):
+  """Second NF4 stage, its (absmax, nested_absmax, offset) written into the stacked buffers."""
+  values = nf4.double_quantize_linear(absmax, offset)
+  return tuple(map(_update, buffers, values, (layer,) * 3, out_shardings))
+
+
+__all__ = ["CheckpointError", "ConfigError", "from_pretrained", "safetensors_files"]

@@ -26,6 +26,7 @@ width and thread count; we take the correctly rounded mean (float64 accumulation
 agrees with torch's to within an ulp or two. Given the same offset every byte is identical.
 """
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -81,10 +82,18 @@ def quantize_4bit_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   scaled = full.reshape(-1)[:n]
   if n % 2:
     scaled = jnp.pad(scaled, (0, 1))  # a zero, code 7, fills the last low nibble
-  # Index of the first boundary >= value, i.e. torch.bucketize(right=False).
-  q = jnp.sum(scaled[:, None] > jnp.asarray(_NF4_BOUNDS)[None, :], axis=1).astype(jnp.uint8)
-  packed = (q[0::2] << 4) | q[1::2]
-  return packed, absmax
+  return _pack(_nf4_level(scaled)), absmax
+
+
+def _nf4_level(scaled: jax.Array) -> jax.Array:
+  """Index of the first boundary >= value, i.e. torch.bucketize(right=False)."""
+  return jnp.sum(scaled[..., None] > jnp.asarray(_NF4_BOUNDS), axis=-1).astype(jnp.uint8)
+
+
+def _pack(q: jax.Array) -> jax.Array:
+  """[..., 2k] codes -> [..., k] bytes, the even element in the high nibble."""
+  pairs = q.reshape(*q.shape[:-1], q.shape[-1] // 2, 2)
+  return (pairs[..., 0] << 4) | pairs[..., 1]
 
 
 @jax.jit
@@ -96,16 +105,34 @@ def quantize_blockwise_8bit(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   inv = 1.0 / absmax
   v = jnp.clip(blocks * inv[:, None], -1.0, 1.0)
   grid = jnp.floor(((v + 1.0) * 0.5) * float(_LUT_SIZE - 1) + 0.5).astype(jnp.int32)
-  grid_value = -1.0 + (2.0 * grid.astype(jnp.float32)) / float(_LUT_SIZE - 1)
-  q = jnp.sum(grid_value[..., None] > jnp.asarray(_DYNAMIC_MIDPOINTS), axis=-1)
+  q = jnp.take(jnp.asarray(_dynamic_lut()), grid, mode="clip")
   q = jnp.where(absmax[:, None] == 0.0, 0, q).astype(jnp.uint8)
   return q.reshape(-1)[:n], absmax
 
 
+@functools.cache
+def _dynamic_lut() -> np.ndarray:
+  """Dynamic-map level of every grid point: one gather instead of 255 comparisons a value.
+
+  Grid point g stands for the float32 value -1 + 2g / 65535 and belongs to the level whose
+  midpoints bracket it, i.e. the number of midpoints below it (numpy's float32 arithmetic is
+  IEEE, as XLA's is).
+  """
+  g = np.arange(_LUT_SIZE, dtype=np.float32)
+  value = np.float32(-1.0) + (np.float32(2.0) * g) / np.float32(_LUT_SIZE - 1)
+  return np.sum(value[:, None] > _DYNAMIC_MIDPOINTS[None, :], axis=1).astype(np.uint8)
+
+
+def host_mean(absmax) -> np.float32:
+  """The double-quantization offset, computed on the host: the float32 mean of absmax,
+  correctly rounded (float64 accumulation). Takes a numpy or jax array of any shape."""
+  host = np.asarray(absmax, dtype=np.float64).reshape(-1)
+  return np.float32(host.sum() / host.size)
+
+
 def mean_offset(absmax: jax.Array) -> jax.Array:
-  """The double-quantization offset: the float32 mean of absmax, correctly rounded."""
-  host = np.asarray(jax.device_get(absmax), dtype=np.float64)
-  return jnp.asarray(np.float32(host.sum() / host.size))
+  """:func:`host_mean` as a jax scalar."""
+  return jnp.asarray(host_mean(jax.device_get(absmax)))
 
 
 def double_quantize(absmax: jax.Array, offset: jax.Array | None = None):
@@ -163,20 +190,49 @@ def dequantize(q: NF4Quantized, shape: tuple[int, ...], dtype=jnp.float32) -> ja
 
 
 def quantize_linear(w: jax.Array) -> NF4Quantized:
-  """Quantize a PyTorch-layout weight [out, in] into the 2-D layout (in % 64 == 0)."""
-  out_features, in_features = w.shape
-  if in_features % BLOCKSIZE:
+  """Quantize a PyTorch-layout weight [out, in] into the 2-D layout (in % 64 == 0).
+
+  The three steps are public so that a loader can overlap the host's mean of one weight with
+  the device's work on the next (converters/hf_in.py); composed, they are this function.
+  """
+  check_linear_shape(w.shape)
+  codes, absmax = quantize_linear_4bit(w)
+  absmax_q, nested, offset = double_quantize_linear(absmax, host_mean(absmax))
+  return NF4Quantized(codes, absmax_q, nested, offset)
+
+
+def check_linear_shape(shape: tuple[int, ...]) -> None:
+  """NF4's 2-D layout keeps blocks within rows: the input size must be a multiple of 64."""
+  if shape[-1] % BLOCKSIZE:
     raise ValueError(
       f"NF4 needs the input size of a linear layer to be a multiple of {BLOCKSIZE}, got "
-      f"{in_features}; load this model with quantization=None."
+      f"{shape[-1]}; load this model with quantization=None."
     )
-  q = quantize(w)
-  return NF4Quantized(
-    q.codes.reshape(out_features, in_features // 2),
-    q.absmax.reshape(out_features, in_features // BLOCKSIZE),
-    q.nested_absmax,
-    q.offset,
-  )
+
+
+@jax.jit
+def quantize_linear_4bit(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """First stage in the 2-D layout: codes uint8 [out, in / 2], float32 absmax [out, in / 64].
+
+  The blocks of 64 lie along rows, so this is :func:`quantize_4bit_blocks` without the
+  flattening (which would tie a sharded weight's layout in knots).
+  """
+  out_features, in_features = w.shape
+  blocks = w.astype(jnp.float32).reshape(out_features, in_features // BLOCKSIZE, BLOCKSIZE)
+  absmax = jnp.max(jnp.abs(blocks), axis=-1)  # [out, in / 64]
+  safe = jnp.maximum(absmax, 1e-38)[..., None]
+  scaled = jnp.clip(blocks * (1.0 / safe), -1.0, 1.0)
+  codes = _pack(_nf4_level(scaled))  # [out, in / 64, 32]
+  return codes.reshape(out_features, in_features // 2), absmax
+
+
+@jax.jit
+def double_quantize_linear(absmax: jax.Array, offset) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Second stage in the 2-D layout: (absmax uint8 [out, in / 64], nested_absmax, offset)
+  from the float32 absmax [out, in / 64] and the offset (:func:`host_mean`)."""
+  offset = jnp.asarray(offset, jnp.float32)
+  absmax_q, nested = quantize_blockwise_8bit(absmax.reshape(-1) - offset)
+  return absmax_q.reshape(absmax.shape), nested, offset
 
 
 def dequantize_linear(

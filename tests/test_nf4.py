@@ -102,6 +102,15 @@ def test_linear_layout_is_bnb_layout_reshaped():
   assert 0 < err < 0.2 * np.abs(w).max()
 
 
+def test_dynamic_map_table_is_the_midpoint_rule():
+  """The 8-bit step's table gives every grid point the level whose float32 midpoints bracket
+  it, exactly as comparing with the midpoints on the device does."""
+  grid = jnp.arange(65536, dtype=jnp.int32).astype(jnp.float32)
+  value = -1.0 + (2.0 * grid) / 65535.0
+  direct = jnp.sum(value[:, None] > jnp.asarray(nf4._DYNAMIC_MIDPOINTS), axis=1)
+  np.testing.assert_array_equal(nf4._dynamic_lut(), np.asarray(direct))
+
+
 def test_linear_rejects_inputs_not_multiple_of_64():
   with pytest.raises(ValueError, match="multiple of 64"):
     nf4.quantize_linear(jnp.zeros((8, 100)))
