@@ -234,12 +234,19 @@ def csv(text: str, kind=str) -> list:
   return [kind(x.strip()) for x in text.split(",") if x.strip()]
 
 
+def reuse_or_write(path: Path, shape: str) -> Path:
+  """The random checkpoint of ``shape`` at ``path``: written unless a finished one is there."""
+  if (path / "config.json").is_file():
+    return path
+  return write(path, shape)
+
+
 def bench_shape(shape: str, args, rate: float, emit) -> None:
   """Every row of one shape, each passed to ``emit`` as soon as it is measured."""
   batches = sorted(csv(args.batches, int))
   with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
     t = time.perf_counter()
-    ckpt = write(Path(tmp) / shape, shape)
+    ckpt = reuse_or_write(Path(args.checkpoint_dir or tmp) / shape, shape)
     write_s = time.perf_counter() - t
     print(f"{shape}: wrote checkpoint in {write_s:.1f}s", flush=True)
     cfg = jaxtune.ModelConfig.from_hf(ckpt)
@@ -327,6 +334,9 @@ def main():
   ap.add_argument("--nf4-matmul", default="auto", help="comma-separated: auto, kernel, xla")
   ap.add_argument("--results-dir", default=None, help="default: experiments/ (--tiny: a temp dir)")
   ap.add_argument("--matmul-n", type=int, default=8192, help="size of the reference matmul")
+  ap.add_argument(
+    "--checkpoint-dir", default=None, help="keep the random checkpoints here, reusing any found"
+  )
   ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny-llama, seq 64, 2 steps")
   args = ap.parse_args()
   if args.tiny:

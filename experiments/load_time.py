@@ -127,6 +127,9 @@ def main():
   ap.add_argument("--results-dir", default=None, help="default: experiments/")
   ap.add_argument("--tmp", default=None, help="where to write the checkpoint (default: $TMPDIR)")
   ap.add_argument("--repeats", type=int, default=3, help="warm loads; the fastest is reported")
+  ap.add_argument(
+    "--checkpoint-dir", default=None, help="keep the random checkpoint here, reusing one found"
+  )
   args = ap.parse_args()
 
   compile_s, compiles = [0.0], [0]
@@ -142,7 +145,9 @@ def main():
 
   with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
     t = time.perf_counter()
-    ckpt = write(Path(tmp) / args.shape, args.shape)
+    ckpt = Path(args.checkpoint_dir or tmp) / args.shape
+    if not (ckpt / "config.json").is_file():  # a finished checkpoint there is reused
+      ckpt = write(ckpt, args.shape)
     print(f"wrote checkpoint in {time.perf_counter() - t:.1f}s", flush=True)
     t = time.perf_counter()
     gib = warm_page_cache(ckpt)
