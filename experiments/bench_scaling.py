@@ -51,7 +51,7 @@ from flax import nnx  # noqa: E402
 
 import jaxtune  # noqa: E402
 from converters.synthetic import write_random_checkpoint  # noqa: E402
-from experiments.record import record  # noqa: E402
+from experiments.record import record, step_gib  # noqa: E402
 from experiments.write_checkpoint import hf_config, write  # noqa: E402
 from jaxtune import mesh as meshlib  # noqa: E402
 from jaxtune import pipeline, sharding, trainer  # noqa: E402
@@ -78,16 +78,6 @@ TINY = dict(  # a CPU smoke shape: 4 layers so pipe=4 divides, 4 heads so tensor
   vocab_size=512,
   tie_word_embeddings=False,
 )
-
-
-def step_gib(compiled) -> float:
-  m = compiled.memory_analysis()
-  if m is None:
-    return float("nan")
-  total = (
-    m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-  )
-  return total / 2**30
 
 
 def process_peak_gib(devices) -> float:

@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flax import nnx  # noqa: E402
 
 import jaxtune  # noqa: E402
-from experiments.record import record, run_meta  # noqa: E402
+from experiments.record import record, run_meta, step_gib  # noqa: E402
 from experiments.write_checkpoint import SHAPES, write  # noqa: E402
 from jaxtune import attention, trainer  # noqa: E402
 from jaxtune.config import SLIDING  # noqa: E402
@@ -100,17 +100,6 @@ def host_peak_gib() -> float:
 def peak_gib() -> float:
   stats = jax.devices()[0].memory_stats() or {}  # None on CPU
   return stats.get("peak_bytes_in_use", 0) / 2**30
-
-
-def step_gib(compiled) -> float:
-  """XLA's plan for one step: arguments, outputs and temporaries, donated buffers once."""
-  m = compiled.memory_analysis()
-  if m is None:
-    return float("nan")
-  total = (
-    m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-  )
-  return total / 2**30
 
 
 def is_oom(e: Exception) -> bool:
@@ -157,6 +146,7 @@ def time_steps(model, b: int, args, setting: dict) -> dict:
     remat=setting["remat"],
     attention_impl=setting["attention"],
     nf4_matmul=setting["nf4_matmul"],
+    fuse_lora=setting["fuse_lora"],
   )
   graphdef, lora, frozen = trainer.place(model, None)
   # The step donates the adapters: it gets copies, so the model's own survive a failed row.
@@ -284,11 +274,18 @@ def bench_shape(shape: str, args, rate: float, emit) -> None:
           checks[impl], refused[impl] = None, f"attention check failed: {error_line(e)}"
         if checks[impl] is not None and not checks[impl] < 1e-2:
           refused[impl] = f"{impl} differs from the reference by {checks[impl]:.2e}"
+      fuse = [bool(int(v)) for v in csv(args.fuse_lora)]
       settings = itertools.product(
-        impls, csv(args.remat), csv(args.loss_chunk, int), csv(args.nf4_matmul)
+        impls, csv(args.remat), csv(args.loss_chunk, int), csv(args.nf4_matmul), fuse
       )
-      for impl, remat, loss_chunk, nf4_matmul in settings:
-        setting = dict(attention=impl, remat=remat, loss_chunk=loss_chunk, nf4_matmul=nf4_matmul)
+      for impl, remat, loss_chunk, nf4_matmul, fuse_lora in settings:
+        setting = dict(
+          attention=impl,
+          remat=remat,
+          loss_chunk=loss_chunk,
+          nf4_matmul=nf4_matmul,
+          fuse_lora=fuse_lora,
+        )
         failed = refused.get(impl)  # once a batch runs out of memory, the larger ones skip
         for b in batches:
           row = {**base, "batch": b, **setting, "attention_check_rel_err": checks[impl]}
@@ -332,6 +329,9 @@ def main():
   )
   ap.add_argument("--quantization", default="nf4", help="comma-separated: nf4, none")
   ap.add_argument("--nf4-matmul", default="auto", help="comma-separated: auto, kernel, xla")
+  ap.add_argument(
+    "--fuse-lora", default="0", help="comma-separated 0/1: LoRA's x @ A in the NF4 weight's dot"
+  )
   ap.add_argument("--results-dir", default=None, help="default: experiments/ (--tiny: a temp dir)")
   ap.add_argument("--matmul-n", type=int, default=8192, help="size of the reference matmul")
   ap.add_argument(
@@ -382,20 +382,20 @@ def main():
   )
   print(f"\nrecorded to {args.results_dir or 'experiments/'}")
   print(
-    "\n| model | attention | remat | loss chunk | batch | tokens/s | ms/step | peak GiB | MFU-6N |"
-    " MFU-4N | load s | first step s |"
+    "\n| model | attention | remat | loss chunk | nf4 matmul | fused LoRA | batch | tokens/s | "
+    "ms/step | peak GiB | MFU-6N | MFU-4N | load s | first step s |"
   )
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---" * 14 + "|")
   for r in rows:
+    setting = (
+      f"| {r['model']} | {r['attention']} | {r['remat']} | {r['loss_chunk']} | "
+      f"{r['nf4_matmul']} | {r.get('fuse_lora', False)} | {r['batch']} "
+    )
     if r["status"] != "ok":
-      print(
-        f"| {r['model']} | {r['attention']} | {r['remat']} | {r['loss_chunk']} | {r['batch']} "
-        f"| {r['status']} | | | | | {r['load_s']:.1f} | |"
-      )
+      print(setting + f"| {r['status']} | | | | | {r['load_s']:.1f} | |")
       continue
     print(
-      f"| {r['model']} | {r['attention']} | {r['remat']} | {r['loss_chunk']} | {r['batch']} | "
-      f"{r['tokens_per_s']:.0f} | {r['ms_per_step']:.1f} | {r['peak_gib']:.1f} | "
+      setting + f"| {r['tokens_per_s']:.0f} | {r['ms_per_step']:.1f} | {r['peak_gib']:.1f} | "
       f"{r['mfu_6n']:.3f} | {r['mfu_4n']:.3f} | {r['load_s']:.1f} | {r['first_step_s']:.1f} |"
     )
 

@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxtune import nf4
 from pallas_kernels.nf4_matmul import nf4_matmul
+from pallas_kernels.nf4_matmul.lora import nf4_lora_matmul
 
 
 def _stacked(layers: int | None, shape: tuple[int, ...], axes: tuple) -> tuple[tuple, tuple]:
@@ -77,6 +78,9 @@ class Linear(nnx.Module):
     self.lora_scale = 0.0
     self.lora_dropout = 0.0
     self.nf4_impl = None  # None: pallas_kernels.nf4_matmul decides per shape and device
+    # NF4 with LoRA and no dropout: x @ A in W's dot (pallas_kernels.nf4_matmul.lora). Off
+    # until timed on a GPU.
+    self.fuse_lora = False
 
   def dense_weight(self, dtype, layer: int | None = None) -> jax.Array:
     """The frozen weight [out, in] in ``dtype`` (dequantized if NF4); one layer if stacked."""
@@ -88,16 +92,22 @@ class Linear(nnx.Module):
     return pick(self.weight).astype(dtype)
 
   def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+    dropout = self.lora_a is not None and self.lora_dropout > 0.0 and dropout_key is not None
+    fused = self.quantized and self.lora_a is not None and self.fuse_lora and not dropout
     if self.quantized:
       parts = (self.codes[...], self.absmax[...], self.nested_absmax[...], self.offset[...])
-      y = nf4_matmul(x, *parts, impl=self.nf4_impl)
+      if fused:
+        a, b = self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype)
+        y = nf4_lora_matmul(x, *parts, a, b, self.lora_scale)
+      else:
+        y = nf4_matmul(x, *parts, impl=self.nf4_impl)
     else:
       y = jnp.einsum("...i,oi->...o", x, self.dense_weight(x.dtype))
     if self.bias is not None:
       y = y + self.bias[...].astype(y.dtype)
-    if self.lora_a is not None:
+    if self.lora_a is not None and not fused:
       h = x
-      if self.lora_dropout > 0.0 and dropout_key is not None:
+      if dropout:
         keep = jax.random.bernoulli(dropout_key, 1.0 - self.lora_dropout, x.shape)
         h = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(x.dtype)
       a = self.lora_a[...].astype(x.dtype)

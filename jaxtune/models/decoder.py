@@ -392,6 +392,7 @@ class Decoder(nnx.Module):
     activation_sharding=None,
     microbatches=None,
     nf4_matmul=None,
+    fuse_lora=None,
   ):
     """Runtime choices that change how, not what, the model computes.
 
@@ -400,6 +401,8 @@ class Decoder(nnx.Module):
     ``microbatches``: pipeline micro-batches per step (0: one per sequence of a data shard).
     ``nf4_matmul``: "kernel" or "xla" for every NF4 linear layer, "auto" to let
     pallas_kernels.nf4_matmul choose per shape and device.
+    ``fuse_lora``: True to run each NF4 layer's LoRA down-projection in its weight's dot
+    (pallas_kernels.nf4_matmul.lora) whenever no LoRA dropout applies.
     """
     if nf4_matmul is not None:
       if nf4_matmul not in ("auto", "kernel", "xla"):
@@ -407,6 +410,10 @@ class Decoder(nnx.Module):
       for _, node in nnx.iter_graph(self):
         if isinstance(node, Linear):
           node.nf4_impl = None if nf4_matmul == "auto" else nf4_matmul
+    if fuse_lora is not None:
+      for _, node in nnx.iter_graph(self):
+        if isinstance(node, Linear):
+          node.fuse_lora = bool(fuse_lora)
     if microbatches is not None:
       if microbatches < 0:
         raise ValueError(f"microbatches must be 0 (automatic) or positive, got {microbatches}.")
