@@ -5,7 +5,7 @@ all seven projections, and runs the jitted loss-and-LoRA-gradient of one micro-b
 train step without its tiny AdamW update) once under Mosaic GPU's CUPTI profiler. Every kernel
 launch is put in a category by its name:
 
-  matmul      cuBLAS / CUTLASS GEMMs (projections, LoRA, output layer and its gradient)
+  matmul      cuBLAS (nvjet) / CUTLASS / XLA-Triton GEMMs (projections, LoRA, output layer)
   attention   cuDNN fused attention or the Pallas (Mosaic GPU) flash kernels
   fusion      XLA's own fused kernels: NF4 dequantization, norms, rope, SiLU, residuals,
               softmax cross-entropy, casts
@@ -42,7 +42,7 @@ from jaxtune import trainer  # noqa: E402
 
 CATEGORIES = (  # first match wins
   ("attention", ("fmha", "flash", "cudnn", "mosaic", "attention")),
-  ("matmul", ("gemm", "cutlass", "xmma", "cublas", "wgmma", "matmul", "dot")),
+  ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "wgmma", "matmul", "dot")),
   ("copy", ("copy", "transpose", "dynamic", "memcpy", "memset", "concatenate")),
   ("fusion", ("fusion", "loop_", "input_", "reduce", "convert", "multiply", "add")),
 )
