@@ -52,9 +52,10 @@ _HELP = {
   "sequence of a data shard)",
   "shard_frozen": "also split the frozen NF4 weights over the data axis, gathered per layer "
   "(for models that do not fit one copy per data shard)",
-  "attention": "xla, fused (cuDNN on GPU, exact for one document per row, which is all "
-  "jaxtune's data makes today) or pallas (Mosaic GPU flash attention on Hopper: packing, "
-  "windows, softcaps); unset: fused on GPU (xla under a pipe axis)",
+  "attention": "xla, fused (cuDNN on GPU, exact only for one example per row: use it with "
+  "--no-packing) or pallas (Mosaic GPU flash attention on Hopper: packing, windows, "
+  "softcaps); unset: fused where it is exact, else pallas on Hopper, else xla (xla under a "
+  "pipe axis)",
   "nf4_matmul": "NF4 linear layers: kernel (Pallas, Hopper GPUs) or xla (dequantize then "
   "dot); unset: the kernel for at most 64 tokens on one Hopper GPU, XLA otherwise",
   "loss_chunk": "compute the loss N tokens per row at a time (the float32 logits of the "
