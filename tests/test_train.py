@@ -74,6 +74,15 @@ def test_mesh_losses_equal_single_device(hf_llama_dir, tmp_path):
     np.testing.assert_allclose(_losses(path, spec, tmp_path), single, rtol=2e-5, err_msg=spec)
 
 
+def test_pallas_attention_under_a_mesh_trains_like_one_device(hf_llama_dir, tmp_path):
+  """--attention pallas under --mesh 2x4 runs the flash op per (data, tensor) shard in a
+  shard_map (on CPU its jnp fallback inside): the losses of one device with XLA attention."""
+  path, _ = _tiny_dir(hf_llama_dir)
+  single = _losses(path, "1", tmp_path / "one", steps=2, attention="xla")
+  sharded = _losses(path, "2x4", tmp_path / "mesh", steps=2, attention="pallas")
+  np.testing.assert_allclose(sharded, single, rtol=2e-5)
+
+
 def test_pipeline_run_settings_train_like_one_device(hf_llama_dir, tmp_path):
   """--mesh 2x2x2 with --shard-frozen, --microbatches, --remat offload and --loss-chunk, via the
   trainer's own placement: the same losses as one device."""
