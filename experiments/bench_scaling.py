@@ -190,6 +190,8 @@ def main():
   args = ap.parse_args()
   if args.tiny:
     args.shape, args.seq, args.steps = "tiny", min(args.seq, 64), min(args.steps, 2)
+    # A smoke run is not a measurement: its rows go to a temporary folder unless asked.
+    args.results_dir = args.results_dir or tempfile.mkdtemp(prefix="bench_scaling_tiny.")
 
   names = [m.strip() for m in args.meshes.split(",") if m.strip()]
   unknown = [m for m in names if m not in MESHES]
