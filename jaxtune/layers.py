@@ -115,6 +115,21 @@ class Linear(nnx.Module):
       y = y + (self.lora_scale * ((h @ a) @ b)).astype(y.dtype)
     return y
 
+  def rows(self, x: jax.Array, start: jax.Array, size: int) -> jax.Array:
+    """Outputs ``start .. start + size - 1`` only (a dense, unstacked layer, no dropout): the
+    output layer one vocabulary piece at a time."""
+    if self.quantized:
+      raise NotImplementedError("rows() reads a dense weight; NF4 output layers are not built.")
+    w = jax.lax.dynamic_slice_in_dim(self.weight[...], start, size, 0).astype(x.dtype)
+    y = jnp.einsum("...i,oi->...o", x, w)
+    if self.bias is not None:
+      y = y + jax.lax.dynamic_slice_in_dim(self.bias[...], start, size, 0).astype(y.dtype)
+    if self.lora_a is not None:
+      a = self.lora_a[...].astype(x.dtype)
+      b = jax.lax.dynamic_slice_in_dim(self.lora_b[...], start, size, 1).astype(x.dtype)
+      y = y + (self.lora_scale * ((x @ a) @ b)).astype(y.dtype)
+    return y
+
 
 class RMSNorm(nnx.Module):
   """x / rms(x) scaled by w (or by 1 + w, Gemma), in float32, as transformers computes it."""

@@ -180,7 +180,8 @@ def test_pallas_attention_runs_per_shard_of_a_data_tensor_mesh():
 
 
 def test_chunked_loss_equals_the_full_loss_under_the_final_logit_softcap(tmp_path):
-  """Gemma 2's final-logit softcap (3.0 here) inside the chunked cross-entropy: loss sums and
+  """Gemma 2's final-logit softcap (3.0 here) inside the chunked cross-entropy, by token pieces
+  and by token and vocabulary pieces (online log-sum-exp): loss sums and
   LoRA gradients equal those of the full [B, T, V] logits (the head is the tied embedding)."""
   model = jaxtune.from_pretrained(_gemma2_dir(tmp_path), quantization="nf4", dtype="float32")
   assert model.config.final_logit_softcap == 3.0
@@ -196,9 +197,16 @@ def test_chunked_loss_equals_the_full_loss_under_the_final_logit_softcap(tmp_pat
     s, n = trainer.loss_sums(graphdef, lora, frozen, batch, None, chunk)
     return s, n
 
+  def vocab_pieces(lora):  # the tied embedding in 4 pieces of 64 entries, softcap on each
+    m = nnx.merge(graphdef, lora, frozen)
+    h = m.hidden_states(jnp.asarray(ids))
+    vocab = (m.logits_piece, 256, 64)
+    return trainer.chunked_loss_sums(m.logits_from_hidden, h, jnp.asarray(labels), 5, vocab)
+
   (ref, ref_n), ref_g = jax.value_and_grad(lambda x: loss(x, 0), has_aux=True)(lora)
-  (got, got_n), got_g = jax.value_and_grad(lambda x: loss(x, 5), has_aux=True)(lora)
-  assert int(got_n) == int(ref_n) > 0
-  np.testing.assert_allclose(float(got), float(ref), rtol=1e-5)
-  for g, r in zip(jax.tree.leaves(got_g), jax.tree.leaves(ref_g), strict=True):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6)
+  for fn in (lambda x: loss(x, 5), vocab_pieces):
+    (got, got_n), got_g = jax.value_and_grad(fn, has_aux=True)(lora)
+    assert int(got_n) == int(ref_n) > 0
+    np.testing.assert_allclose(float(got), float(ref), rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(got_g), jax.tree.leaves(ref_g), strict=True):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6)

@@ -111,16 +111,20 @@ def test_chunked_loss_equals_the_full_logits_loss(hf_llama_dir):
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels, 0))
     return jnp.sum(ce * mask), jnp.sum(mask)
 
-  def chunked(lora):
+  def chunked(lora, vocab_piece=None):
     m = nnx.merge(graphdef, lora, frozen)
-    return trainer.chunked_loss_sums(m.logits_from_hidden, m.hidden_states(ids), labels, 5)
+    vocab = None if vocab_piece is None else (m.logits_piece, m.config.vocab_size, vocab_piece)
+    h = m.hidden_states(ids)
+    return trainer.chunked_loss_sums(m.logits_from_hidden, h, labels, 5, vocab)
 
   (ref, ref_n), ref_g = jax.value_and_grad(full, has_aux=True)(lora)
-  (got, got_n), got_g = jax.value_and_grad(chunked, has_aux=True)(lora)
-  assert int(got_n) == int(ref_n) > 0
-  np.testing.assert_allclose(float(got), float(ref), rtol=1e-5)
-  for g, r in zip(jax.tree.leaves(got_g), jax.tree.leaves(ref_g), strict=True):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6)
+  # Token pieces; token and vocabulary pieces (lm_head rows and its LoRA B columns sliced).
+  for vocab_piece in (None, 100):  # 100 -> pieces of 64, the largest divisor of 256
+    (got, got_n), got_g = jax.value_and_grad(chunked, has_aux=True)(lora, vocab_piece)
+    assert int(got_n) == int(ref_n) > 0
+    np.testing.assert_allclose(float(got), float(ref), rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(got_g), jax.tree.leaves(ref_g), strict=True):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6)
 
 
 def test_grad_accumulation_normalises_over_all_micro_batches(hf_llama_dir, tmp_path):

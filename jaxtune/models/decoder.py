@@ -448,6 +448,19 @@ class Decoder(nnx.Module):
       logits = cap * jnp.tanh(logits / cap)
     return logits
 
+  def logits_piece(self, h: jax.Array, start: jax.Array, size: int) -> jax.Array:
+    """``logits_from_hidden`` for vocabulary entries ``start .. start + size - 1`` only."""
+    if self.lm_head is None:
+      table = self.embed_tokens.embedding[...]
+      w = jax.lax.dynamic_slice_in_dim(table, start, size, 0).astype(h.dtype)
+      logits = jnp.einsum("...d,vd->...v", h, w)
+    else:
+      logits = self.lm_head.rows(h, start, size)
+    cap = self.config.final_logit_softcap
+    if cap:
+      logits = cap * jnp.tanh(logits / cap)
+    return logits
+
   def __call__(self, input_ids, positions=None, segment_ids=None, dropout_key=None):
     """Logits [B, T, V] in float32."""
     h = self.hidden_states(input_ids, positions, segment_ids, dropout_key)
