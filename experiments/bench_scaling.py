@@ -51,7 +51,8 @@ from flax import nnx  # noqa: E402
 
 import jaxtune  # noqa: E402
 from converters.synthetic import write_random_checkpoint  # noqa: E402
-from experiments.record import record, step_gib  # noqa: E402
+from experiments.measure import step_gib  # noqa: E402
+from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import hf_config, write  # noqa: E402
 from jaxtune import mesh as meshlib  # noqa: E402
 from jaxtune import pipeline, sharding, trainer  # noqa: E402

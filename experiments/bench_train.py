@@ -62,39 +62,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flax import nnx  # noqa: E402
 
 import jaxtune  # noqa: E402
-from experiments.record import record, run_meta, step_gib  # noqa: E402
+from experiments.measure import host_peak, matmul_tflops, reset_host_peak, step_gib  # noqa: E402
+from experiments.record import record, run_meta  # noqa: E402
 from experiments.write_checkpoint import SHAPES, write  # noqa: E402
 from jaxtune import attention, trainer  # noqa: E402
 from jaxtune.config import SLIDING  # noqa: E402
 from jaxtune.run_config import RunConfig  # noqa: E402
 
 LORA_RANK = 16
-
-
-def matmul_tflops(n: int = 8192, reps: int = 20) -> float:
-  keys = jax.random.split(jax.random.key(0), 2)
-  a = jax.random.normal(keys[0], (n, n), jnp.bfloat16)
-  b = jax.random.normal(keys[1], (n, n), jnp.bfloat16)
-  f = jax.jit(jnp.dot)
-  f(a, b).block_until_ready()
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    f(a, b).block_until_ready()
-    times.append(time.perf_counter() - t)
-  return 2 * n**3 / statistics.median(times) / 1e12
-
-
-def reset_host_peak() -> None:
-  """Linux: reset VmHWM so the next reading is the peak from here on."""
-  Path("/proc/self/clear_refs").write_text("5")
-
-
-def host_peak_gib() -> float:
-  for line in Path("/proc/self/status").read_text().splitlines():
-    if line.startswith("VmHWM:"):
-      return int(line.split()[1]) / 2**20  # kB -> GiB
-  return float("nan")
 
 
 def peak_gib() -> float:
@@ -241,8 +216,7 @@ def bench_shape(shape: str, args, rate: float, emit) -> None:
     print(f"{shape}: wrote checkpoint in {write_s:.1f}s", flush=True)
     cfg = jaxtune.ModelConfig.from_hf(ckpt)
     for quantization in csv(args.quantization):
-      reset_host_peak()
-      rss0 = host_peak_gib()
+      rss0 = reset_host_peak() / 2**30
       t_shape = time.perf_counter()
       model = jaxtune.from_pretrained(
         ckpt, quantization=None if quantization == "none" else quantization, dtype="bfloat16"
@@ -261,7 +235,7 @@ def bench_shape(shape: str, args, rate: float, emit) -> None:
         "write_s": write_s,
         "load_s": load_s,
         "host_rss_before_load_gib": rss0,
-        "host_peak_rss_load_gib": host_peak_gib(),
+        "host_peak_rss_load_gib": host_peak() / 2**30,
         "matmul_tflops": rate,
       }
       impls = [model.default_attention() if a == "default" else a for a in csv(args.attention)]

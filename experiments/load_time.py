@@ -35,6 +35,7 @@ from flax import nnx  # noqa: E402
 
 import jaxtune  # noqa: E402
 from converters import safetensors_read  # noqa: E402
+from experiments.measure import host_peak, reset_host_peak  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
 from jaxtune import nf4  # noqa: E402
@@ -45,23 +46,6 @@ COMPILE_EVENTS = (
   "/jax/core/compile/backend_compile_duration",
 )
 MIB = 1 << 20
-
-
-def _status_kib(key: str) -> int:
-  for line in Path("/proc/self/status").read_text().splitlines():
-    if line.startswith(key + ":"):
-      return int(line.split()[1])
-  raise KeyError(key)
-
-
-def reset_host_peak() -> int:
-  """Reset VmHWM to the current RSS (Linux) and return that RSS in bytes."""
-  Path("/proc/self/clear_refs").write_text("5")
-  return _status_kib("VmRSS") * 1024
-
-
-def host_peak() -> int:
-  return _status_kib("VmHWM") * 1024
 
 
 def warm_page_cache(ckpt: Path) -> float:

@@ -22,10 +22,8 @@ same run.
 
 import argparse
 import collections
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -36,6 +34,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jaxtune  # noqa: E402
+from experiments.measure import matmul_tflops  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
 from jaxtune import trainer  # noqa: E402
@@ -54,18 +53,6 @@ def category(name: str) -> str:
     if any(k in low for k in keys):
       return cat
   return "other"
-
-
-def matmul_tflops(n: int = 8192) -> float:
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-  f = jax.jit(jnp.dot)
-  f(a, a).block_until_ready()
-  times = []
-  for _ in range(10):
-    t = time.perf_counter()
-    f(a, a).block_until_ready()
-    times.append(time.perf_counter() - t)
-  return 2 * n**3 / statistics.median(times) / 1e12
 
 
 def main():

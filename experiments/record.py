@@ -59,17 +59,5 @@ def record(
     f.write("\n".join(lines) + "\n")
 
 
-def step_gib(compiled) -> float:
-  """XLA's plan for one compiled step: arguments, outputs and temporaries, donated buffers
-  once (GiB; NaN where the backend gives no memory analysis)."""
-  m = compiled.memory_analysis()
-  if m is None:
-    return float("nan")
-  total = (
-    m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-  )
-  return total / 2**30
-
-
 def _fmt(v) -> str:
   return f"{v:.4g}" if isinstance(v, float) else str(v)

@@ -110,10 +110,12 @@ class Linear(nnx.Module):
       if dropout:
         keep = jax.random.bernoulli(dropout_key, 1.0 - self.lora_dropout, x.shape)
         h = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(x.dtype)
-      a = self.lora_a[...].astype(x.dtype)
-      b = self.lora_b[...].astype(x.dtype)
-      y = y + (self.lora_scale * ((h @ a) @ b)).astype(y.dtype)
+      y = y + self._lora_term(h, self.lora_b[...]).astype(y.dtype)
     return y
+
+  def _lora_term(self, h: jax.Array, b: jax.Array) -> jax.Array:
+    """scale * (h @ A) @ b, in h's dtype (b: B or some of its output columns)."""
+    return self.lora_scale * ((h @ self.lora_a[...].astype(h.dtype)) @ b.astype(h.dtype))
 
   def rows(self, x: jax.Array, start: jax.Array, size: int) -> jax.Array:
     """Outputs ``start .. start + size - 1`` only (a dense, unstacked layer, no dropout): the
@@ -125,9 +127,8 @@ class Linear(nnx.Module):
     if self.bias is not None:
       y = y + jax.lax.dynamic_slice_in_dim(self.bias[...], start, size, 0).astype(y.dtype)
     if self.lora_a is not None:
-      a = self.lora_a[...].astype(x.dtype)
-      b = jax.lax.dynamic_slice_in_dim(self.lora_b[...], start, size, 1).astype(x.dtype)
-      y = y + (self.lora_scale * ((x @ a) @ b)).astype(y.dtype)
+      b = jax.lax.dynamic_slice_in_dim(self.lora_b[...], start, size, 1)
+      y = y + self._lora_term(x, b).astype(y.dtype)
     return y
 
 
@@ -165,6 +166,10 @@ class Embed(nnx.Module):
   def __call__(self, ids: jax.Array, dtype) -> jax.Array:
     return jnp.take(self.embedding[...], ids, axis=0).astype(dtype)
 
-  def attend(self, x: jax.Array) -> jax.Array:
-    """Logits through the tied embedding: [..., D] -> [..., V]."""
-    return jnp.einsum("...d,vd->...v", x, self.embedding[...].astype(x.dtype))
+  def attend(self, x: jax.Array, start=None, size: int | None = None) -> jax.Array:
+    """Logits through the tied embedding: [..., D] -> [..., V], or only entries
+    ``start .. start + size - 1`` of the vocabulary."""
+    table = self.embedding[...]
+    if size is not None:
+      table = jax.lax.dynamic_slice_in_dim(table, start, size, 0)
+    return jnp.einsum("...d,vd->...v", x, table.astype(x.dtype))

@@ -72,17 +72,22 @@ def quantize_4bit_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   x = w.reshape(-1).astype(jnp.float32)
   n = x.shape[0]
   blocks = _pad_to_blocks(x, BLOCKSIZE, 0.0)  # [nb, 64]
-  absmax = jnp.max(jnp.abs(blocks), axis=1)
-  safe = jnp.maximum(absmax, 1e-38)[:, None]
-  full = jnp.clip(blocks * (1.0 / safe), -1.0, 1.0)
+  full, absmax = _scale_blocks(blocks)
   if n % BLOCKSIZE:
     # bitsandbytes divides (instead of multiplying by the reciprocal) in the partial block.
-    last = jnp.clip(blocks[-1:] / safe[-1:], -1.0, 1.0)
+    last = jnp.clip(blocks[-1:] / jnp.maximum(absmax[-1:], 1e-38)[:, None], -1.0, 1.0)
     full = jnp.concatenate([full[:-1], last], axis=0)
   scaled = full.reshape(-1)[:n]
   if n % 2:
     scaled = jnp.pad(scaled, (0, 1))  # a zero, code 7, fills the last low nibble
   return _pack(_nf4_level(scaled)), absmax
+
+
+def _scale_blocks(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """[..., 64] float32 blocks -> (values / absmax clipped to [-1, 1], absmax [...])."""
+  absmax = jnp.max(jnp.abs(blocks), axis=-1)
+  safe = jnp.maximum(absmax, 1e-38)[..., None]
+  return jnp.clip(blocks * (1.0 / safe), -1.0, 1.0), absmax
 
 
 def _nf4_level(scaled: jax.Array) -> jax.Array:
@@ -219,9 +224,7 @@ def quantize_linear_4bit(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   """
   out_features, in_features = w.shape
   blocks = w.astype(jnp.float32).reshape(out_features, in_features // BLOCKSIZE, BLOCKSIZE)
-  absmax = jnp.max(jnp.abs(blocks), axis=-1)  # [out, in / 64]
-  safe = jnp.maximum(absmax, 1e-38)[..., None]
-  scaled = jnp.clip(blocks * (1.0 / safe), -1.0, 1.0)
+  scaled, absmax = _scale_blocks(blocks)  # absmax [out, in / 64]
   codes = _pack(_nf4_level(scaled))  # [out, in / 64, 32]
   return codes.reshape(out_features, in_features // 2), absmax
 
@@ -230,8 +233,7 @@ def quantize_linear_4bit(w: jax.Array) -> tuple[jax.Array, jax.Array]:
 def double_quantize_linear(absmax: jax.Array, offset) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Second stage in the 2-D layout: (absmax uint8 [out, in / 64], nested_absmax, offset)
   from the float32 absmax [out, in / 64] and the offset (:func:`host_mean`)."""
-  offset = jnp.asarray(offset, jnp.float32)
-  absmax_q, nested = quantize_blockwise_8bit(absmax.reshape(-1) - offset)
+  absmax_q, nested, offset = double_quantize(absmax.reshape(-1), offset)
   return absmax_q.reshape(absmax.shape), nested, offset
 
 

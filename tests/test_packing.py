@@ -10,6 +10,7 @@ from flax import nnx
 
 import jaxtune
 from jaxtune import attention, data, trainer
+from jaxtune.lora import iter_linears
 
 SEQ = 128  # one flash-attention block multiple, so the kernel path pads nothing
 
@@ -73,10 +74,8 @@ def _use_kernels(model, on: bool):
   """Every NF4 layer and the attention on the Mosaic GPU kernels' interpreter, or on XLA."""
   model.set_runtime(attention_impl="xla", nf4_matmul="xla")
   if on:
-    model.set_runtime(nf4_matmul="kernel")
-    for _, node in nnx.iter_graph(model):
-      if getattr(node, "nf4_impl", None) == "kernel":
-        node.nf4_impl = "interpret"
+    for _, linear in iter_linears(model):
+      linear.nf4_impl = "interpret"
     model.layers.self_attn.attention_impl = attention.PALLAS_INTERPRET
 
 

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jaxtune import attention, pipeline, rope, sharding
 from jaxtune.config import SLIDING, ModelConfig
 from jaxtune.layers import Embed, Linear, RMSNorm
+from jaxtune.lora import iter_linears
 
 # The order fixes which fold_in index each projection's LoRA dropout key gets.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -404,16 +405,13 @@ class Decoder(nnx.Module):
     ``fuse_lora``: True to run each NF4 layer's LoRA down-projection in its weight's dot
     (pallas_kernels.nf4_matmul.lora) whenever no LoRA dropout applies.
     """
-    if nf4_matmul is not None:
-      if nf4_matmul not in ("auto", "kernel", "xla"):
-        raise ValueError(f"nf4_matmul must be auto, kernel or xla, got {nf4_matmul!r}.")
-      for _, node in nnx.iter_graph(self):
-        if isinstance(node, Linear):
-          node.nf4_impl = None if nf4_matmul == "auto" else nf4_matmul
-    if fuse_lora is not None:
-      for _, node in nnx.iter_graph(self):
-        if isinstance(node, Linear):
-          node.fuse_lora = bool(fuse_lora)
+    if nf4_matmul is not None and nf4_matmul not in ("auto", "kernel", "xla"):
+      raise ValueError(f"nf4_matmul must be auto, kernel or xla, got {nf4_matmul!r}.")
+    for _, linear in iter_linears(self):
+      if nf4_matmul is not None:
+        linear.nf4_impl = None if nf4_matmul == "auto" else nf4_matmul
+      if fuse_lora is not None:
+        linear.fuse_lora = bool(fuse_lora)
     if microbatches is not None:
       if microbatches < 0:
         raise ValueError(f"microbatches must be 0 (automatic) or positive, got {microbatches}.")
@@ -443,23 +441,19 @@ class Decoder(nnx.Module):
 
   def logits_from_hidden(self, h: jax.Array) -> jax.Array:
     logits = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
-    cap = self.config.final_logit_softcap
-    if cap:
-      logits = cap * jnp.tanh(logits / cap)
-    return logits
+    return self._final_softcap(logits)
 
   def logits_piece(self, h: jax.Array, start: jax.Array, size: int) -> jax.Array:
     """``logits_from_hidden`` for vocabulary entries ``start .. start + size - 1`` only."""
     if self.lm_head is None:
-      table = self.embed_tokens.embedding[...]
-      w = jax.lax.dynamic_slice_in_dim(table, start, size, 0).astype(h.dtype)
-      logits = jnp.einsum("...d,vd->...v", h, w)
+      logits = self.embed_tokens.attend(h, start, size)
     else:
       logits = self.lm_head.rows(h, start, size)
+    return self._final_softcap(logits)
+
+  def _final_softcap(self, logits: jax.Array) -> jax.Array:
     cap = self.config.final_logit_softcap
-    if cap:
-      logits = cap * jnp.tanh(logits / cap)
-    return logits
+    return cap * jnp.tanh(logits / cap) if cap else logits
 
   def __call__(self, input_ids, positions=None, segment_ids=None, dropout_key=None):
     """Logits [B, T, V] in float32."""
