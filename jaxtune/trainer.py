@@ -389,9 +389,11 @@ def train(
   ``loss_scale`` defaults to dynamic scaling when ``run.dtype`` is float16. With ``stop``,
   a SIGTERM/SIGINT saves a checkpoint after the current step and raises ``Stopped``.
   """
+  # Held-out rows go through the same attention: packed there too counts.
+  packed = dataset.packed or (eval_dataset is not None and eval_dataset.packed)
   model.set_runtime(
     remat=run.remat,
-    attention_impl=run.attention or default_attention(model, mesh, dataset.packed),
+    attention_impl=run.attention or default_attention(model, mesh, packed),
     activation_sharding=None if mesh is None else NamedSharding(mesh, PartitionSpec("data")),
     microbatches=run.microbatches,
     nf4_matmul=run.nf4_matmul or "auto",

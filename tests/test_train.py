@@ -83,6 +83,35 @@ def test_pallas_attention_under_a_mesh_trains_like_one_device(hf_llama_dir, tmp_
   np.testing.assert_allclose(sharded, single, rtol=2e-5)
 
 
+def test_default_attention_separates_packed_held_out_rows(hf_llama_dir, tmp_path, monkeypatch):
+  """On a GPU where cuDNN would be the default, packed evaluation rows (even with unpacked
+  training rows) make the trainer choose an attention that keeps examples apart."""
+  from jaxtune import attention
+
+  class Chosen(Exception):
+    pass
+
+  def stop_after_choosing(model, *args, **kwargs):  # the step after set_runtime; no cuDNN here
+    raise Chosen(model.layers.self_attn.attention_impl)
+
+  monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(attention._gpu, "on_hopper", lambda: False)
+  monkeypatch.setattr(trainer, "place", stop_after_choosing)
+  path, _ = _tiny_dir(hf_llama_dir)
+  rng = np.random.default_rng(5)
+  short = [list(rng.integers(1, 256, 10)) for _ in range(8)]
+  held_out = data.to_rows(short, [e[1:] + [data.IGNORE] for e in short], 32)
+  assert held_out.packed and not _dataset().packed
+  model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float32"), rank=4, seed=0)
+  run = RunConfig(steps=1, batch_size=16, dtype="float32", lora_rank=4, out=str(tmp_path))
+  chosen = []
+  for eval_dataset in (None, held_out):
+    with pytest.raises(Chosen) as e:
+      trainer.train(model, _dataset(), run, None, eval_dataset=eval_dataset)
+    chosen.append(e.value.args[0])
+  assert chosen == ["fused", "xla"]
+
+
 def test_pipeline_run_settings_train_like_one_device(hf_llama_dir, tmp_path):
   """--mesh 2x2x2 with --shard-frozen, --microbatches, --remat offload and --loss-chunk, via the
   trainer's own placement: the same losses as one device."""
