@@ -12,9 +12,10 @@ import jax
 
 
 def device_memory_gib() -> float | None:
-  stats = jax.local_devices()[0].memory_stats() or {}
-  peak = stats.get("peak_bytes_in_use")
-  return None if peak is None else peak / 2**30
+  """The peak memory of this process's busiest device so far (None where not kept, e.g. CPU)."""
+  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+  peaks = [p for p in peaks if p is not None]
+  return max(peaks) / 2**30 if peaks else None
 
 
 class RunLog:

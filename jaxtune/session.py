@@ -6,9 +6,11 @@ directory until the model has loaded, so a bad input leaves no half-made run beh
 """
 
 import logging
+import time
 from pathlib import Path
 
 import jax
+from flax import nnx
 
 from converters.hf_in import CheckpointError
 from jaxtune.config import ConfigError
@@ -275,7 +277,10 @@ def run_training(run: RunConfig, resume: bool = False) -> Path:
         "--attention fused (cuDNN, causal only) would let packed examples attend to each other; "
         "use --attention pallas or xla, or --no-packing."
       )
+    t_load = time.perf_counter()
     model = build_model(run, model_path, mesh)
+    jax.block_until_ready(nnx.state(model))
+    load_s = time.perf_counter() - t_load
   except (MeshError, CheckpointError, ConfigError, DataError, ValueError) as e:
     raise UserError(str(e)) from e
   if distributed.is_main():
@@ -284,12 +289,19 @@ def run_training(run: RunConfig, resume: bool = False) -> Path:
     tmp.write_text(run.replace(model=str(model_path)).to_yaml())
     tmp.replace(out / "config.yaml")
   distributed.barrier("jaxtune run directory")
+  # Resolved here so the start line can name it; trainer.train would pick the same.
+  packed = dataset.packed or (eval_dataset is not None and eval_dataset.packed)
+  run = run.replace(
+    attention=run.attention
+    or trainer.default_attention(model, mesh if mesh.size > 1 else None, packed)
+  )
   say(
     f"jaxtune: {cfg.model_type} {cfg.num_layers} layers, {dataset.examples} examples in "
     f"{len(dataset)} rows of {run.seq_len} tokens ({dataset.packing_efficiency:.0%} tokens, "
     f"{'packed' if run.packing else 'not packed'}), "
     f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s)"
     + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
+    + f"; attention {run.attention}, remat {run.remat}; loaded in {load_s:.1f}s"
   )
   ckpt_dir = out / "checkpoints"
   ckpts = checkpoint.Checkpoints(ckpt_dir, keep=run.keep_checkpoints)

@@ -1,0 +1,275 @@
+"""The headline command, as a user runs it: `python -m jaxtune.train --mesh M` on one host.
+
+Writes a random-weight HF checkpoint of --shape (with the built-in model's tokenizer) and a
+JSONL of synthetic documents of mixed lengths, then runs the CLI once per entry of --runs, each
+in a process of its own, exactly as a user would (packing on, the default attention for the
+mesh, LoRA r=16 on all seven projections, plus --flags, by default the speed setting
+`--remat dots_no_batch`; the CLI's own default, full remat, keeps memory low). Per run it
+records:
+
+  tokens_per_s      median over the steps after --warmup of the CLI's own tokens/s (global:
+                    all rows of the step, over the step's wall time, host batching included)
+  peak_gib          the busiest GPU's peak memory (metrics.jsonl's memory_gib, last step)
+  load_s            the CLI's "loaded in" figure: safetensors to NF4 on the mesh
+  first_step_s      process start to the first finished optimizer step (import, load,
+                    compile and one step), read off the progress line as it appears
+  efficiency        tokens_per_s / (GPUs x tokens_per_s of the 1-GPU run with the same
+                    attention in this script's run; where there is none, the first 1-GPU run)
+
+Every run is one entry of --runs: a mesh, then extra CLI flags, e.g. "1 --attention xla".
+Mesh "1" runs on the first GPU only (CUDA_VISIBLE_DEVICES=0) with --base-batch sequences; every
+other run takes --batch sequences per step (global), so all multi-GPU runs do the same work.
+
+  python experiments/bench_cli_mesh.py --shape llama-3.1-8b --results-dir $OUT
+  python experiments/bench_cli_mesh.py --tiny        # CPU smoke run on 8 fake devices
+"""
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# NVLink multicast stays off on the lent multi-GPU machines, also in the runs' processes.
+MULTICAST_OFF = {
+  "NCCL_NVLS_ENABLE": "0",
+  "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+  "NVSHMEM_DISABLE_NVLS": "1",
+}
+DEFAULT_RUNS = "1; 2x4; 8; 1x8; 2x2x2; 1 --attention xla"
+TINY = dict(  # CPU smoke shape: 8 heads and 8 KV heads so tensor=8 divides, 4 layers for pipe
+  hidden_size=128,
+  intermediate_size=256,
+  num_hidden_layers=4,
+  num_attention_heads=8,
+  num_key_value_heads=8,
+  head_dim=16,
+  vocab_size=512,
+  max_position_embeddings=4096,
+  tie_word_embeddings=False,
+)
+START_LINE = re.compile(
+  r"\((?P<fill>\d+)% tokens.*attention (?P<attention>\w+), remat \w+; loaded in (?P<load>[\d.]+)s"
+)
+
+
+def write_inputs(root: Path, shape: str, tiny: bool, docs: int, seed: int = 0):
+  """(checkpoint dir, data file): random weights + the built-in tokenizer, mixed-length docs."""
+  import numpy as np
+
+  from converters.synthetic import write_random_checkpoint
+  from experiments.write_checkpoint import hf_config, write
+  from jaxtune import default_model
+
+  t = time.perf_counter()
+  ckpt = root / shape
+  if tiny:
+    write_random_checkpoint(ckpt, hf_config(TINY))
+  else:
+    write(ckpt, shape)
+  default = default_model.ensure_default_checkpoint()
+  for f in default.iterdir():  # the tokenizer files, not the default model's weights/config
+    if f.is_file() and f.name != "config.json" and not f.name.endswith(".safetensors"):
+      shutil.copy(f, ckpt / f.name)
+  print(f"wrote {shape} in {time.perf_counter() - t:.0f}s", flush=True)
+  # Words of the bundled dataset, drawn at random into documents of 50 to 2,400 words
+  # (log-uniform), so packing has short and long examples to fit together.
+  text = " ".join(
+    m["content"]
+    for line in default_model.DATASET.read_text().splitlines()
+    for m in json.loads(line).get("messages", [])
+  )
+  words = np.asarray(text.split())
+  rng = np.random.default_rng(seed)
+  data = root / "docs.jsonl"
+  with open(data, "w") as f:
+    for _ in range(docs):
+      n = int(np.exp(rng.uniform(np.log(50), np.log(2400))))
+      f.write(json.dumps({"text": " ".join(rng.choice(words, n))}) + "\n")
+  return ckpt, data
+
+
+def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
+  """One CLI run; returns its row (raises RuntimeError with the CLI's last lines if it fails)."""
+  mesh, *extra = shlex.split(entry)
+  single = mesh == "1"
+  batch = args.base_batch if single else args.batch
+  cmd = [
+    sys.executable,
+    "-m",
+    "jaxtune.train",
+    f"--model={ckpt}",
+    f"--data={data}",
+    f"--out={out}",
+    f"--mesh={mesh}",
+    f"--steps={args.steps}",
+    f"--batch-size={batch}",
+    f"--seq-len={args.seq}",
+    "--log-every=1",
+    f"--save-every={args.steps}",
+    "--export=none",
+    *shlex.split(args.flags),
+    *extra,
+  ]
+  env = {**os.environ, **MULTICAST_OFF, "PYTHONPATH": str(ROOT)}
+  if single and not args.tiny:
+    env["CUDA_VISIBLE_DEVICES"] = "0"
+  if args.tiny:
+    env["JAX_PLATFORMS"] = "cpu"
+    n = 1 if single else 8
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
+  print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+  t0 = time.perf_counter()
+  proc = subprocess.Popen(
+    cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+  )
+  lines, first_step = [], []
+
+  def read():
+    for line in proc.stdout:
+      lines.append(line.rstrip())
+      if not first_step and line.startswith("step 1/"):
+        first_step.append(time.perf_counter() - t0)
+      if line.startswith(("jaxtune:", "pipeline:", "error", "step")):
+        print("  " + line.rstrip(), flush=True)
+
+  reader = threading.Thread(target=read, daemon=True)
+  reader.start()
+  try:
+    rc = proc.wait(timeout=args.run_timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    rc = "timeout"
+  reader.join(timeout=10)
+  wall = time.perf_counter() - t0
+  if rc != 0:
+    raise RuntimeError(f"exit {rc} after {wall:.0f}s: " + " | ".join(lines[-4:])[-600:])
+  start = next((m for m in map(START_LINE.search, lines) if m), None)
+  metrics = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
+  steps = [r for r in metrics if "tokens_per_s" in r]
+  timed = [r["tokens_per_s"] for r in steps if r["step"] > args.warmup]
+  devices = 1 if single else args.devices
+  return {
+    "mesh": mesh,
+    "flags": " ".join(extra),
+    "devices": devices,
+    "batch": batch,
+    "seq": args.seq,
+    "attention": start and start["attention"],
+    "packing_fill": start and int(start["fill"]) / 100,
+    "tokens_per_s": statistics.median(timed),
+    "tokens_per_s_per_gpu": statistics.median(timed) / devices,
+    "ms_per_step": 1e3 * batch * args.seq / statistics.median(timed),
+    "peak_gib": steps[-1].get("memory_gib"),
+    "load_s": start and float(start["load"]),
+    "first_step_s": first_step[0] if first_step else None,
+    "wall_s": wall,
+    "loss_first": steps[0]["loss"],
+    "loss_last": steps[-1]["loss"],
+    "timed_steps": len(timed),
+  }
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  ap.add_argument("--shape", default="llama-3.1-8b")
+  ap.add_argument("--tiny", action="store_true", help="a tiny shape on 8 CPU devices (smoke)")
+  ap.add_argument("--runs", default=DEFAULT_RUNS, help="';'-separated: MESH [extra CLI flags]")
+  ap.add_argument("--flags", default="--remat dots_no_batch", help="CLI flags for every run")
+  ap.add_argument("--batch", type=int, default=32, help="global sequences per step, multi-GPU")
+  ap.add_argument("--base-batch", type=int, default=4, help="sequences per step on 1 GPU")
+  ap.add_argument("--seq", type=int, default=2048)
+  ap.add_argument("--steps", type=int, default=12)
+  ap.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
+  ap.add_argument("--docs", type=int, default=3000, help="documents in the synthetic data")
+  ap.add_argument("--run-timeout", type=float, default=240, help="seconds per CLI run")
+  ap.add_argument("--results-dir", default=None)
+  args = ap.parse_args()
+  if args.tiny:
+    args.shape, args.seq, args.steps, args.batch, args.docs = "tiny", 128, 4, 8, 200
+    args.warmup = 1
+    # A smoke run is not a measurement: its rows go to a temporary folder unless asked.
+    args.results_dir = args.results_dir or tempfile.mkdtemp(prefix="bench_cli_mesh_tiny.")
+  from experiments.record import record
+
+  if args.tiny:
+    args.devices, device = 8, "cpu"
+  else:  # not through JAX: this process must leave the GPUs' memory to the runs
+    names = subprocess.run(
+      ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+      capture_output=True,
+      text=True,
+      check=True,
+    ).stdout.split("\n")
+    names = [n.strip() for n in names if n.strip()]
+    args.devices, device = len(names), f"{len(names)} x {names[0]}"
+  results = Path(args.results_dir) if args.results_dir else None
+  rows, failed = [], []
+  with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+    ckpt, data = write_inputs(Path(tmp), args.shape, args.tiny, args.docs)
+    for i, entry in enumerate(e.strip() for e in args.runs.split(";") if e.strip()):
+      try:
+        row = run_cli(entry, ckpt, data, Path(tmp) / f"run{i}", args)
+      except RuntimeError as e:
+        failed.append(f"{entry}: {e}")
+        print(f"run {entry!r} failed: {e}", flush=True)
+        continue
+      rows.append(row)
+      print(
+        f"-> {entry}: {row['tokens_per_s']:.0f} tokens/s, {row['peak_gib']} GiB peak, "
+        f"load {row['load_s']}s, first step after {row['first_step_s']:.0f}s",
+        flush=True,
+      )
+      if results:  # a call cut short by its time limit keeps what it measured
+        with open(results / "cli_mesh_partial.jsonl", "a") as f:
+          f.write(json.dumps(row) + "\n")
+  if not rows:
+    raise SystemExit("no run finished: " + "; ".join(failed))
+  bases = {}
+  for r in rows:
+    if r["devices"] == 1:
+      bases.setdefault(r["attention"], r["tokens_per_s"])
+  first_base = next((r["tokens_per_s"] for r in rows if r["devices"] == 1), None)
+  for r in rows:
+    base = bases.get(r["attention"], first_base)
+    r["efficiency"] = base and r["tokens_per_s"] / (r["devices"] * base)
+  record(
+    "bench_cli_mesh",
+    rows,
+    f"`python -m jaxtune.train --mesh M` on {device}, {args.shape}, seq {args.seq}, "
+    f"global batch {args.batch} ({args.base_batch} on 1 GPU)",
+    note="Each row is one CLI process (packing on, default attention for the mesh, LoRA r=16 "
+    f"x 7, `{args.flags}` plus the row's flags). tokens_per_s: median of the CLI's per-step "
+    "figure after "
+    f"{args.warmup} warm-up steps; efficiency: tokens/s / (GPUs x 1-GPU tokens/s with the same "
+    "attention, this run); peak_gib: busiest GPU; first_step_s: process start to first step."
+    + "".join(f" Failed: {f}." for f in failed),
+    out_dir=results,
+    device=device,
+  )
+  print(
+    "\n| run | GPUs | batch | attention | tokens/s | efficiency | peak GiB | load s | 1st step s |"
+  )
+  print("|---|---|---|---|---|---|---|---|---|")
+  for r in rows:
+    eff = f"{r['efficiency']:.3f}" if r["efficiency"] else "-"
+    print(
+      f"| {r['mesh']} {r['flags']} | {r['devices']} | {r['batch']} | {r['attention']} | "
+      f"{r['tokens_per_s']:.0f} | {eff} | {r['peak_gib'] or 0:.1f} | {r['load_s']} | "
+      f"{r['first_step_s']:.0f} |"
+    )
+
+
+if __name__ == "__main__":
+  main()
