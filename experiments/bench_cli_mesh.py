@@ -122,7 +122,8 @@ def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
     *shlex.split(args.flags),
     *extra,
   ]
-  env = {**os.environ, **MULTICAST_OFF, "PYTHONPATH": str(ROOT)}
+  path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+  env = {**os.environ, **MULTICAST_OFF, "PYTHONPATH": path}
   if single and not args.tiny:
     env["CUDA_VISIBLE_DEVICES"] = "0"
   if args.tiny:
