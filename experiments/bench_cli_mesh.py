@@ -16,7 +16,8 @@ records:
   efficiency        tokens_per_s / (GPUs x tokens_per_s of the 1-GPU run with the same
                     attention in this script's run; where there is none, the first 1-GPU run)
 
-Every run is one entry of --runs: a mesh, then extra CLI flags, e.g. "1 --attention xla".
+Every run is one entry of --runs: environment variables (NAME=value) if any, a mesh, then
+extra CLI flags, e.g. "1 --attention xla" or "XLA_FLAGS=--xla_dump_to=/tmp/d 2x4".
 Mesh "1" runs on the first GPU only (CUDA_VISIBLE_DEVICES=0) with --base-batch sequences; every
 other run takes --batch sequences per step (global), so all multi-GPU runs do the same work.
 
@@ -102,7 +103,12 @@ def write_inputs(root: Path, shape: str, tiny: bool, docs: int, seed: int = 0):
 
 def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
   """One CLI run; returns its row (raises RuntimeError with the CLI's last lines if it fails)."""
-  mesh, *extra = shlex.split(entry)
+  words = shlex.split(entry)
+  run_env = {}
+  while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+    name, value = words.pop(0).split("=", 1)
+    run_env[name] = value
+  mesh, *extra = words
   single = mesh == "1"
   batch = args.base_batch if single else args.batch
   cmd = [
@@ -123,7 +129,7 @@ def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
     *extra,
   ]
   path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-  env = {**os.environ, **MULTICAST_OFF, "PYTHONPATH": path}
+  env = {**os.environ, **MULTICAST_OFF, "PYTHONPATH": path, **run_env}
   if single and not args.tiny:
     env["CUDA_VISIBLE_DEVICES"] = "0"
   if args.tiny:
@@ -163,7 +169,7 @@ def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
   devices = 1 if single else args.devices
   return {
     "mesh": mesh,
-    "flags": " ".join(extra),
+    "flags": " ".join([*(f"{k}={v}" for k, v in run_env.items()), *extra]),
     "devices": devices,
     "batch": batch,
     "seq": args.seq,

@@ -85,6 +85,7 @@ class RunConfig:
   remat: str = "full"  # a policy of models/decoder.py: none|full|dots|dots_no_batch|offload
   microbatches: int = 0  # pipeline micro-batches per step (mesh pipe > 1); 0: automatic
   shard_frozen: bool = False  # also split the frozen NF4 weights over data (FSDP-style)
+  sequence_parallel: bool = False  # residual stream's tokens split over tensor between matmuls
   attention: str | None = None  # xla | fused | pallas; None: the fastest exact one here
   # NF4 linear layers: the Pallas kernel or XLA's dequantize-then-dot; None: per shape (the
   # kernel for at most 64 tokens on one Hopper GPU, where it measured faster)

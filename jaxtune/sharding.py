@@ -102,3 +102,11 @@ def after_pipeline(mesh: Mesh, batch: int) -> NamedSharding:
   loss run once rather than on every stage (replicated over ``pipe`` if B does not split)."""
   rows = ("data", "pipe") if batch % (mesh.shape["data"] * mesh.shape["pipe"]) == 0 else "data"
   return NamedSharding(mesh, PartitionSpec(rows))
+
+
+def residual_spec(mesh: Mesh, seq_len: int, sequence_parallel: bool = False) -> PartitionSpec:
+  """The residual stream [B, T, D] between layers: rows over ``data``; with
+  ``sequence_parallel`` (and tensor > 1 dividing T, no pipeline) its tokens over ``tensor`` too."""
+  tp = mesh.shape.get("tensor", 1)
+  split = sequence_parallel and tp > 1 and seq_len % tp == 0 and mesh.shape.get("pipe", 1) == 1
+  return PartitionSpec("data", "tensor") if split else PartitionSpec("data")

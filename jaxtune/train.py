@@ -52,6 +52,9 @@ _HELP = {
   "sequence of a data shard)",
   "shard_frozen": "also split the frozen NF4 weights over the data axis, gathered per layer "
   "(for models that do not fit one copy per data shard)",
+  "sequence_parallel": "with tensor > 1: split the residual stream's tokens over tensor "
+  "between the projections (norms on 1/tensor of the tokens, reduce-scatter + all-gather "
+  "instead of all-reduce)",
   "attention": "xla, fused (cuDNN on GPU, exact only for one example per row: use it with "
   "--no-packing) or pallas (Mosaic GPU flash attention on Hopper: packing, windows, "
   "softcaps); unset: fused where it is exact, else pallas on Hopper, else xla (xla under a "

@@ -394,7 +394,11 @@ def train(
   model.set_runtime(
     remat=run.remat,
     attention_impl=run.attention or default_attention(model, mesh, packed),
-    activation_sharding=None if mesh is None else NamedSharding(mesh, PartitionSpec("data")),
+    activation_sharding=None
+    if mesh is None
+    else NamedSharding(
+      mesh, sharding.residual_spec(mesh, dataset.input_ids.shape[1], run.sequence_parallel)
+    ),
     microbatches=run.microbatches,
     nf4_matmul=run.nf4_matmul or "auto",
   )

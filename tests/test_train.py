@@ -83,6 +83,33 @@ def test_pallas_attention_under_a_mesh_trains_like_one_device(hf_llama_dir, tmp_
   np.testing.assert_allclose(sharded, single, rtol=2e-5)
 
 
+def test_sequence_parallel_trains_like_one_device(hf_llama_dir, tmp_path, monkeypatch):
+  """--sequence-parallel keeps the residual stream's tokens split over tensor after every
+  residual add (checked while tracing) and trains exactly like one device: 2x4 with XLA
+  attention, 2x4 with the flash op per shard."""
+  from jaxtune.models import decoder
+
+  seen = set()
+  real = decoder.Block._residual
+
+  def spy(self, x):
+    if self.residual_sharding is not None:
+      seen.add((tuple(self.residual_sharding.spec), x.shape[1]))
+    return real(self, x)
+
+  monkeypatch.setattr(decoder.Block, "_residual", spy)
+  path, _ = _tiny_dir(hf_llama_dir)
+  single = _losses(path, "1", tmp_path / "one", steps=2, attention="xla")
+  assert not seen
+  for spec, attention in (("2x4", "xla"), ("2x4", "pallas")):
+    seen.clear()
+    split = _losses(
+      path, spec, tmp_path / attention, steps=2, attention=attention, sequence_parallel=True
+    )
+    assert seen == {(("data", "tensor"), 32)}, attention
+    np.testing.assert_allclose(split, single, rtol=2e-5, err_msg=attention)
+
+
 def test_default_attention_separates_packed_held_out_rows(hf_llama_dir, tmp_path, monkeypatch):
   """On a GPU where cuDNN would be the default, packed evaluation rows (even with unpacked
   training rows) make the trainer choose an attention that keeps examples apart."""

@@ -154,6 +154,15 @@ class Block(nnx.Module):
     else:
       self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
     self.mlp = MLP(cfg, quantized=quantized, param_dtype=param_dtype, rngs=rngs)
+    # Sequence parallelism (set by Decoder.set_runtime): the residual stream's sharding after
+    # each residual add, its tokens split over ``tensor``, so the norms and adds run on 1/tensor
+    # of the tokens and each projection's all-reduce becomes a reduce-scatter + all-gather.
+    self.residual_sharding = None
+
+  def _residual(self, x):
+    if self.residual_sharding is None:
+      return x
+    return jax.lax.with_sharding_constraint(x, self.residual_sharding)
 
   def __call__(self, x, cos, sin, segment_ids, window, key, cache=None):
     """The layer's output; with a KV ``cache`` (see Attention), (output, new cache)."""
@@ -163,11 +172,12 @@ class Block(nnx.Module):
     h = self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, window, keys, cache)
     h, new_cache = (h, None) if cache is None else h
     if self.pre_feedforward_layernorm is None:
-      x = x + h
-      x = x + self.mlp(self.post_attention_layernorm(x), keys)
+      x = self._residual(x + h)
+      x = self._residual(x + self.mlp(self.post_attention_layernorm(x), keys))
     else:
-      x = x + self.post_attention_layernorm(h)
-      x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), keys))
+      x = self._residual(x + self.post_attention_layernorm(h))
+      h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), keys))
+      x = self._residual(x + h)
     return x if cache is None else (x, new_cache)
 
 
@@ -399,6 +409,8 @@ class Decoder(nnx.Module):
 
     ``activation_sharding``: a NamedSharding of the residual stream [B, T, D] (or None); its
     mesh is the one the model runs under, pipelined when that mesh has a ``pipe`` axis > 1.
+    One that splits T (``sharding.residual_spec(mesh, sequence_parallel=True)``) also holds
+    after every residual add inside the layers: sequence parallelism.
     ``microbatches``: pipeline micro-batches per step (0: one per sequence of a data shard).
     ``nf4_matmul``: "kernel" or "xla" for every NF4 linear layer, "auto" to let
     pallas_kernels.nf4_matmul choose per shape and device.
@@ -438,6 +450,9 @@ class Decoder(nnx.Module):
     mesh = getattr(activation_sharding, "mesh", None)
     pipelined = mesh is not None and mesh.shape.get("pipe", 1) > 1
     self.layers.self_attn.attention_mesh = None if pipelined else mesh
+    spec = getattr(activation_sharding, "spec", ())
+    sequence_split = len(spec) > 1 and spec[1] is not None
+    self.layers.residual_sharding = activation_sharding if sequence_split else None
 
   def logits_from_hidden(self, h: jax.Array) -> jax.Array:
     logits = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
