@@ -160,6 +160,8 @@ def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
     rc = "timeout"
   reader.join(timeout=10)
   wall = time.perf_counter() - t0
+  if args.results_dir:  # the whole output of every run, kept beside the rows
+    Path(args.results_dir, f"{out.name}.log").write_text(entry + "\n" + "\n".join(lines) + "\n")
   if rc != 0:
     raise RuntimeError(f"exit {rc} after {wall:.0f}s: " + " | ".join(lines[-4:])[-600:])
   start = next((m for m in map(START_LINE.search, lines) if m), None)
