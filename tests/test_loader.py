@@ -61,6 +61,42 @@ def test_nf4_bytes_are_quantize_linear_of_each_weight(ckpt):
   np.testing.assert_array_equal(embed, np.asarray(weights["model.embed_tokens.weight"]))
 
 
+@pytest.mark.parametrize("spec", ["8", "2x4"])
+def test_loading_onto_a_mesh_writes_what_one_device_loads(ckpt, spec, monkeypatch):
+  """Under a mesh, tensors cross from the host split over data and are gathered on the devices:
+  every array holds the single-device bytes, in its variable's own layout."""
+  from converters import hf_in
+  from jaxtune import mesh as meshlib
+  from jaxtune import sharding
+
+  one = nnx.state(jaxtune.from_pretrained(ckpt, quantization="nf4", dtype="bfloat16"))
+  mesh = meshlib.make_mesh(spec)
+  from_host = []  # (shape, spec) of every numpy array the loader sends to the devices
+  real_put = hf_in.jax.device_put
+
+  def put(x, where=None, **kw):
+    if isinstance(x, np.ndarray) and isinstance(where, jax.sharding.NamedSharding):
+      from_host.append((x.shape, str(where.spec)))
+    return real_put(x, where, **kw)
+
+  monkeypatch.setattr(hf_in.jax, "device_put", put)
+  state = nnx.state(jaxtune.from_pretrained(ckpt, quantization="nf4", dtype="bfloat16", mesh=mesh))
+  monkeypatch.undo()
+  weights = [s for shape, s in from_host if len(shape) == 2]
+  assert len(weights) == 3 * 7 + 2 and all("data" in s for s in weights), from_host
+  flat_one, flat = dict(one.flat_state()), dict(state.flat_state())
+  assert flat.keys() == flat_one.keys()
+  split = 0
+  for path, var in flat.items():
+    got = var.get_value()
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(flat_one[path].get_value()), path)
+    axes = tuple(var.get_metadata().get("axes") or (None,) * got.ndim)
+    want = sharding.sharding_for(axes, got.shape, mesh)
+    assert got.sharding.is_equivalent_to(want, got.ndim), (path, got.sharding, want)
+    split += "tensor" in str(want.spec)
+  assert split or spec == "8"  # 2x4 really splits weights over tensor
+
+
 def test_prefetcher_yields_what_the_reader_reads_within_its_budget(ckpt):
   files = safetensors_read.safetensors_files(ckpt)
   expected = list(safetensors_read.iter_tensors(files))
