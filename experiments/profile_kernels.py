@@ -13,15 +13,19 @@ launch is put in a category by its name:
   other       the rest
 
 and the table gives each category's milliseconds per step and per layer, its share, and the
-20 costliest kernels (by name, all launches summed). The matmul floor is the FLOPs the step
-must do (4 x matmul parameters x tokens, plus attention) at the bf16 matmul rate timed in the
-same run.
+20 costliest kernels (by name, all launches summed). A second table puts every XLA kernel under
+the model operation it came from (the jax.named_scope of the model code, read from the compiled
+HLO: NF4 matmul incl. dequantization, LoRA, norms, rope, MLP activation, output layer, loss,
+attention) and its pass (forward incl. remat's recomputation, or backward). The matmul floor
+is the FLOPs the step must do (4 x matmul parameters x tokens, plus attention) at the bf16
+matmul rate timed in the same run.
 
   python experiments/profile_kernels.py --shape llama-3.1-8b --batch 2 --results-dir $OUT
 """
 
 import argparse
 import collections
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -45,6 +49,62 @@ CATEGORIES = (  # first match wins
   ("copy", ("copy", "transpose", "dynamic", "memcpy", "memset", "concatenate")),
   ("fusion", ("fusion", "loop_", "input_", "reduce", "convert", "multiply", "add")),
 )
+
+
+# Named scopes the model's code opens (jax.named_scope), most specific first: XLA writes them
+# into every HLO instruction's op_name, so a fused kernel can be traced back to them.
+SCOPES = (
+  "attention",
+  "nf4_matmul",
+  "lora",
+  "rms_norm",
+  "rope",
+  "mlp_activation",
+  "output_layer",
+  "loss",
+)
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+
+
+def kernel_key(name: str) -> str:
+  """An HLO instruction or GPU kernel name in the form XLA gives its kernels."""
+  return re.sub(r"[.\-]", "_", name)
+
+
+def scopes_by_kernel(hlo_text: str) -> dict[str, tuple[str, str]]:
+  """kernel_key(instruction) -> (scope, pass) for every instruction of compiled HLO text.
+
+  scope: the first of SCOPES named in the op_name of the instruction or of anything it fuses
+  ("other" if none); pass: "backward" where an op_name is under transpose(...), else
+  "forward" (remat's recomputation included, as XLA names it).
+  """
+  op_names: dict[str, list[str]] = collections.defaultdict(list)  # computation -> op_names
+  instructions = []  # (computation, name, own op_name, called computation)
+  current = None
+  for line in hlo_text.splitlines():
+    m = _COMPUTATION.match(line)
+    if m and "=" not in line.split("{")[0]:
+      current = m.group(1)
+      continue
+    m = _INSTRUCTION.match(line)
+    if not m or current is None:
+      continue
+    op = _OP_NAME.search(line)
+    calls = _CALLS.search(line)
+    if op:
+      op_names[current].append(op.group(1))
+    instructions.append((m.group(1), op and op.group(1), calls and calls.group(1)))
+  out = {}
+  for name, op, calls in instructions:
+    names = ([op] if op else []) + (op_names.get(calls, []) if calls else [])
+    parts = {w for n in names for w in re.findall(r"\w+", n)}  # "transpose(jvp(loss))" too
+    scope = next((s for s in SCOPES if s in parts), "other")
+    backward = any("transpose(" in n for n in names)
+    out[kernel_key(name)] = (scope, "backward" if backward else "forward")
+  return out
 
 
 def category(name: str) -> str:
@@ -92,14 +152,20 @@ def main():
     return s / n
 
   step = jax.jit(jax.value_and_grad(mean_loss))
+  hlo = step.lower(lora, frozen, batch).compile().as_text()
+  scopes = scopes_by_kernel(hlo)
   jax.block_until_ready(step(lora, frozen, batch))  # compile, warm up
   _, kernels = profiler.measure(step, aggregate=False)(lora, frozen, batch)
   kernels = kernels or []
   total = sum(ms for _, ms in kernels)
   by_cat, by_name = collections.Counter(), collections.Counter()
+  by_scope = collections.Counter()  # (model operation, pass) -> ms
   for name, ms in kernels:
     by_cat[category(name)] += ms
     by_name[name] += ms
+    # Kernels XLA names after an HLO instruction map to the model's scopes; library kernels
+    # (cuBLAS, cuDNN) and Pallas kernels keep their category.
+    by_scope[scopes.get(kernel_key(name), (category(name), "unmapped"))] += ms
   tokens = args.batch * args.seq
   d, f, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
   per_layer = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
@@ -137,6 +203,27 @@ def main():
   for r in rows:
     print(
       f"| {r['category']} | {r['ms_per_step']:.1f} | {r['ms_per_layer']:.2f} | {r['share']:.0%} |"
+    )
+  scope_rows = [
+    {"model": args.shape, "batch": args.batch, "scope": scope, "pass": phase,
+     "ms_per_step": ms, "ms_per_layer": ms / layers, "share": ms / total if total else 0.0}
+    for (scope, phase), ms in by_scope.most_common()
+  ]  # fmt: skip
+  record(
+    "profile_kernels_scopes",
+    scope_rows,
+    f"The same step's device time by model operation and pass, {args.shape}, batch {args.batch}",
+    note="scope: the jax.named_scope of the model code each XLA kernel came from (read from the "
+    "compiled HLO's op_name metadata; kernels not named after an HLO instruction, i.e. cuBLAS, "
+    "cuDNN and Pallas, keep their category, pass 'unmapped'); backward = under transpose(), "
+    "forward includes remat's recomputation.",
+    out_dir=args.results_dir,
+  )
+  print("\n| scope | pass | ms/step | ms/layer | share |\n|---|---|---|---|---|")
+  for r in scope_rows:
+    print(
+      f"| {r['scope']} | {r['pass']} | {r['ms_per_step']:.1f} | {r['ms_per_layer']:.2f} | "
+      f"{r['share']:.0%} |"
     )
   print("\n| kernel | ms/step | share |\n|---|---|---|")
   for t in top:

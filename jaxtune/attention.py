@@ -74,6 +74,11 @@ def attention(
   segments, window nor softcap (the caller checks it may use it). ``mesh``: the data x tensor
   mesh q, k, v are sharded over ("pallas" runs per shard on it).
   """
+  with jax.named_scope("attention"):
+    return _attention(q, k, v, segment_ids, scale, window, softcap, implementation, mesh)
+
+
+def _attention(q, k, v, segment_ids, scale, window, softcap, implementation, mesh):
   if implementation in ("pallas", PALLAS_INTERPRET):
     kernel = "interpret" if implementation == PALLAS_INTERPRET else None
     return _flash_sharded(q, k, v, segment_ids, window, scale, softcap, kernel, mesh)

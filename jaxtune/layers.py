@@ -96,11 +96,12 @@ class Linear(nnx.Module):
     fused = self.quantized and self.lora_a is not None and self.fuse_lora and not dropout
     if self.quantized:
       parts = (self.codes[...], self.absmax[...], self.nested_absmax[...], self.offset[...])
-      if fused:
-        a, b = self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype)
-        y = nf4_lora_matmul(x, *parts, a, b, self.lora_scale)
-      else:
-        y = nf4_matmul(x, *parts, impl=self.nf4_impl)
+      with jax.named_scope("nf4_matmul"):
+        if fused:
+          a, b = self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype)
+          y = nf4_lora_matmul(x, *parts, a, b, self.lora_scale)
+        else:
+          y = nf4_matmul(x, *parts, impl=self.nf4_impl)
     else:
       y = jnp.einsum("...i,oi->...o", x, self.dense_weight(x.dtype))
     if self.bias is not None:
@@ -115,7 +116,8 @@ class Linear(nnx.Module):
 
   def _lora_term(self, h: jax.Array, b: jax.Array) -> jax.Array:
     """scale * (h @ A) @ b, in h's dtype (b: B or some of its output columns)."""
-    return self.lora_scale * ((h @ self.lora_a[...].astype(h.dtype)) @ b.astype(h.dtype))
+    with jax.named_scope("lora"):
+      return self.lora_scale * ((h @ self.lora_a[...].astype(h.dtype)) @ b.astype(h.dtype))
 
   def rows(self, x: jax.Array, start: jax.Array, size: int) -> jax.Array:
     """Outputs ``start .. start + size - 1`` only (a dense, unstacked layer, no dropout): the
@@ -151,11 +153,12 @@ class RMSNorm(nnx.Module):
     self.plus_one = plus_one
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    h = x.astype(jnp.float32)
-    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
-    if self.plus_one:  # Gemma scales in float32, then casts
-      return (h * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
-    return self.weight[...].astype(x.dtype) * h.astype(x.dtype)
+    with jax.named_scope("rms_norm"):
+      h = x.astype(jnp.float32)
+      h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+      if self.plus_one:  # Gemma scales in float32, then casts
+        return (h * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+      return self.weight[...].astype(x.dtype) * h.astype(x.dtype)
 
 
 class Embed(nnx.Module):

@@ -39,6 +39,7 @@ def cos_sin(positions: jax.Array, inv_freq: np.ndarray, dtype) -> tuple[jax.Arra
 
 def apply(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   """x [B, T, N, H] rotated by cos/sin [B, T, H]."""
-  half = x.shape[-1] // 2
-  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+  with jax.named_scope("rope"):
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]

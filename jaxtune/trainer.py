@@ -63,11 +63,13 @@ def loss_sums(graphdef, lora, frozen, batch, key, chunk: int = 0):
     h = model.hidden_states(ids, positions, segments, dropout_key=key)
     v = model.config.vocab_size
     vocab = (model.logits_piece, v, VOCAB_PIECE) if v > LARGE_VOCAB else None
-    return chunked_loss_sums(model.logits_from_hidden, h, labels, chunk, vocab)
+    with jax.named_scope("loss"):
+      return chunked_loss_sums(model.logits_from_hidden, h, labels, chunk, vocab)
   logits = model(ids, positions, segments, dropout_key=key)
-  mask = labels != IGNORE
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels, 0))
-  return jnp.sum(ce * mask), jnp.sum(mask)
+  with jax.named_scope("loss"):
+    mask = labels != IGNORE
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels, 0))
+    return jnp.sum(ce * mask), jnp.sum(mask)
 
 
 # With --loss-chunk, vocabularies larger than this (Gemma's 256k) are also cut into pieces of

@@ -100,7 +100,7 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
     if cache is None:
-      out = attention.attention(  # [B, T, N, H]
+      out = attention.attention(  # [B, T, N, H], its ops under the "attention" scope
         q,
         k,
         v,
@@ -126,7 +126,9 @@ class MLP(nnx.Module):
     self.activation = cfg.hidden_act
 
   def __call__(self, x, keys):
-    h = _ACTIVATIONS[self.activation](self.gate_proj(x, keys[4])) * self.up_proj(x, keys[5])
+    gate, up = self.gate_proj(x, keys[4]), self.up_proj(x, keys[5])
+    with jax.named_scope("mlp_activation"):
+      h = _ACTIVATIONS[self.activation](gate) * up
     return self.down_proj(h, keys[6])
 
 
@@ -455,8 +457,9 @@ class Decoder(nnx.Module):
     self.layers.residual_sharding = activation_sharding if sequence_split else None
 
   def logits_from_hidden(self, h: jax.Array) -> jax.Array:
-    logits = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
-    return self._final_softcap(logits)
+    with jax.named_scope("output_layer"):
+      logits = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
+      return self._final_softcap(logits)
 
   def logits_piece(self, h: jax.Array, start: jax.Array, size: int) -> jax.Array:
     """``logits_from_hidden`` for vocabulary entries ``start .. start + size - 1`` only."""
