@@ -122,6 +122,7 @@ def time_steps(model, b: int, args, setting: dict) -> dict:
     attention_impl=setting["attention"],
     nf4_matmul=setting["nf4_matmul"],
     fuse_lora=setting["fuse_lora"],
+    mlp_chunk=setting["mlp_chunk"],
   )
   graphdef, lora, frozen = trainer.place(model, None)
   # The step donates the adapters: it gets copies, so the model's own survive a failed row.
@@ -250,15 +251,21 @@ def bench_shape(shape: str, args, rate: float, emit) -> None:
           refused[impl] = f"{impl} differs from the reference by {checks[impl]:.2e}"
       fuse = [bool(int(v)) for v in csv(args.fuse_lora)]
       settings = itertools.product(
-        impls, csv(args.remat), csv(args.loss_chunk, int), csv(args.nf4_matmul), fuse
+        impls,
+        csv(args.remat),
+        csv(args.loss_chunk, int),
+        csv(args.nf4_matmul),
+        fuse,
+        csv(args.mlp_chunk, int),
       )
-      for impl, remat, loss_chunk, nf4_matmul, fuse_lora in settings:
+      for impl, remat, loss_chunk, nf4_matmul, fuse_lora, mlp_chunk in settings:
         setting = dict(
           attention=impl,
           remat=remat,
           loss_chunk=loss_chunk,
           nf4_matmul=nf4_matmul,
           fuse_lora=fuse_lora,
+          mlp_chunk=mlp_chunk,
         )
         failed = refused.get(impl)  # once a batch runs out of memory, the larger ones skip
         for b in batches:
@@ -300,6 +307,9 @@ def main():
   )
   ap.add_argument(
     "--loss-chunk", default="0", help="comma-separated loss chunk sizes in tokens (0: off)"
+  )
+  ap.add_argument(
+    "--mlp-chunk", default="0", help="comma-separated MLP chunk sizes in tokens (0: off)"
   )
   ap.add_argument("--quantization", default="nf4", help="comma-separated: nf4, none")
   ap.add_argument("--nf4-matmul", default="auto", help="comma-separated: auto, kernel, xla")
@@ -356,14 +366,14 @@ def main():
   )
   print(f"\nrecorded to {args.results_dir or 'experiments/'}")
   print(
-    "\n| model | attention | remat | loss chunk | nf4 matmul | fused LoRA | batch | tokens/s | "
-    "ms/step | peak GiB | MFU-6N | MFU-4N | load s | first step s |"
+    "\n| model | attention | remat | loss chunk | mlp chunk | nf4 matmul | fused LoRA | batch | "
+    "tokens/s | ms/step | peak GiB | MFU-6N | MFU-4N | load s | first step s |"
   )
-  print("|---" * 14 + "|")
+  print("|---" * 15 + "|")
   for r in rows:
     setting = (
       f"| {r['model']} | {r['attention']} | {r['remat']} | {r['loss_chunk']} | "
-      f"{r['nf4_matmul']} | {r.get('fuse_lora', False)} | {r['batch']} "
+      f"{r.get('mlp_chunk', 0)} | {r['nf4_matmul']} | {r.get('fuse_lora', False)} | {r['batch']} "
     )
     if r["status"] != "ok":
       print(setting + f"| {r['status']} | | | | | {r['load_s']:.1f} | |")

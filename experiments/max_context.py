@@ -105,7 +105,7 @@ def run_trial(args) -> None:
     cfg = jaxtune.ModelConfig.from_hf(hf_config(SHAPES[args.shape]))
     model = jaxtune.apply_lora(random_nf4_model(cfg), rank=LORA_RANK, alpha=LORA_RANK)
     impl = model.default_attention() if args.attention == "default" else args.attention
-    model.set_runtime(remat=args.remat, attention_impl=impl)
+    model.set_runtime(remat=args.remat, attention_impl=impl, mlp_chunk=args.mlp_chunk)
     graphdef, lora, frozen = trainer.place(model, None)
     del model
     run = RunConfig(steps=args.steps, batch_size=1, seq_len=seq, lora_rank=LORA_RANK)
@@ -153,6 +153,7 @@ def launch(args, seq: int, remat: str, timeout: float) -> dict:
     str(Path(__file__).resolve()),
     *("--trial-seq", str(seq), "--remat", remat, "--shape", args.shape),
     *("--loss-chunk", str(args.loss_chunk), "--attention", args.attention),
+    *("--mlp-chunk", str(args.mlp_chunk)),
     *("--steps", str(args.steps)),
   ]
   env = dict(os.environ)
@@ -196,6 +197,7 @@ def trial_row(args, seq: int, remat: str, fields: dict) -> dict:
     "seq": seq,
     "remat": remat,
     "loss_chunk": args.loss_chunk,
+    "mlp_chunk": args.mlp_chunk,
     "attention": fields.get("attention", args.attention),
     "status": fields["status"],
     "step_s": step_s,
@@ -244,6 +246,7 @@ def main():
   ap.add_argument("--shape", default=None, help=f"default llama-3.1-8b; one of {', '.join(SHAPES)}")
   ap.add_argument("--remat", default="offload,full", help="comma-separated remat policies")
   ap.add_argument("--loss-chunk", type=int, default=1024, help="tokens per loss piece (0: off)")
+  ap.add_argument("--mlp-chunk", type=int, default=0, help="tokens per MLP piece (0: off)")
   ap.add_argument(
     "--attention", default="default", help="default (the model's choice), xla, fused, pallas"
   )
@@ -308,6 +311,7 @@ def main():
         "batch": 1,
         "remat": remat,
         "loss_chunk": args.loss_chunk,
+        "mlp_chunk": args.mlp_chunk,
         "attention": next((r["attention"] for r in trials if r["remat"] == remat), None),
         "max_seq": lo,
         "first_failed_seq": hi,

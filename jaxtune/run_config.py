@@ -30,6 +30,7 @@ MINIMUM = {
   "grad_accum": 1,
   "seq_len": 2,
   "loss_chunk": 0,
+  "mlp_chunk": 0,
   "eval_every": 0,
   "lora_rank": 1,
   "lora_alpha": 0.0,  # exclusive
@@ -91,6 +92,7 @@ class RunConfig:
   # kernel for at most 64 tokens on one Hopper GPU, where it measured faster)
   nf4_matmul: str | None = None
   loss_chunk: int = 0  # > 0: float32 logits for this many tokens per row at a time; 0: all
+  mlp_chunk: int = 0  # > 0: the MLP runs this many tokens per row at a time (long contexts)
   # Output
   log_every: int = 1
   save_every: int = 50

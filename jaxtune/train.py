@@ -63,6 +63,9 @@ _HELP = {
   "dot); unset: the kernel for at most 64 tokens on one Hopper GPU, XLA otherwise",
   "loss_chunk": "compute the loss N tokens per row at a time (the float32 logits of the "
   "whole sequence never exist; the output layer runs twice); 0: all at once",
+  "mlp_chunk": "run each MLP N tokens per row at a time, recomputed in the backward pass, so "
+  "its [tokens, intermediate] temporaries exist for one piece at a time (long contexts); "
+  "0: all at once",
   "log_every": "write metrics every N steps",
   "save_every": "checkpoint every N steps",
   "keep_checkpoints": "how many checkpoints to keep",

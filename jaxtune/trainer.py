@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtune import distributed, run_log, sharding
 from jaxtune.data import IGNORE, Dataset
+from jaxtune.layers import largest_divisor
 from jaxtune.run_config import RunConfig
 
 
@@ -78,10 +79,6 @@ LARGE_VOCAB = 200_000
 VOCAB_PIECE = 32768
 
 
-def _largest_divisor(n: int, most: int) -> int:
-  return max(x for x in range(1, min(most, n) + 1) if n % x == 0)
-
-
 def chunked_loss_sums(head, h, labels, chunk: int, vocab=None):
   """Cross-entropy sums over hidden states [B, T, D] without the full [B, T, V] float32 logits.
 
@@ -95,7 +92,7 @@ def chunked_loss_sums(head, h, labels, chunk: int, vocab=None):
   with an online log-sum-exp, so at most [B, chunk, piece] logits exist.
   """
   b, t, d = h.shape
-  c = _largest_divisor(t, chunk)
+  c = largest_divisor(t, chunk)
   pieces = (h.reshape(b, t // c, c, d).swapaxes(0, 1), labels.reshape(b, t // c, c).swapaxes(0, 1))
 
   @jax.checkpoint
@@ -120,7 +117,7 @@ def chunked_loss_sums(head, h, labels, chunk: int, vocab=None):
 def _vocab_pieces_ce(logits_piece, v: int, most: int, h, labels):
   """Per-token cross-entropy [B, c] from vocabulary pieces: running max, running sum of
   exponentials and the label's logit, each piece's logits recomputed in the backward."""
-  p = _largest_divisor(v, most)
+  p = largest_divisor(v, most)
   piece_logits = jax.checkpoint(lambda h, start: logits_piece(h, start, p).astype(jnp.float32))
 
   def step(carry, start):
@@ -403,6 +400,7 @@ def train(
     ),
     microbatches=run.microbatches,
     nf4_matmul=run.nf4_matmul or "auto",
+    mlp_chunk=run.mlp_chunk,
   )
   graphdef, lora, frozen = place(model, mesh, run.shard_frozen)
   if loss_scale is None and run.dtype == "float16":

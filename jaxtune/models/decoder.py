@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 
 from jaxtune import attention, pipeline, rope, sharding
 from jaxtune.config import SLIDING, ModelConfig
-from jaxtune.layers import Embed, Linear, RMSNorm
+from jaxtune.layers import Embed, Linear, RMSNorm, largest_divisor
 from jaxtune.lora import iter_linears
 
 # The order fixes which fold_in index each projection's LoRA dropout key gets.
@@ -124,8 +124,28 @@ class MLP(nnx.Module):
     self.up_proj = _linear(cfg, "up_proj", **kw)
     self.down_proj = _linear(cfg, "down_proj", **kw)
     self.activation = cfg.hidden_act
+    self.chunk = 0  # > 0: at most this many tokens per row at a time (Decoder.set_runtime)
 
   def __call__(self, x, keys):
+    """down(act(gate(x)) * up(x)); with ``chunk``, a rematerialised scan over pieces of the
+    sequence, so the [B, T, intermediate] temporaries exist for one piece at a time (long
+    contexts, where they are the largest buffers of a layer's backward)."""
+    b, t, d = x.shape
+    c = largest_divisor(t, self.chunk) if self.chunk else t
+    if c == t:
+      return self._mlp(x, keys)
+
+    @jax.checkpoint
+    def piece(_, xs):
+      x_c, i = xs
+      keys_c = [None if k is None else jax.random.fold_in(k, i) for k in keys]
+      return None, self._mlp(x_c, keys_c)
+
+    pieces = x.reshape(b, t // c, c, d).swapaxes(0, 1)
+    _, ys = jax.lax.scan(piece, None, (pieces, jnp.arange(t // c)))
+    return ys.swapaxes(0, 1).reshape(b, t, -1)
+
+  def _mlp(self, x, keys):
     gate, up = self.gate_proj(x, keys[4]), self.up_proj(x, keys[5])
     with jax.named_scope("mlp_activation"):
       h = _ACTIVATIONS[self.activation](gate) * up
@@ -406,6 +426,7 @@ class Decoder(nnx.Module):
     microbatches=None,
     nf4_matmul=None,
     fuse_lora=None,
+    mlp_chunk=None,
   ):
     """Runtime choices that change how, not what, the model computes.
 
@@ -418,6 +439,7 @@ class Decoder(nnx.Module):
     pallas_kernels.nf4_matmul choose per shape and device.
     ``fuse_lora``: True to run each NF4 layer's LoRA down-projection in its weight's dot
     (pallas_kernels.nf4_matmul.lora) whenever no LoRA dropout applies.
+    ``mlp_chunk``: > 0 runs the MLP at most that many tokens per row at a time (see MLP).
     """
     if nf4_matmul is not None and nf4_matmul not in ("auto", "kernel", "xla"):
       raise ValueError(f"nf4_matmul must be auto, kernel or xla, got {nf4_matmul!r}.")
@@ -426,6 +448,10 @@ class Decoder(nnx.Module):
         linear.nf4_impl = None if nf4_matmul == "auto" else nf4_matmul
       if fuse_lora is not None:
         linear.fuse_lora = bool(fuse_lora)
+    if mlp_chunk is not None:
+      if mlp_chunk < 0:
+        raise ValueError(f"mlp_chunk must be 0 (off) or positive, got {mlp_chunk}.")
+      self.layers.mlp.chunk = int(mlp_chunk)
     if microbatches is not None:
       if microbatches < 0:
         raise ValueError(f"microbatches must be 0 (automatic) or positive, got {microbatches}.")
