@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from converters import bnb
 from converters import table as tables
@@ -198,25 +198,9 @@ class _Loader:
     return axes, tuple(shape)
 
   def _incoming(self, path, drop_layer=False, shape=None):
-    """Where a tensor from the file goes first: its variable's sharding with one more
-    dimension split over ``data``. Each byte then crosses from the host once, not once per
-    data replica; the compiled update all-gathers the (4x smaller, once NF4) result over the
-    devices' own links into the buffer, which stays replicated over ``data``."""
-    target = self._sharding(path, drop_layer, shape)
-    data = 1 if self.mesh is None else self.mesh.shape.get("data", 1)
-    if data == 1:
-      return target
+    """Where a tensor from the file goes first (sharding.incoming)."""
     _, shape = self._axes_shape(path, drop_layer, shape)
-    spec = list(target.spec) + [None] * (len(shape) - len(target.spec))
-    for d, (axis, size) in enumerate(zip(spec, shape, strict=True)):
-      names = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
-      if "data" in names:
-        return target  # already split over data
-      ways = data * int(np.prod([self.mesh.shape[n] for n in names]))
-      if size % ways == 0:
-        spec[d] = (*names, "data") if names else "data"
-        return NamedSharding(self.mesh, PartitionSpec(*spec))
-    return target
+    return sharding.incoming(self._sharding(path, drop_layer, shape), shape)
 
   def _write(self, path, layer, value, hf_name: str):
     """Place one tensor (numpy from the file, or a jax array) into its variable's buffer."""
@@ -279,13 +263,17 @@ class _Loader:
       return
     nf4.check_linear_shape(expected)
     stacked = _stacked(self.variables[codes_path])
-    w = jax.device_put(tensor, self._incoming(codes_path, drop_layer=stacked, shape=expected))
     if not stacked:
+      w = jax.device_put(tensor, self._sharding(codes_path, shape=expected))
       for field, value in zip(_NF4_FIELDS, nf4.quantize_linear(w), strict=True):
         self._write((*target, field), layer, value, hf_name)
       return
+    w = jax.device_put(tensor, self._incoming(codes_path, drop_layer=True, shape=expected))
     buffer = self.buffers[codes_path]
-    codes, absmax = _quantize_into(buffer, w, np.int32(layer), buffer.sharding)
+    # absmax in the weight's own layout (whole over data), for the host mean to read.
+    blocks = (expected[0], expected[1] // nf4.BLOCKSIZE)
+    absmax_at = self._sharding(codes_path, drop_layer=True, shape=blocks)
+    codes, absmax = _quantize_into(buffer, w, np.int32(layer), buffer.sharding, absmax_at)
     self.buffers[codes_path] = codes
     self.filled[codes_path].add(layer)
     absmax.copy_to_host_async()
@@ -351,11 +339,12 @@ def _set_layer(buffer: jax.Array, value: jax.Array, layer, out_sharding) -> jax.
   return _update(buffer, value, layer, out_sharding)
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
-def _quantize_into(codes_buffer: jax.Array, w: jax.Array, layer, out_sharding):
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=(3, 4))
+def _quantize_into(codes_buffer: jax.Array, w: jax.Array, layer, out_sharding, absmax_sharding):
   """First NF4 stage of one layer's weight [out, in], codes written into the stacked buffer;
-  returns the buffer and the float32 absmax [out, in / 64]."""
+  returns the buffer and the float32 absmax [out, in / 64] laid out as ``absmax_sharding``."""
   codes, absmax = nf4.quantize_linear_4bit(w)
+  absmax = jax.lax.with_sharding_constraint(absmax, absmax_sharding)
   return _update(codes_buffer, codes, layer, out_sharding), absmax
 
 

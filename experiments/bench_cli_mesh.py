@@ -108,6 +108,8 @@ def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
   while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
     name, value = words.pop(0).split("=", 1)
     run_env[name] = value
+  if not words:
+    raise RuntimeError(f"run {entry!r} names no mesh")
   mesh, *extra = words
   single = mesh == "1"
   batch = args.base_batch if single else args.batch
@@ -168,7 +170,12 @@ def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
   metrics = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
   steps = [r for r in metrics if "tokens_per_s" in r]
   timed = [r["tokens_per_s"] for r in steps if r["step"] > args.warmup]
-  devices = 1 if single else args.devices
+  if not timed:
+    raise RuntimeError(f"no step after the {args.warmup} warm-up steps; raise --steps")
+  from jaxtune import mesh as meshlib
+
+  sizes = meshlib.parse_mesh(mesh, 1 if single else args.devices)
+  devices = sizes["data"] * sizes["tensor"] * sizes["pipe"]
   return {
     "mesh": mesh,
     "flags": " ".join([*(f"{k}={v}" for k, v in run_env.items()), *extra]),

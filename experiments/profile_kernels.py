@@ -86,7 +86,7 @@ def scopes_by_kernel(hlo_text: str) -> dict[str, tuple[str, str]]:
   current = None
   for line in hlo_text.splitlines():
     m = _COMPUTATION.match(line)
-    if m and "=" not in line.split("{")[0]:
+    if m and not _INSTRUCTION.match(line):  # a computation's header (its params may hold "=")
       current = m.group(1)
       continue
     m = _INSTRUCTION.match(line)

@@ -238,6 +238,14 @@ def run_training(run: RunConfig, resume: bool = False) -> Path:
     meshlib.check_model_fits(
       mesh, cfg.num_heads, cfg.num_kv_heads, run.batch_size // run.grad_accum, cfg.num_layers
     )
+    tp, pp = mesh.shape["tensor"], mesh.shape.get("pipe", 1)
+    if run.sequence_parallel and (tp == 1 or pp > 1 or run.seq_len % tp):
+      raise UserError(
+        f"--sequence-parallel splits each row's tokens over the tensor axis, but --mesh "
+        f"{run.mesh or jax.device_count()} has tensor={tp}, pipe={pp} for --seq-len "
+        f"{run.seq_len}; use a tensor axis > 1 that divides --seq-len and no pipe axis, or "
+        "drop the flag."
+      )
     if run.seq_len > cfg.max_position_embeddings:
       raise UserError(
         f"--seq-len {run.seq_len} is longer than the {cfg.max_position_embeddings} positions "
@@ -290,11 +298,8 @@ def run_training(run: RunConfig, resume: bool = False) -> Path:
     tmp.replace(out / "config.yaml")
   distributed.barrier("jaxtune run directory")
   # Resolved here so the start line can name it; trainer.train would pick the same.
-  packed = dataset.packed or (eval_dataset is not None and eval_dataset.packed)
-  run = run.replace(
-    attention=run.attention
-    or trainer.default_attention(model, mesh if mesh.size > 1 else None, packed)
-  )
+  local = mesh if mesh.size > 1 else None
+  run = run.replace(attention=trainer.resolve_attention(run, model, local, dataset, eval_dataset))
   say(
     f"jaxtune: {cfg.model_type} {cfg.num_layers} layers, {dataset.examples} examples in "
     f"{len(dataset)} rows of {run.seq_len} tokens ({dataset.packing_efficiency:.0%} tokens, "

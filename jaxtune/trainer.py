@@ -276,6 +276,13 @@ def default_attention(model, mesh: Mesh | None, packed: bool = False) -> str:
   return model.default_attention(packed)
 
 
+def resolve_attention(run, model, mesh, dataset, eval_dataset=None) -> str:
+  """--attention, or the default for this model, mesh and data. Held-out rows go through the
+  same attention, so packed rows there count too."""
+  packed = dataset.packed or (eval_dataset is not None and eval_dataset.packed)
+  return run.attention or default_attention(model, mesh, packed)
+
+
 def place(model, mesh: Mesh | None, shard_frozen: bool = False):
   """Split the model and put every piece on its sharding; returns (graphdef, lora, frozen).
 
@@ -388,11 +395,9 @@ def train(
   ``loss_scale`` defaults to dynamic scaling when ``run.dtype`` is float16. With ``stop``,
   a SIGTERM/SIGINT saves a checkpoint after the current step and raises ``Stopped``.
   """
-  # Held-out rows go through the same attention: packed there too counts.
-  packed = dataset.packed or (eval_dataset is not None and eval_dataset.packed)
   model.set_runtime(
     remat=run.remat,
-    attention_impl=run.attention or default_attention(model, mesh, packed),
+    attention_impl=resolve_attention(run, model, mesh, dataset, eval_dataset),
     activation_sharding=None
     if mesh is None
     else NamedSharding(

@@ -336,6 +336,12 @@ CASES = [
     r"--attention pallas \(the Mosaic GPU kernel\) cannot run inside the pipeline yet",
   ),
   Case(
+    "sequence-parallel-without-tensor",
+    lambda w: w.train_args("--mesh", "8", "--sequence-parallel"),
+    r"--sequence-parallel splits each row's tokens over the tensor axis, but --mesh 8 has "
+    r"tensor=1",
+  ),
+  Case(
     "attention-fused-with-packing",
     lambda w: w.train_args("--attention", "fused"),
     r"--attention fused \(cuDNN, causal only\) would let packed examples attend to each other",

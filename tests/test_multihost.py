@@ -162,8 +162,8 @@ def test_concurrent_runs_see_only_their_own_devices(tmp_path):
   out_a, out_b = a.communicate(timeout=600)[0], b.communicate(timeout=600)[0]
   assert a.returncode == 0, out_a[-3000:]
   assert b.returncode == 0, out_b[-3000:]
-  assert re.search(r"mesh \{'data': 2, .*\} on 2 cpu device\(s\)\n", out_a)
-  assert re.search(r"mesh \{'data': 3, .*\} on 3 cpu device\(s\)\n", out_b)
+  assert re.search(r"mesh \{'data': 2, .*\} on 2 cpu device\(s\);", out_a)
+  assert re.search(r"mesh \{'data': 3, .*\} on 3 cpu device\(s\);", out_b)
   assert len(_losses(tmp_path / "a")) == len(_losses(tmp_path / "b")) == 2
 
 

@@ -184,9 +184,10 @@ def test_chunked_loss_equals_the_full_logits_loss(hf_llama_dir):
 
 
 def test_chunked_mlp_trains_like_the_whole_mlp_in_less_memory(hf_llama_dir):
-  """--mlp-chunk: the MLP over pieces of 8 tokens (24 = 3 x 8) under remat gives the loss and
-  LoRA gradients of the whole-sequence MLP; and XLA's plan for a long row (CPU) needs far
-  less temporary memory, the [T, intermediate] buffers existing one piece at a time."""
+  """--mlp-chunk: the MLP over pieces of 10 tokens (24 = 10 + 10 + 4, zero-padded) under
+  remat gives the loss and LoRA gradients of the whole-sequence MLP; and XLA's plan for a long
+  row (CPU) needs far less temporary memory, the [T, intermediate] buffers existing one piece
+  at a time."""
   path, _ = _tiny_dir(hf_llama_dir)
   model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32")
   model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
@@ -203,7 +204,7 @@ def test_chunked_mlp_trains_like_the_whole_mlp_in_less_memory(hf_llama_dir):
 
   fn, args = grads(0, 24)
   (ref, _), ref_g = fn(*args)
-  fn, args = grads(8, 24)
+  fn, args = grads(10, 24)
   (got, _), got_g = fn(*args)
   np.testing.assert_allclose(float(got), float(ref), rtol=1e-5)
   for g, r in zip(jax.tree.leaves(got_g), jax.tree.leaves(ref_g), strict=True):

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 
 from jaxtune import attention, pipeline, rope, sharding
 from jaxtune.config import SLIDING, ModelConfig
-from jaxtune.layers import Embed, Linear, RMSNorm, largest_divisor
+from jaxtune.layers import Embed, Linear, RMSNorm
 from jaxtune.lora import iter_linears
 
 # The order fixes which fold_in index each projection's LoRA dropout key gets.
@@ -127,23 +127,28 @@ class MLP(nnx.Module):
     self.chunk = 0  # > 0: at most this many tokens per row at a time (Decoder.set_runtime)
 
   def __call__(self, x, keys):
-    """down(act(gate(x)) * up(x)); with ``chunk``, a rematerialised scan over pieces of the
-    sequence, so the [B, T, intermediate] temporaries exist for one piece at a time (long
-    contexts, where they are the largest buffers of a layer's backward)."""
+    """down(act(gate(x)) * up(x)); with ``chunk``, a rematerialised scan over pieces of
+    ``chunk`` tokens (the last one zero-padded; the MLP is per token), so the
+    [B, T, intermediate] temporaries exist for one piece at a time (long contexts, where they
+    are the largest buffers of a layer's backward). LoRA dropout draws each piece's masks
+    from its own key, so with dropout the masks (not their distribution) differ from the
+    unchunked run's."""
     b, t, d = x.shape
-    c = largest_divisor(t, self.chunk) if self.chunk else t
-    if c == t:
+    if not self.chunk or t <= self.chunk:
       return self._mlp(x, keys)
+    c = self.chunk
+    n = -(-t // c)
 
-    @jax.checkpoint
     def piece(_, xs):
       x_c, i = xs
       keys_c = [None if k is None else jax.random.fold_in(k, i) for k in keys]
       return None, self._mlp(x_c, keys_c)
 
-    pieces = x.reshape(b, t // c, c, d).swapaxes(0, 1)
-    _, ys = jax.lax.scan(piece, None, (pieces, jnp.arange(t // c)))
-    return ys.swapaxes(0, 1).reshape(b, t, -1)
+    padded = jnp.pad(x, ((0, 0), (0, n * c - t), (0, 0)))
+    pieces = padded.reshape(b, n, c, d).swapaxes(0, 1)
+    step = jax.checkpoint(piece, prevent_cse=False)
+    _, ys = jax.lax.scan(step, None, (pieces, jnp.arange(n)))
+    return ys.swapaxes(0, 1).reshape(b, n * c, -1)[:, :t]
 
   def _mlp(self, x, keys):
     gate, up = self.gate_proj(x, keys[4]), self.up_proj(x, keys[5])
@@ -193,13 +198,15 @@ class Block(nnx.Module):
       keys = [jax.random.fold_in(key, i) for i in range(len(PROJECTIONS))]
     h = self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, window, keys, cache)
     h, new_cache = (h, None) if cache is None else h
+    # Sequence parallelism is a training layout; decoding (cache) runs on the model as it is.
+    res = self._residual if cache is None else (lambda x: x)
     if self.pre_feedforward_layernorm is None:
-      x = self._residual(x + h)
-      x = self._residual(x + self.mlp(self.post_attention_layernorm(x), keys))
+      x = res(x + h)
+      x = res(x + self.mlp(self.post_attention_layernorm(x), keys))
     else:
-      x = self._residual(x + self.post_attention_layernorm(h))
+      x = res(x + self.post_attention_layernorm(h))
       h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), keys))
-      x = self._residual(x + h)
+      x = res(x + h)
     return x if cache is None else (x, new_cache)
 
 
@@ -432,8 +439,9 @@ class Decoder(nnx.Module):
 
     ``activation_sharding``: a NamedSharding of the residual stream [B, T, D] (or None); its
     mesh is the one the model runs under, pipelined when that mesh has a ``pipe`` axis > 1.
-    One that splits T (``sharding.residual_spec(mesh, sequence_parallel=True)``) also holds
-    after every residual add inside the layers: sequence parallelism.
+    One that splits T (``sharding.residual_spec(mesh, seq_len, sequence_parallel=True)``)
+    also holds after every residual add inside the layers (training, not decoding): sequence
+    parallelism. Not under a pipeline.
     ``microbatches``: pipeline micro-batches per step (0: one per sequence of a data shard).
     ``nf4_matmul``: "kernel" or "xla" for every NF4 linear layer, "auto" to let
     pallas_kernels.nf4_matmul choose per shape and device.
@@ -480,6 +488,8 @@ class Decoder(nnx.Module):
     self.layers.self_attn.attention_mesh = None if pipelined else mesh
     spec = getattr(activation_sharding, "spec", ())
     sequence_split = len(spec) > 1 and spec[1] is not None
+    if sequence_split and pipelined:
+      raise ValueError("sequence parallelism does not run under a pipeline (pipe > 1).")
     self.layers.residual_sharding = activation_sharding if sequence_split else None
 
   def logits_from_hidden(self, h: jax.Array) -> jax.Array:
