@@ -134,11 +134,6 @@ class Linear(nnx.Module):
     return y
 
 
-def largest_divisor(n: int, most: int) -> int:
-  """The largest divisor of ``n`` not above ``most`` (a chunk size that cuts n evenly)."""
-  return max(x for x in range(1, min(most, n) + 1) if n % x == 0)
-
-
 class RMSNorm(nnx.Module):
   """x / rms(x) scaled by w (or by 1 + w, Gemma), in float32, as transformers computes it."""
 

@@ -216,7 +216,7 @@ def check_targets(run: RunConfig, cfg) -> None:
 def run_training(run: RunConfig, resume: bool = False) -> Path:
   import jaxtune
   from converters.hf_in import resolve_checkpoint
-  from jaxtune import checkpoint, data, default_model, distributed, export, trainer
+  from jaxtune import checkpoint, data, default_model, distributed, export, sharding, trainer
   from jaxtune import mesh as meshlib
 
   try:
@@ -238,8 +238,8 @@ def run_training(run: RunConfig, resume: bool = False) -> Path:
     meshlib.check_model_fits(
       mesh, cfg.num_heads, cfg.num_kv_heads, run.batch_size // run.grad_accum, cfg.num_layers
     )
-    tp, pp = mesh.shape["tensor"], mesh.shape.get("pipe", 1)
-    if run.sequence_parallel and (tp == 1 or pp > 1 or run.seq_len % tp):
+    if run.sequence_parallel and not sharding.can_split_sequence(mesh, run.seq_len):
+      tp, pp = mesh.shape["tensor"], mesh.shape.get("pipe", 1)
       raise UserError(
         f"--sequence-parallel splits each row's tokens over the tensor axis, but --mesh "
         f"{run.mesh or jax.device_count()} has tensor={tp}, pipe={pp} for --seq-len "

@@ -105,11 +105,16 @@ def after_pipeline(mesh: Mesh, batch: int) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(rows))
 
 
+def can_split_sequence(mesh: Mesh, seq_len: int) -> bool:
+  """Whether sequence parallelism applies: tensor > 1 dividing T, and no pipeline."""
+  tp = mesh.shape.get("tensor", 1)
+  return tp > 1 and seq_len % tp == 0 and mesh.shape.get("pipe", 1) == 1
+
+
 def residual_spec(mesh: Mesh, seq_len: int, sequence_parallel: bool = False) -> PartitionSpec:
   """The residual stream [B, T, D] between layers: rows over ``data``; with
-  ``sequence_parallel`` (and tensor > 1 dividing T, no pipeline) its tokens over ``tensor`` too."""
-  tp = mesh.shape.get("tensor", 1)
-  split = sequence_parallel and tp > 1 and seq_len % tp == 0 and mesh.shape.get("pipe", 1) == 1
+  ``sequence_parallel`` (where ``can_split_sequence``) its tokens over ``tensor`` too."""
+  split = sequence_parallel and can_split_sequence(mesh, seq_len)
   return PartitionSpec("data", "tensor") if split else PartitionSpec("data")
 
 

@@ -27,7 +27,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtune import distributed, run_log, sharding
 from jaxtune.data import IGNORE, Dataset
-from jaxtune.layers import largest_divisor
 from jaxtune.run_config import RunConfig
 
 
@@ -73,6 +72,10 @@ def loss_sums(graphdef, lora, frozen, batch, key, chunk: int = 0):
     return jnp.sum(ce * mask), jnp.sum(mask)
 
 
+def _largest_divisor(n: int, most: int) -> int:
+  return max(x for x in range(1, min(most, n) + 1) if n % x == 0)
+
+
 # With --loss-chunk, vocabularies larger than this (Gemma's 256k) are also cut into pieces of
 # at most VOCAB_PIECE entries (the largest divisor of V not above it).
 LARGE_VOCAB = 200_000
@@ -92,7 +95,7 @@ def chunked_loss_sums(head, h, labels, chunk: int, vocab=None):
   with an online log-sum-exp, so at most [B, chunk, piece] logits exist.
   """
   b, t, d = h.shape
-  c = largest_divisor(t, chunk)
+  c = _largest_divisor(t, chunk)
   pieces = (h.reshape(b, t // c, c, d).swapaxes(0, 1), labels.reshape(b, t // c, c).swapaxes(0, 1))
 
   @jax.checkpoint
@@ -117,7 +120,7 @@ def chunked_loss_sums(head, h, labels, chunk: int, vocab=None):
 def _vocab_pieces_ce(logits_piece, v: int, most: int, h, labels):
   """Per-token cross-entropy [B, c] from vocabulary pieces: running max, running sum of
   exponentials and the label's logit, each piece's logits recomputed in the backward."""
-  p = largest_divisor(v, most)
+  p = _largest_divisor(v, most)
   piece_logits = jax.checkpoint(lambda h, start: logits_piece(h, start, p).astype(jnp.float32))
 
   def step(carry, start):

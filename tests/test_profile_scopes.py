@@ -8,29 +8,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxtune
-from converters.synthetic import write_random_checkpoint
 from experiments.profile_kernels import SCOPES, kernel_key, scopes_by_kernel
 from jaxtune import trainer
 
-TINY = dict(
-  model_type="llama",
-  hidden_size=128,
-  intermediate_size=256,
-  num_hidden_layers=2,
-  num_attention_heads=4,
-  num_key_value_heads=2,
-  head_dim=32,
-  vocab_size=256,
-  rms_norm_eps=1e-5,
-  rope_theta=1e4,
-  max_position_embeddings=256,
-  hidden_act="silu",
-  tie_word_embeddings=False,
-)
 
-
-def test_every_scope_is_found_in_both_passes(tmp_path):
-  ckpt = write_random_checkpoint(tmp_path / "tiny", TINY, dtype="float32")
+def test_every_scope_is_found_in_both_passes(hf_llama_dir):
+  ckpt, _ = hf_llama_dir(num_hidden_layers=2)
   model = jaxtune.from_pretrained(ckpt, quantization="nf4", dtype="float32")
   model = jaxtune.apply_lora(model, rank=4)
   model.set_runtime(remat="dots_no_batch")

@@ -19,10 +19,9 @@ from jaxtune import mesh as meshlib
 from jaxtune.run_config import RunConfig
 
 
-def _tiny_dir(hf_llama_dir):
+def _tiny_dir(hf_llama_dir, seed=11, **overrides):
   # 8 heads / 4 kv heads so that tensor=4 divides both; hidden 256 keeps NF4 blocks whole.
-  path, hf = hf_llama_dir(
-    seed=11,
+  shape = dict(
     hidden_size=256,
     intermediate_size=512,
     num_attention_heads=8,
@@ -30,7 +29,7 @@ def _tiny_dir(hf_llama_dir):
     head_dim=32,
     num_hidden_layers=2,
   )
-  return path, hf
+  return hf_llama_dir(seed=seed, **{**shape, **overrides})
 
 
 def _dataset(vocab=256, n=16, t=32, seed=0):
@@ -211,15 +210,7 @@ def test_chunked_mlp_trains_like_the_whole_mlp_in_less_memory(hf_llama_dir):
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6)
 
   # A wide MLP (as in real models, where [T, intermediate] outweighs [T, T] per head at long T).
-  wide, _ = hf_llama_dir(
-    seed=12,
-    hidden_size=256,
-    intermediate_size=8192,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=32,
-    num_hidden_layers=1,
-  )
+  wide, _ = _tiny_dir(hf_llama_dir, seed=12, intermediate_size=8192, num_hidden_layers=1)
   model = jaxtune.apply_lora(jaxtune.from_pretrained(wide, quantization="nf4"), rank=4)
 
   def temp_bytes(mlp_chunk):
