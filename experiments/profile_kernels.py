@@ -56,6 +56,7 @@ CATEGORIES = (  # first match wins
 SCOPES = (
   "attention",
   "nf4_matmul",
+  "nf4_dequantize",
   "lora",
   "rms_norm",
   "rope",
@@ -122,8 +123,11 @@ def main():
   ap.add_argument("--seq", type=int, default=2048)
   ap.add_argument("--remat", default="dots_no_batch")
   ap.add_argument("--attention", default=None, help="xla, fused or pallas (default: the model's)")
+  ap.add_argument("--dequantize", default="layer", help="layer or step (Decoder.dequantize)")
   ap.add_argument("--checkpoint-dir", default=None, help="reuse or keep the checkpoint here")
   ap.add_argument("--results-dir", default=None)
+  ap.add_argument("--hlo-out", default=None, help="write the compiled step's HLO text here")
+  ap.add_argument("--top", type=int, default=20, help="kernels listed by name")
   args = ap.parse_args()
   from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 (GPU only)
 
@@ -135,7 +139,7 @@ def main():
     model = jaxtune.from_pretrained(ckpt, quantization="nf4", dtype="bfloat16")
   model = jaxtune.apply_lora(model, rank=16, alpha=16)
   attention = args.attention or model.default_attention()
-  model.set_runtime(remat=args.remat, attention_impl=attention)
+  model.set_runtime(remat=args.remat, attention_impl=attention, dequantize=args.dequantize)
   cfg = model.config
   graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
   lora = trainer.fp32_master(lora)
@@ -154,6 +158,8 @@ def main():
   step = jax.jit(jax.value_and_grad(mean_loss))
   hlo = step.lower(lora, frozen, batch).compile().as_text()
   scopes = scopes_by_kernel(hlo)
+  if args.hlo_out:
+    Path(args.hlo_out).write_text(hlo)
   jax.block_until_ready(step(lora, frozen, batch))  # compile, warm up
   _, kernels = profiler.measure(step, aggregate=False)(lora, frozen, batch)
   kernels = kernels or []
@@ -177,19 +183,20 @@ def main():
   for cat in ("matmul", "attention", "fusion", "copy", "other"):
     rows.append({
       "model": args.shape, "batch": args.batch, "seq": args.seq, "remat": args.remat,
+      "dequantize": args.dequantize,
       "attention": attention, "category": cat, "ms_per_step": by_cat[cat],
       "ms_per_layer": by_cat[cat] / layers, "share": by_cat[cat] / total if total else 0.0,
     })  # fmt: skip
   top = [
     {"kernel": name[:90], "ms_per_step": ms, "share": ms / total}
-    for name, ms in by_name.most_common(20)
+    for name, ms in by_name.most_common(args.top)
   ]
   note = (
     f"Device time of one loss-and-LoRA-gradient call (CUPTI, all {len(kernels)} kernel launches):"
     f" {total:.1f} ms for {tokens} tokens ({tokens / total * 1e3:.0f} tokens/s on the device). "
     f"Matmul floor at the {rate:.0f} TFLOP/s bf16 rate of this run: {floor_ms:.1f} ms "
     f"(4 x {matmul_params / 1e9:.2f}B matmul parameters x tokens + causal attention). "
-    "Costliest kernels: " + "; ".join(f"{t['kernel']} {t['ms_per_step']:.1f} ms" for t in top)
+    "Costliest kernels: " + "; ".join(f"{t['kernel']} {t['ms_per_step']:.1f} ms" for t in top[:20])
   )
   record(
     "profile_kernels",
@@ -225,9 +232,10 @@ def main():
       f"| {r['scope']} | {r['pass']} | {r['ms_per_step']:.1f} | {r['ms_per_layer']:.2f} | "
       f"{r['share']:.0%} |"
     )
-  print("\n| kernel | ms/step | share |\n|---|---|---|")
+  print("\n| kernel | scope, pass | ms/step | share |\n|---|---|---|---|")
   for t in top:
-    print(f"| {t['kernel']} | {t['ms_per_step']:.2f} | {t['share']:.1%} |")
+    where = ", ".join(scopes.get(kernel_key(t["kernel"]), (category(t["kernel"]), "unmapped")))
+    print(f"| {t['kernel']} | {where} | {t['ms_per_step']:.2f} | {t['share']:.1%} |")
 
 
 if __name__ == "__main__":

@@ -61,6 +61,10 @@ _HELP = {
   "pipe axis)",
   "nf4_matmul": "NF4 linear layers: kernel (Pallas, Hopper GPUs) or xla (dequantize then "
   "dot); unset: the kernel for at most 64 tokens on one Hopper GPU, XLA otherwise",
+  "dequantize": "where NF4 weights are dequantized: layer (in each layer's forward and again "
+  "in its backward; only NF4 stays on the GPU) or step (every layer once per step, the bf16 "
+  "copy held until the backward has used it: faster, more memory); unset: step when that copy "
+  "takes at most a quarter of the GPU's memory and remat is not full or offload",
   "loss_chunk": "compute the loss N tokens per row at a time (the float32 logits of the "
   "whole sequence never exist; the output layer runs twice); 0: all at once",
   "mlp_chunk": "run each MLP N tokens per row at a time, recomputed in the backward pass, so "
