@@ -12,6 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtune import nf4
 from pallas_kernels.nf4_matmul import nf4_matmul
@@ -124,7 +125,8 @@ class Linear(nnx.Module):
   def _lora_term(self, h: jax.Array, b: jax.Array) -> jax.Array:
     """scale * (h @ A) @ b, in h's dtype (b: B or some of its output columns)."""
     with jax.named_scope("lora"):
-      return self.lora_scale * ((h @ self.lora_a[...].astype(h.dtype)) @ b.astype(h.dtype))
+      ha = checkpoint_name(h @ self.lora_a[...].astype(h.dtype), "lora_a")  # [..., rank]
+      return self.lora_scale * (ha @ b.astype(h.dtype))
 
   def rows(self, x: jax.Array, start: jax.Array, size: int) -> jax.Array:
     """Outputs ``start .. start + size - 1`` only (a dense, unstacked layer, no dropout): the

@@ -37,9 +37,39 @@ _AXES = {
 }
 
 DEQUANTIZE = ("layer", "step")
+# What a layer's backward pass reads, so that remat="activations" recomputes no matmul and no
+# attention, only elementwise work (norms, rope, the MLP activation): the attention's inputs
+# and output (and its softmax statistics, saved by the kernels' own names or, for cuDNN, as the
+# outputs of its forward primitive), the residual stream between attention and MLP, the MLP's
+# gate and up projections, each LoRA's x @ A, and the inputs of the norms that follow a
+# projection (q/k norms, sandwich norms).
+SAVED_ACTIVATIONS = (
+  "query",
+  "key",
+  "value",
+  "query_projected",
+  "key_projected",
+  "attention_out",
+  "attention_lse",
+  "residual_mid",
+  "attention_projected",
+  "mlp_gate",
+  "mlp_up",
+  "mlp_out",
+  "lora_a",
+)
+
+
+def _cudnn_attention_outputs(prim, *_, **__) -> bool:
+  return prim.name.startswith("dot_product_attention_fwd")
+
+
 REMAT_POLICIES = {
   "none": None,
   "full": jax.checkpoint_policies.nothing_saveable,
+  "activations": jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.save_only_these_names(*SAVED_ACTIVATIONS), _cudnn_attention_outputs
+  ),
   "dots": jax.checkpoint_policies.checkpoint_dots,
   "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
   # As "full", but each layer's input (the residual stream the backward pass restarts from)
@@ -97,10 +127,12 @@ class Attention(nnx.Module):
     q = self.q_proj(x, keys[0]).reshape(b, t, self.num_heads, self.head_dim)
     k = self.k_proj(x, keys[1]).reshape(b, t, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x, keys[2]).reshape(b, t, self.num_kv_heads, self.head_dim)
-    if self.q_norm is not None:
+    if self.q_norm is not None:  # its backward reads the projections (remat="activations")
+      q, k = checkpoint_name(q, "query_projected"), checkpoint_name(k, "key_projected")
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
     if cache is None:
+      q, k, v = (checkpoint_name(a, n) for a, n in ((q, "query"), (k, "key"), (v, "value")))
       out = attention.attention(  # [B, T, N, H], its ops under the "attention" scope
         q,
         k,
@@ -112,6 +144,7 @@ class Attention(nnx.Module):
         implementation=self.attention_impl,
         mesh=self.attention_mesh,
       )
+      out = checkpoint_name(out, "attention_out")
     else:  # the decoder decides where keys are kept and which it attends to
       out, cache = cache(q, k, v, self.scale, self.softcap)
     out = self.o_proj(out.reshape(b, t, -1), keys[3])
@@ -152,7 +185,8 @@ class MLP(nnx.Module):
     return ys.swapaxes(0, 1).reshape(b, n * c, -1)[:, :t]
 
   def _mlp(self, x, keys):
-    gate, up = self.gate_proj(x, keys[4]), self.up_proj(x, keys[5])
+    gate = checkpoint_name(self.gate_proj(x, keys[4]), "mlp_gate")
+    up = checkpoint_name(self.up_proj(x, keys[5]), "mlp_up")
     with jax.named_scope("mlp_activation"):
       h = _ACTIVATIONS[self.activation](gate) * up
     return self.down_proj(h, keys[6])
@@ -201,13 +235,15 @@ class Block(nnx.Module):
     h, new_cache = (h, None) if cache is None else h
     # Sequence parallelism is a training layout; decoding (cache) runs on the model as it is.
     res = self._residual if cache is None else (lambda x: x)
+    # The checkpoint names mark what remat="activations" keeps for the backward pass.
     if self.pre_feedforward_layernorm is None:
-      x = res(x + h)
+      x = checkpoint_name(res(x + h), "residual_mid")
       x = res(x + self.mlp(self.post_attention_layernorm(x), keys))
     else:
-      x = res(x + self.post_attention_layernorm(h))
-      h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), keys))
-      x = res(x + h)
+      h = checkpoint_name(h, "attention_projected")
+      x = checkpoint_name(res(x + self.post_attention_layernorm(h)), "residual_mid")
+      h = checkpoint_name(self.mlp(self.pre_feedforward_layernorm(x), keys), "mlp_out")
+      x = res(x + self.post_feedforward_layernorm(h))
     return x if cache is None else (x, new_cache)
 
 

@@ -18,6 +18,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels import _gpu
 from pallas_kernels.flash_attention import kernel, kernel_backward, reference
@@ -145,6 +146,8 @@ def _flash(q, k, v, seg, uniform, win, opts, blocks, interpret):
 
 def _flash_fwd(q, k, v, seg, uniform, win, opts, blocks, interpret):
   out, lse = kernel.forward(q, k, v, seg, uniform, win, opts, blocks, interpret)
+  # Named for remat policies that keep the attention (jaxtune's remat="activations").
+  out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
   return out, (q, k, v, seg, uniform, win, out, lse)
 
 

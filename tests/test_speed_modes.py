@@ -1,6 +1,9 @@
-"""Decoder.dequantize="step": every NF4 weight dequantized once per pass, before the layer scan,
-computes what the per-layer dequantization computes (loss and LoRA gradients), on one device
-and under data x tensor, pipeline and shard_frozen meshes."""
+"""Settings that trade memory for speed compute what the default computes.
+
+Decoder.dequantize="step" (every NF4 weight dequantized once per pass, before the layer scan):
+the loss and LoRA gradients of per-layer dequantization, on one device and under data x
+tensor, pipeline and shard_frozen meshes. remat="activations": the loss and gradients of full
+remat, keeping exactly the named activations a layer's backward reads."""
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +46,7 @@ def _batch(vocab, b=8, t=16, seed=3):
   }
 
 
-def _loss_and_grads(path, dequantize, mesh_spec="1", shard_frozen=False, remat="full"):
+def _loss_and_grads(path, dequantize="layer", mesh_spec="1", shard_frozen=False, remat="full"):
   devices = jax.devices() if mesh_spec != "1" else jax.devices()[:1]
   mesh = meshlib.make_mesh(mesh_spec, devices)
   mesh = mesh if mesh.size > 1 else None
@@ -117,3 +120,38 @@ def test_unknown_dequantize_mode_is_refused(tiny_checkpoint):
   model = jaxtune.from_pretrained(tiny_checkpoint, quantization="nf4", dtype="float32")
   with pytest.raises(ValueError, match="dequantize must be one of layer, step"):
     model.set_runtime(dequantize="once")
+
+
+def test_activations_remat_trains_like_full_remat(tiny_checkpoint):
+  ref = _loss_and_grads(tiny_checkpoint, remat="full")
+  _assert_same(_loss_and_grads(tiny_checkpoint, remat="activations"), ref, "activations")
+
+
+def test_activations_remat_keeps_what_the_backward_reads(tiny_checkpoint, capsys):
+  """One layer under the policy saves its arguments and the named activations, nothing else
+  (no unnamed matmul output, no NF4 weight dequantized in the forward)."""
+  from jax.ad_checkpoint import print_saved_residuals
+
+  from jaxtune.models.decoder import REMAT_POLICIES, SAVED_ACTIVATIONS
+
+  model = jaxtune.from_pretrained(tiny_checkpoint, quantization="nf4", dtype="float32")
+  model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
+  model.set_runtime(attention_impl="xla")
+  graphdef, lora, frozen = nnx.split(model.layers, nnx.LoRAParam, ...)
+  lora, frozen = (jax.tree.map(lambda a: a[0], s) for s in (lora, frozen))  # layer 0
+  b, t, cfg = 2, 16, model.config
+  x = jax.random.normal(jax.random.key(0), (b, t, cfg.hidden_size))
+  cos = sin = jnp.ones((b, t, cfg.head_dim))
+  seg = jnp.ones((b, t), jnp.int32)
+
+  def layer(lora, x):
+    return nnx.merge(graphdef, lora, frozen)(x, cos, sin, seg, 0, None).sum()
+
+  print_saved_residuals(jax.checkpoint(layer, policy=REMAT_POLICIES["activations"]), lora, x)
+  lines = capsys.readouterr().out.splitlines()
+  computed = [line for line in lines if "from the argument" not in line and "constant" not in line]
+  names = {line.split("named '")[1].split("'")[0] for line in computed if "named '" in line}
+  assert len(computed) == sum("named '" in line for line in computed) > 0, computed
+  assert names <= set(SAVED_ACTIVATIONS)
+  assert {"query", "key", "value", "attention_out", "residual_mid", "mlp_gate", "mlp_up"} <= names
+  assert sum("named 'lora_a'" in line for line in computed) == 7  # one per projection
