@@ -123,7 +123,6 @@ def time_steps(model, b: int, args, setting: dict) -> dict:
     nf4_matmul=setting["nf4_matmul"],
     fuse_lora=setting["fuse_lora"],
     mlp_chunk=setting["mlp_chunk"],
-    dequantize=setting["dequantize"],
   )
   graphdef, lora, frozen = trainer.place(model, None)
   # The step donates the adapters: it gets copies, so the model's own survive a failed row.
@@ -258,9 +257,8 @@ def bench_shape(shape: str, args, rate: float, emit) -> None:
         csv(args.nf4_matmul),
         fuse,
         csv(args.mlp_chunk, int),
-        csv(args.dequantize),
       )
-      for impl, remat, loss_chunk, nf4_matmul, fuse_lora, mlp_chunk, dequantize in settings:
+      for impl, remat, loss_chunk, nf4_matmul, fuse_lora, mlp_chunk in settings:
         setting = dict(
           attention=impl,
           remat=remat,
@@ -268,7 +266,6 @@ def bench_shape(shape: str, args, rate: float, emit) -> None:
           nf4_matmul=nf4_matmul,
           fuse_lora=fuse_lora,
           mlp_chunk=mlp_chunk,
-          dequantize=dequantize,
         )
         failed = refused.get(impl)  # once a batch runs out of memory, the larger ones skip
         for b in batches:
@@ -302,7 +299,7 @@ def main():
   ap.add_argument("--batches", default=None, help="comma-separated micro-batch sizes (1,2,4)")
   ap.add_argument("--seq", type=int, default=2048)
   ap.add_argument("--steps", type=int, default=8, help="timed steps (after 2 warm-up steps)")
-  ap.add_argument("--remat", default="dots_no_batch", help="comma-separated policies")
+  ap.add_argument("--remat", default="activations", help="comma-separated policies")
   ap.add_argument(
     "--attention",
     default="default",
@@ -313,9 +310,6 @@ def main():
   )
   ap.add_argument(
     "--mlp-chunk", default="0", help="comma-separated MLP chunk sizes in tokens (0: off)"
-  )
-  ap.add_argument(
-    "--dequantize", default="layer", help="comma-separated: layer, step (Decoder.dequantize)"
   )
   ap.add_argument("--quantization", default="nf4", help="comma-separated: nf4, none")
   ap.add_argument("--nf4-matmul", default="auto", help="comma-separated: auto, kernel, xla")
@@ -372,16 +366,14 @@ def main():
   )
   print(f"\nrecorded to {args.results_dir or 'experiments/'}")
   print(
-    "\n| model | attention | remat | loss chunk | mlp chunk | nf4 matmul | fused LoRA | dequantize "
-    "| batch | "
+    "\n| model | attention | remat | loss chunk | mlp chunk | nf4 matmul | fused LoRA | batch | "
     "tokens/s | ms/step | peak GiB | MFU-6N | MFU-4N | load s | first step s |"
   )
-  print("|---" * 16 + "|")
+  print("|---" * 15 + "|")
   for r in rows:
     setting = (
       f"| {r['model']} | {r['attention']} | {r['remat']} | {r['loss_chunk']} | "
-      f"{r.get('mlp_chunk', 0)} | {r['nf4_matmul']} | {r.get('fuse_lora', False)} | "
-      f"{r.get('dequantize', 'layer')} | {r['batch']} "
+      f"{r.get('mlp_chunk', 0)} | {r['nf4_matmul']} | {r.get('fuse_lora', False)} | {r['batch']} "
     )
     if r["status"] != "ok":
       print(setting + f"| {r['status']} | | | | | {r['load_s']:.1f} | |")

@@ -56,7 +56,6 @@ CATEGORIES = (  # first match wins
 SCOPES = (
   "attention",
   "nf4_matmul",
-  "nf4_dequantize",
   "lora",
   "rms_norm",
   "rope",
@@ -121,9 +120,8 @@ def main():
   ap.add_argument("--shape", default="llama-3.2-1b")
   ap.add_argument("--batch", type=int, default=2)
   ap.add_argument("--seq", type=int, default=2048)
-  ap.add_argument("--remat", default="dots_no_batch")
+  ap.add_argument("--remat", default="activations")
   ap.add_argument("--attention", default=None, help="xla, fused or pallas (default: the model's)")
-  ap.add_argument("--dequantize", default="layer", help="layer or step (Decoder.dequantize)")
   ap.add_argument("--checkpoint-dir", default=None, help="reuse or keep the checkpoint here")
   ap.add_argument("--results-dir", default=None)
   ap.add_argument("--hlo-out", default=None, help="write the compiled step's HLO text here")
@@ -139,7 +137,7 @@ def main():
     model = jaxtune.from_pretrained(ckpt, quantization="nf4", dtype="bfloat16")
   model = jaxtune.apply_lora(model, rank=16, alpha=16)
   attention = args.attention or model.default_attention()
-  model.set_runtime(remat=args.remat, attention_impl=attention, dequantize=args.dequantize)
+  model.set_runtime(remat=args.remat, attention_impl=attention)
   cfg = model.config
   graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
   lora = trainer.fp32_master(lora)
@@ -183,7 +181,6 @@ def main():
   for cat in ("matmul", "attention", "fusion", "copy", "other"):
     rows.append({
       "model": args.shape, "batch": args.batch, "seq": args.seq, "remat": args.remat,
-      "dequantize": args.dequantize,
       "attention": attention, "category": cat, "ms_per_step": by_cat[cat],
       "ms_per_layer": by_cat[cat] / layers, "share": by_cat[cat] / total if total else 0.0,
     })  # fmt: skip

@@ -82,9 +82,6 @@ class Linear(nnx.Module):
     # NF4 with LoRA and no dropout: x @ A in W's dot (pallas_kernels.nf4_matmul.lora). Off
     # until timed on a GPU.
     self.fuse_lora = False
-    # The NF4 weight already dequantized for this pass, [out, in] (one layer's slice): set by
-    # the decoder inside its layer scan when it dequantizes once per step (Decoder.dequantize).
-    self.dense = None
 
   def dense_weight(self, dtype, layer: int | None = None) -> jax.Array:
     """The frozen weight [out, in] in ``dtype`` (dequantized if NF4); one layer if stacked."""
@@ -98,11 +95,7 @@ class Linear(nnx.Module):
   def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
     dropout = self.lora_a is not None and self.lora_dropout > 0.0 and dropout_key is not None
     fused = self.quantized and self.lora_a is not None and self.fuse_lora and not dropout
-    fused = fused and self.dense is None
-    if self.dense is not None:
-      with jax.named_scope("nf4_matmul"):
-        y = jnp.einsum("...i,oi->...o", x, self.dense.astype(x.dtype))
-    elif self.quantized:
+    if self.quantized:
       parts = (self.codes[...], self.absmax[...], self.nested_absmax[...], self.offset[...])
       with jax.named_scope("nf4_matmul"):
         if fused:

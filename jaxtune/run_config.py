@@ -18,7 +18,6 @@ CHOICES = {
   "dtype": ("bfloat16", "float32", "float16"),
   "export": ("merged", "peft", "bnb4", None),
   "nf4_matmul": ("kernel", "xla", None),
-  "dequantize": ("layer", "step", None),
 }
 # Smallest allowed value of numeric settings (None: any value).
 MINIMUM = {
@@ -84,7 +83,7 @@ class RunConfig:
   )
   rslora: bool = False
   skip_nonfinite: bool = False  # skip (count) steps with NaN/inf/zero loss instead of stopping
-  remat: str = "full"  # a policy of models/decoder.py: none|full|dots|dots_no_batch|offload
+  remat: str = "full"  # a policy of models/decoder.py (REMAT_POLICIES); "activations": speed
   microbatches: int = 0  # pipeline micro-batches per step (mesh pipe > 1); 0: automatic
   shard_frozen: bool = False  # also split the frozen NF4 weights over data (FSDP-style)
   sequence_parallel: bool = False  # residual stream's tokens split over tensor between matmuls
@@ -92,9 +91,6 @@ class RunConfig:
   # NF4 linear layers: the Pallas kernel or XLA's dequantize-then-dot; None: per shape (the
   # kernel for at most 64 tokens on one Hopper GPU, where it measured faster)
   nf4_matmul: str | None = None
-  # NF4 weights dequantized per layer (only NF4 resident) or once per step (their bf16 copy
-  # held through the step); None: per step where it fits (trainer.resolve_dequantize)
-  dequantize: str | None = None
   loss_chunk: int = 0  # > 0: float32 logits for this many tokens per row at a time; 0: all
   mlp_chunk: int = 0  # > 0: the MLP runs this many tokens per row at a time (long contexts)
   # Output

@@ -299,18 +299,14 @@ def run_training(run: RunConfig, resume: bool = False) -> Path:
   distributed.barrier("jaxtune run directory")
   # Resolved here so the start line can name it; trainer.train would pick the same.
   local = mesh if mesh.size > 1 else None
-  run = run.replace(
-    attention=trainer.resolve_attention(run, model, local, dataset, eval_dataset),
-    dequantize=trainer.resolve_dequantize(run, model, local),
-  )
-  nf4_note = f", NF4 dequantized per {run.dequantize}" if model.quantized else ""
+  run = run.replace(attention=trainer.resolve_attention(run, model, local, dataset, eval_dataset))
   say(
     f"jaxtune: {cfg.model_type} {cfg.num_layers} layers, {dataset.examples} examples in "
     f"{len(dataset)} rows of {run.seq_len} tokens ({dataset.packing_efficiency:.0%} tokens, "
     f"{'packed' if run.packing else 'not packed'}), "
     f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s)"
     + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
-    + f"; attention {run.attention}, remat {run.remat}{nf4_note}; loaded in {load_s:.1f}s"
+    + f"; attention {run.attention}, remat {run.remat}; loaded in {load_s:.1f}s"
   )
   ckpt_dir = out / "checkpoints"
   ckpts = checkpoint.Checkpoints(ckpt_dir, keep=run.keep_checkpoints)

@@ -46,8 +46,9 @@ _HELP = {
   "rslora": "rank-stabilised LoRA scaling",
   "skip_nonfinite": "skip steps whose loss is NaN, inf or exactly 0 (counted in metrics) "
   "instead of stopping the run",
-  "remat": "activation checkpointing per layer: none, full, dots, dots_no_batch, offload "
-  "(layer inputs kept in host memory)",
+  "remat": "activation checkpointing per layer: full (least memory), activations (fastest: "
+  "keeps what each layer's backward reads, recomputes only norms, rope and the activation), "
+  "none, dots, dots_no_batch, offload (layer inputs kept in host memory)",
   "microbatches": "pipeline micro-batches per step when the mesh has pipe > 1 (0: one per "
   "sequence of a data shard)",
   "shard_frozen": "also split the frozen NF4 weights over the data axis, gathered per layer "
@@ -61,10 +62,6 @@ _HELP = {
   "pipe axis)",
   "nf4_matmul": "NF4 linear layers: kernel (Pallas, Hopper GPUs) or xla (dequantize then "
   "dot); unset: the kernel for at most 64 tokens on one Hopper GPU, XLA otherwise",
-  "dequantize": "where NF4 weights are dequantized: layer (in each layer's forward and again "
-  "in its backward; only NF4 stays on the GPU) or step (every layer once per step, the bf16 "
-  "copy held until the backward has used it: faster, more memory); unset: step when that copy "
-  "takes at most a quarter of the GPU's memory and remat is not full or offload",
   "loss_chunk": "compute the loss N tokens per row at a time (the float32 logits of the "
   "whole sequence never exist; the output layer runs twice); 0: all at once",
   "mlp_chunk": "run each MLP N tokens per row at a time, recomputed in the backward pass, so "

@@ -11,7 +11,6 @@ underflow, and a step whose scaled gradients overflow is skipped while the scale
 """
 
 import dataclasses
-import math
 import os
 import signal
 import sys
@@ -28,7 +27,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtune import distributed, run_log, sharding
 from jaxtune.data import IGNORE, Dataset
-from jaxtune.lora import iter_linears
 from jaxtune.run_config import RunConfig
 
 
@@ -288,29 +286,6 @@ def resolve_attention(run, model, mesh, dataset, eval_dataset=None) -> str:
   return run.attention or default_attention(model, mesh, packed)
 
 
-def resolve_dequantize(run, model, mesh: Mesh | None) -> str:
-  """--dequantize, or "step" where it is the speed choice and fits: the bf16 copy of the
-  layers' NF4 weights (per device, after tensor and pipe splits) at most a quarter of the
-  device's memory, and a remat that is not one of the memory-saving ones (full, offload) nor
-  --shard-frozen (whose point is not holding whole weights); else "layer"."""
-  if run.dequantize:
-    return run.dequantize
-  if not model.quantized or run.remat in ("full", "offload") or run.shard_frozen:
-    return "layer"
-  stats = jax.local_devices()[0].memory_stats() or {}
-  limit = stats.get("bytes_limit")
-  if not limit:  # CPU: no device memory to trade
-    return "layer"
-  split = 1 if mesh is None else mesh.shape.get("tensor", 1) * mesh.shape.get("pipe", 1)
-  itemsize = jnp.dtype(model.dtype).itemsize
-  dense = sum(
-    2 * linear.codes.shape[-1] * math.prod(linear.codes.shape[:-1]) * itemsize
-    for _, linear in iter_linears(model.layers)
-    if linear.quantized
-  )
-  return "step" if dense / split <= limit / 4 else "layer"
-
-
 def place(model, mesh: Mesh | None, shard_frozen: bool = False):
   """Split the model and put every piece on its sharding; returns (graphdef, lora, frozen).
 
@@ -434,7 +409,6 @@ def train(
     microbatches=run.microbatches,
     nf4_matmul=run.nf4_matmul or "auto",
     mlp_chunk=run.mlp_chunk,
-    dequantize=resolve_dequantize(run, model, mesh),
   )
   graphdef, lora, frozen = place(model, mesh, run.shard_frozen)
   if loss_scale is None and run.dtype == "float16":

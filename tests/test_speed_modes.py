@@ -1,9 +1,7 @@
-"""Settings that trade memory for speed compute what the default computes.
+"""remat="activations" (the speed setting) computes what full remat computes, keeping exactly
+the named activations a layer's backward reads."""
 
-Decoder.dequantize="step" (every NF4 weight dequantized once per pass, before the layer scan):
-the loss and LoRA gradients of per-layer dequantization, on one device and under data x
-tensor, pipeline and shard_frozen meshes. remat="activations": the loss and gradients of full
-remat, keeping exactly the named activations a layer's backward reads."""
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +29,28 @@ def tiny_checkpoint(tmp_path_factory):
     head_dim=32,
     num_hidden_layers=2,
   )
-  out = tmp_path_factory.mktemp("dequantize") / "llama"
+  out = tmp_path_factory.mktemp("speed") / "llama"
   hf.save_pretrained(out)
   return out
+
+
+@pytest.fixture(scope="module")
+def gemma3_checkpoint(tmp_path_factory):
+  """Gemma 3: q/k norms and sandwich norms, whose backward reads the projections' outputs."""
+  import torch
+  from test_families import _config
+  from transformers import AutoModelForCausalLM
+
+  torch.manual_seed(0)
+  hf = AutoModelForCausalLM.from_config(_config("gemma3")).float().eval()
+  out = tmp_path_factory.mktemp("speed") / "gemma3"
+  hf.save_pretrained(out)
+  return out
+
+
+@pytest.fixture(params=["llama", "gemma3"])
+def checkpoint(request):
+  return request.getfixturevalue(f"{'tiny' if request.param == 'llama' else 'gemma3'}_checkpoint")
 
 
 def _batch(vocab, b=8, t=16, seed=3):
@@ -46,7 +63,8 @@ def _batch(vocab, b=8, t=16, seed=3):
   }
 
 
-def _loss_and_grads(path, dequantize="layer", mesh_spec="1", shard_frozen=False, remat="full"):
+@functools.cache  # the full-remat reference is shared by tests
+def _loss_and_grads(path, remat, mesh_spec="1", shard_frozen=False):
   devices = jax.devices() if mesh_spec != "1" else jax.devices()[:1]
   mesh = meshlib.make_mesh(mesh_spec, devices)
   mesh = mesh if mesh.size > 1 else None
@@ -61,9 +79,7 @@ def _loss_and_grads(path, dequantize="layer", mesh_spec="1", shard_frozen=False,
     from jaxtune import sharding
 
     spec = NamedSharding(mesh, sharding.residual_spec(mesh, 16))
-  model.set_runtime(
-    remat=remat, attention_impl="xla", dequantize=dequantize, activation_sharding=spec
-  )
+  model.set_runtime(remat=remat, attention_impl="xla", activation_sharding=spec)
   graphdef, lora, frozen = trainer.place(model, mesh, shard_frozen)
   batch = _batch(model.config.vocab_size)
   fn = jax.jit(
@@ -82,59 +98,26 @@ def _assert_same(got, want, label, atol=1e-6):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=atol, err_msg=label)
 
 
-def test_step_dequantization_computes_what_per_layer_dequantization_does(tiny_checkpoint):
-  ref = _loss_and_grads(tiny_checkpoint, "layer")
-  for remat in ("full", "dots_no_batch"):
-    _assert_same(_loss_and_grads(tiny_checkpoint, "step", remat=remat), ref, f"1 {remat}")
-  # Under a mesh the all-reduces sum in another order: gradients agree to ~3e-6 absolute.
-  for spec, shard_frozen in (("2x4", False), ("2x2x2", True)):
-    got = _loss_and_grads(tiny_checkpoint, "step", spec, shard_frozen)
-    _assert_same(got, ref, f"{spec} shard_frozen={shard_frozen}", atol=1e-5)
+def test_activations_remat_trains_like_full_remat(checkpoint):
+  ref = _loss_and_grads(checkpoint, "full")
+  # Saved and recomputed values fuse differently in float32: a few 1e-6 absolute apart.
+  _assert_same(_loss_and_grads(checkpoint, "activations"), ref, "activations", atol=1e-5)
 
 
-def test_step_dequantization_really_leaves_the_scan_without_nf4(tiny_checkpoint):
-  """The mode is not a no-op: with "step" the layer scan's body holds no NF4 table lookup (the
-  lookups all happen before it), with "layer" it does."""
-  model = jaxtune.from_pretrained(tiny_checkpoint, quantization="nf4", dtype="float32")
-  model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
-  batch = _batch(model.config.vocab_size, b=2)
-
-  def scan_bodies(dequantize):
-    model.set_runtime(remat="full", attention_impl="xla", dequantize=dequantize)
-    graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
-    jaxpr = jax.make_jaxpr(
-      jax.grad(lambda lo: trainer.loss_sums(graphdef, lo, frozen, batch, None)[0])
-    )(lora)
-    bodies = [e.params["jaxpr"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
-    assert bodies, "no layer scan found"
-    return [str(b) for b in bodies]
-
-  def nf4_codes(text):  # the uint8 -> 4-bit code unpacking every dequantization does
-    return text.count("shift_right_logical")
-
-  assert all(nf4_codes(b) > 0 for b in scan_bodies("layer"))
-  assert all(nf4_codes(b) == 0 for b in scan_bodies("step"))
+def test_activations_remat_under_a_mesh_trains_like_one_device(tiny_checkpoint):
+  ref = _loss_and_grads(tiny_checkpoint, "full")
+  # The all-reduces sum in another order: gradients agree to a few 1e-6 absolute.
+  _assert_same(_loss_and_grads(tiny_checkpoint, "activations", "2x4"), ref, "2x4", atol=1e-5)
 
 
-def test_unknown_dequantize_mode_is_refused(tiny_checkpoint):
-  model = jaxtune.from_pretrained(tiny_checkpoint, quantization="nf4", dtype="float32")
-  with pytest.raises(ValueError, match="dequantize must be one of layer, step"):
-    model.set_runtime(dequantize="once")
-
-
-def test_activations_remat_trains_like_full_remat(tiny_checkpoint):
-  ref = _loss_and_grads(tiny_checkpoint, remat="full")
-  _assert_same(_loss_and_grads(tiny_checkpoint, remat="activations"), ref, "activations")
-
-
-def test_activations_remat_keeps_what_the_backward_reads(tiny_checkpoint, capsys):
+def test_activations_remat_keeps_what_the_backward_reads(checkpoint, capsys):
   """One layer under the policy saves its arguments and the named activations, nothing else
   (no unnamed matmul output, no NF4 weight dequantized in the forward)."""
   from jax.ad_checkpoint import print_saved_residuals
 
   from jaxtune.models.decoder import REMAT_POLICIES, SAVED_ACTIVATIONS
 
-  model = jaxtune.from_pretrained(tiny_checkpoint, quantization="nf4", dtype="float32")
+  model = jaxtune.from_pretrained(checkpoint, quantization="nf4", dtype="float32")
   model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
   model.set_runtime(attention_impl="xla")
   graphdef, lora, frozen = nnx.split(model.layers, nnx.LoRAParam, ...)
@@ -154,4 +137,6 @@ def test_activations_remat_keeps_what_the_backward_reads(tiny_checkpoint, capsys
   assert len(computed) == sum("named '" in line for line in computed) > 0, computed
   assert names <= set(SAVED_ACTIVATIONS)
   assert {"query", "key", "value", "attention_out", "residual_mid", "mlp_gate", "mlp_up"} <= names
+  if cfg.qk_norm:  # Gemma 3
+    assert {"query_projected", "key_projected", "attention_projected", "mlp_out"} <= names
   assert sum("named 'lora_a'" in line for line in computed) == 7  # one per projection

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 
-from jaxtune import attention, nf4, pipeline, rope, sharding
+from jaxtune import attention, pipeline, rope, sharding
 from jaxtune.config import SLIDING, ModelConfig
 from jaxtune.layers import Embed, Linear, RMSNorm
 from jaxtune.lora import iter_linears
@@ -36,7 +36,6 @@ _AXES = {
   "down_proj": ("embed", "mlp"),
 }
 
-DEQUANTIZE = ("layer", "step")
 # What a layer's backward pass reads, so that remat="activations" recomputes no matmul and no
 # attention, only elementwise work (norms, rope, the MLP activation): the attention's inputs
 # and output (and its softmax statistics, saved by the kernels' own names or, for cuDNN, as the
@@ -262,10 +261,6 @@ class Decoder(nnx.Module):
     self.dtype = dtype
     self.quantized = quantized
     self.remat = "none"  # a key of REMAT_POLICIES; the trainer sets it
-    # Where NF4 weights are dequantized (set_runtime): "layer", inside each layer's forward
-    # and again in its backward (only NF4 stays resident); "step", all layers once per pass
-    # before the layer scan, the bf16 weights kept until the backward has used them.
-    self.dequantize = "layer"
     self.scan_layers = True
     self.pipeline_microbatches = 0  # 0: one per sequence of a data shard (pipeline.py)
     # Sharding of the residual stream [B, T, D], constrained at each block boundary.
@@ -317,10 +312,9 @@ class Decoder(nnx.Module):
     graphdef, state = nnx.split(self.layers)
     mesh = self._mesh()
     act_spec = None if mesh is None else self.activation_sharding.spec
-    dense = self._dequantized_layers(mesh) if self.dequantize == "step" else None
 
     def step(x, xs, side):
-      layer_state, key, w, is_local, dense = xs
+      layer_state, key, w, is_local = xs
       (cos_g, sin_g), (cos_l, sin_l), seg = side
       here = jax.sharding.get_abstract_mesh()  # inside the pipeline's shard_map: its mesh
       here = mesh if here.empty else here
@@ -330,11 +324,7 @@ class Decoder(nnx.Module):
       x = checkpoint_name(x, "layer_input")  # what remat="offload" keeps on the host
       c = jnp.where(is_local, cos_l, cos_g)
       s = jnp.where(is_local, sin_l, sin_g)
-      block = nnx.merge(graphdef, layer_state)
-      if dense is not None:  # this layer's slice of each weight dequantized before the scan
-        for path, linear in iter_linears(block):
-          linear.dense = dense.get("/".join(path))
-      return block(x, c, s, seg, w, key)
+      return nnx.merge(graphdef, layer_state)(x, c, s, seg, w, key)
 
     if self.remat != "none":
       step = jax.checkpoint(step, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
@@ -346,40 +336,21 @@ class Decoder(nnx.Module):
         x = step(x, jax.tree.map(lambda a, i=i: a[i], xs), side)
       return x
 
-    xs = (state, layer_keys, jnp.asarray(window), jnp.asarray(local), dense)
+    xs = (state, layer_keys, jnp.asarray(window), jnp.asarray(local))
     side = (rope_global, rope_local, segment_ids)
     if mesh is None or mesh.shape.get(pipeline.AXIS, 1) == 1:
       return run(x, xs, side)
 
     def stage(x, xs, side, j):
-      state, keys, w, is_local, dense = xs
+      state, keys, w, is_local = xs
       if keys is not None:  # each micro-batch its own dropout masks
         keys = jax.vmap(lambda k: jax.random.fold_in(k, j))(keys)
-      return run(x, (state, keys, w, is_local, dense), side)
+      return run(x, (state, keys, w, is_local), side)
 
     data = mesh.shape.get("data", 1)
     m = pipeline.num_microbatches(max(1, x.shape[0] // data), self.pipeline_microbatches)
     x = pipeline.gpipe(stage, xs, x, side, mesh=mesh, microbatches=m)
     return jax.lax.with_sharding_constraint(x, sharding.after_pipeline(mesh, x.shape[0]))
-
-  def _dequantized_layers(self, mesh) -> dict[str, jax.Array] | None:
-    """Every NF4 weight of the stacked layers as [layers, out, in] in the compute dtype, keyed
-    by its path under Block ("self_attn/q_proj"); laid out as without ``shard_frozen`` (the
-    data-split NF4 is gathered here, once per pass, not per layer)."""
-    dense = {}
-    for path, linear in iter_linears(self.layers):
-      if not linear.quantized:
-        continue
-      parts = (linear.codes, linear.absmax, linear.nested_absmax, linear.offset)
-      with jax.named_scope("nf4_dequantize"):
-        w = jax.vmap(functools.partial(nf4.dequantize_linear, dtype=self.dtype))(
-          *(p[...] for p in parts)
-        )
-      if mesh is not None:
-        axes = ("layers", *linear.axes)
-        w = jax.lax.with_sharding_constraint(w, sharding.sharding_for(axes, w.shape, mesh))
-      dense["/".join(path)] = w
-    return dense or None
 
   def hidden_states(self, input_ids, positions=None, segment_ids=None, dropout_key=None):
     """Final-norm hidden states [B, T, D] in the compute dtype."""
@@ -499,7 +470,6 @@ class Decoder(nnx.Module):
     nf4_matmul=None,
     fuse_lora=None,
     mlp_chunk=None,
-    dequantize=None,
   ):
     """Runtime choices that change how, not what, the model computes.
 
@@ -514,14 +484,7 @@ class Decoder(nnx.Module):
     ``fuse_lora``: True to run each NF4 layer's LoRA down-projection in its weight's dot
     (pallas_kernels.nf4_matmul.lora) whenever no LoRA dropout applies.
     ``mlp_chunk``: > 0 runs the MLP at most that many tokens per row at a time (see MLP).
-    ``dequantize``: "layer" or "step" (see ``Decoder.dequantize``): "step" trades the bf16
-    size of the layers' weights in device memory for one dequantization per pass instead of
-    one per layer in the forward and again in the backward.
     """
-    if dequantize is not None:
-      if dequantize not in DEQUANTIZE:
-        raise ValueError(f"dequantize must be one of {', '.join(DEQUANTIZE)}, got {dequantize!r}.")
-      self.dequantize = dequantize
     if nf4_matmul is not None and nf4_matmul not in ("auto", "kernel", "xla"):
       raise ValueError(f"nf4_matmul must be auto, kernel or xla, got {nf4_matmul!r}.")
     for _, linear in iter_linears(self):
