@@ -114,7 +114,16 @@ def main():
   ap.add_argument(
     "--checkpoint-dir", default=None, help="keep the random checkpoint here, reusing one found"
   )
+  ap.add_argument(
+    "--compile-cache",
+    default=None,
+    help="JAX's persistent compilation cache directory (as the CLI)",
+  )
   args = ap.parse_args()
+  if args.compile_cache:
+    jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
   compile_s, compiles = [0.0], [0]
 
@@ -177,6 +186,7 @@ def main():
     "peak_rss_over_idle_mib": peak / MIB,
     "loader_rss_over_idle_mib": (peak - model_host) / MIB,
     "warm_loader_rss_over_idle_mib": (peak_warm - model_host) / MIB,
+    "compile_cache": bool(args.compile_cache),
   }
   for k, v in row.items():
     print(f"  {k:32s} {v:.3f}" if isinstance(v, float) else f"  {k:32s} {v}")
