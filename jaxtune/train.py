@@ -10,6 +10,7 @@ SIGTERM or Ctrl-C saves a checkpoint after the current step, then exits; --resum
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -115,11 +116,26 @@ def resolve_config(argv=None) -> tuple[RunConfig, bool]:
   return run.replace(**overrides).checked(), args.resume
 
 
+HOST_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+
+
+def allow_host_memory_for_offload(run: RunConfig, environ=os.environ) -> None:
+  """--remat offload keeps every layer's input in pinned host memory, a pool that PJRT caps at
+  64 GB unless told otherwise (long contexts need more: 32 layers x 409,600 tokens x 4,096 x
+  2 bytes is 100 GiB): let it use 90% of the machine's memory. Set before the GPU client
+  starts; a limit the user set stays."""
+  if run.remat != "offload" or HOST_LIMIT_VAR in environ:
+    return
+  total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  environ[HOST_LIMIT_VAR] = str(max(64, int(0.9 * total / 2**30)))
+
+
 def main(argv=None) -> int:
   from jaxtune import distributed
 
   try:
     run, resume = resolve_config(argv)
+    allow_host_memory_for_offload(run)
     distributed.initialize()  # before anything asks JAX for its devices
   except (RunConfigError, distributed.DistributedError) as e:
     print(f"error: {e}", file=sys.stderr)

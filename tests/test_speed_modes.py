@@ -1,7 +1,9 @@
-"""remat="activations" (the speed setting) computes what full remat computes, keeping exactly
-the named activations a layer's backward reads."""
+"""Settings that trade memory for speed or length: remat="activations" (the speed setting)
+computes what full remat computes, keeping exactly the named activations a layer's backward
+reads; remat="offload" lets the host pool grow past PJRT's default."""
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -140,3 +142,18 @@ def test_activations_remat_keeps_what_the_backward_reads(checkpoint, capsys):
   if cfg.qk_norm:  # Gemma 3
     assert {"query_projected", "key_projected", "attention_projected", "mlp_out"} <= names
   assert sum("named 'lora_a'" in line for line in computed) == 7  # one per projection
+
+
+def test_offload_lets_the_pinned_host_pool_use_most_of_the_machine():
+  from jaxtune import train
+  from jaxtune.run_config import RunConfig
+
+  env = {}
+  train.allow_host_memory_for_offload(RunConfig(remat="full"), env)
+  assert env == {}  # nothing kept on the host: PJRT's default stays
+  train.allow_host_memory_for_offload(RunConfig(remat="offload"), env)
+  total_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+  assert int(env[train.HOST_LIMIT_VAR]) == max(64, int(0.9 * total_gib))
+  env = {train.HOST_LIMIT_VAR: "20"}
+  train.allow_host_memory_for_offload(RunConfig(remat="offload"), env)
+  assert env == {train.HOST_LIMIT_VAR: "20"}  # the user's own limit wins
