@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 import torch
-from conftest import max_rel_err
+from conftest import build_hf_llama, max_rel_err
 from flax import nnx
 
 import jaxtune
@@ -18,18 +18,27 @@ from jaxtune import data, default_model, trainer
 from jaxtune import mesh as meshlib
 from jaxtune.run_config import RunConfig
 
+# 8 heads / 4 kv heads so that tensor=4 divides both; hidden 256 keeps NF4 blocks whole.
+SHAPE = dict(
+  hidden_size=256,
+  intermediate_size=512,
+  num_attention_heads=8,
+  num_key_value_heads=4,
+  head_dim=32,
+  num_hidden_layers=2,
+)
+
 
 def _tiny_dir(hf_llama_dir, seed=11, **overrides):
-  # 8 heads / 4 kv heads so that tensor=4 divides both; hidden 256 keeps NF4 blocks whole.
-  shape = dict(
-    hidden_size=256,
-    intermediate_size=512,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=32,
-    num_hidden_layers=2,
-  )
-  return hf_llama_dir(seed=seed, **{**shape, **overrides})
+  return hf_llama_dir(seed=seed, **{**SHAPE, **overrides})
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  """_tiny_dir's checkpoint (seed 11), written once: the tests below only read it."""
+  path = tmp_path_factory.mktemp("tiny") / "llama"
+  build_hf_llama(11, **SHAPE).save_pretrained(path)
+  return path
 
 
 def _dataset(vocab=256, n=16, t=32, seed=0):
@@ -64,31 +73,10 @@ def _losses(path, mesh_spec, tmp_path, steps=3, accum=2, quantization="nf4", **r
   return np.array([h["loss"] for h in history])
 
 
-def test_mesh_losses_equal_single_device(hf_llama_dir, tmp_path):
-  assert jax.device_count() == 8
-  path, _ = _tiny_dir(hf_llama_dir)
-  single = _losses(path, "1", tmp_path)
-  assert single[-1] < single[0]  # it learns, so the comparison is not of constants
-  for spec in ("2x4", "8", "1x8", "data=2,tensor=4"):
-    np.testing.assert_allclose(_losses(path, spec, tmp_path), single, rtol=2e-5, err_msg=spec)
-
-
-def test_pallas_attention_under_a_mesh_trains_like_one_device(hf_llama_dir, tmp_path):
-  """--attention pallas under --mesh 2x4 runs the flash op per (data, tensor) shard in a
-  shard_map (on CPU its jnp fallback inside): the losses of one device with XLA attention."""
-  path, _ = _tiny_dir(hf_llama_dir)
-  single = _losses(path, "1", tmp_path / "one", steps=2, attention="xla")
-  sharded = _losses(path, "2x4", tmp_path / "mesh", steps=2, attention="pallas")
-  np.testing.assert_allclose(sharded, single, rtol=2e-5)
-
-
-def test_sequence_parallel_trains_like_one_device(hf_llama_dir, tmp_path, monkeypatch):
-  """--sequence-parallel keeps the residual stream's tokens split over tensor after every
-  residual add (checked while tracing) and trains exactly like one device: 2x4 with XLA
-  attention, 2x4 with the flash op per shard."""
+def _spy_on_residual_sharding(monkeypatch, seen: set) -> None:
+  """Record (residual sharding spec, sequence length) at every residual add while tracing."""
   from jaxtune.models import decoder
 
-  seen = set()
   real = decoder.Block._residual
 
   def spy(self, x):
@@ -97,19 +85,52 @@ def test_sequence_parallel_trains_like_one_device(hf_llama_dir, tmp_path, monkey
     return real(self, x)
 
   monkeypatch.setattr(decoder.Block, "_residual", spy)
-  path, _ = _tiny_dir(hf_llama_dir)
-  single = _losses(path, "1", tmp_path / "one", steps=2, attention="xla")
-  assert not seen
+
+
+@pytest.fixture(scope="module")
+def single(tiny, tmp_path_factory):
+  """_losses' 3 steps on one device with XLA attention (CPU's default), trained once: the
+  reference of every mesh test below. Also the residual shardings its trace asked for."""
+  seen = set()
+  with pytest.MonkeyPatch.context() as m:
+    _spy_on_residual_sharding(m, seen)
+    losses = _losses(tiny, "1", tmp_path_factory.mktemp("one"), attention="xla")
+  return losses, seen
+
+
+def test_mesh_losses_equal_single_device(tiny, single, tmp_path):
+  assert jax.device_count() == 8
+  single, _ = single
+  assert single[-1] < single[0]  # it learns, so the comparison is not of constants
+  # "data=2,tensor=4" spells the 2x4 mesh: the same Mesh, hence the same program and losses.
+  assert meshlib.make_mesh("data=2,tensor=4", jax.devices()) == meshlib.make_mesh("2x4")
+  for spec in ("2x4", "8", "1x8"):
+    np.testing.assert_allclose(_losses(tiny, spec, tmp_path), single, rtol=2e-5, err_msg=spec)
+
+
+def test_pallas_attention_under_a_mesh_trains_like_one_device(tiny, single, tmp_path):
+  """--attention pallas under --mesh 2x4 runs the flash op per (data, tensor) shard in a
+  shard_map (on CPU its jnp fallback inside): the losses of one device with XLA attention."""
+  sharded = _losses(tiny, "2x4", tmp_path / "mesh", attention="pallas")
+  np.testing.assert_allclose(sharded, single[0], rtol=2e-5)
+
+
+def test_sequence_parallel_trains_like_one_device(tiny, single, tmp_path, monkeypatch):
+  """--sequence-parallel keeps the residual stream's tokens split over tensor after every
+  residual add (checked while tracing) and trains exactly like one device: 2x4 with XLA
+  attention, 2x4 with the flash op per shard."""
+  single, seen_single = single
+  assert not seen_single
+  seen = set()
+  _spy_on_residual_sharding(monkeypatch, seen)
   for spec, attention in (("2x4", "xla"), ("2x4", "pallas")):
     seen.clear()
-    split = _losses(
-      path, spec, tmp_path / attention, steps=2, attention=attention, sequence_parallel=True
-    )
+    split = _losses(tiny, spec, tmp_path / attention, attention=attention, sequence_parallel=True)
     assert seen == {(("data", "tensor"), 32)}, attention
     np.testing.assert_allclose(split, single, rtol=2e-5, err_msg=attention)
 
 
-def test_default_attention_separates_packed_held_out_rows(hf_llama_dir, tmp_path, monkeypatch):
+def test_default_attention_separates_packed_held_out_rows(tiny, tmp_path, monkeypatch):
   """On a GPU where cuDNN would be the default, packed evaluation rows (even with unpacked
   training rows) make the trainer choose an attention that keeps examples apart."""
   from jaxtune import attention
@@ -123,7 +144,7 @@ def test_default_attention_separates_packed_held_out_rows(hf_llama_dir, tmp_path
   monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(attention._gpu, "on_hopper", lambda: False)
   monkeypatch.setattr(trainer, "place", stop_after_choosing)
-  path, _ = _tiny_dir(hf_llama_dir)
+  path = tiny
   rng = np.random.default_rng(5)
   short = [list(rng.integers(1, 256, 10)) for _ in range(8)]
   held_out = data.to_rows(short, [e[1:] + [data.IGNORE] for e in short], 32)
@@ -138,20 +159,18 @@ def test_default_attention_separates_packed_held_out_rows(hf_llama_dir, tmp_path
   assert chosen == ["fused", "xla"]
 
 
-def test_pipeline_run_settings_train_like_one_device(hf_llama_dir, tmp_path):
+def test_pipeline_run_settings_train_like_one_device(tiny, single, tmp_path):
   """--mesh 2x2x2 with --shard-frozen, --microbatches, --remat offload and --loss-chunk, via the
   trainer's own placement: the same losses as one device."""
-  path, _ = _tiny_dir(hf_llama_dir)
-  single = _losses(path, "1", tmp_path / "one", steps=2)
   settings = dict(shard_frozen=True, microbatches=2, remat="offload", loss_chunk=8)
-  piped = _losses(path, "2x2x2", tmp_path / "piped", steps=2, **settings)
-  np.testing.assert_allclose(piped, single, rtol=2e-5)
+  piped = _losses(tiny, "2x2x2", tmp_path / "piped", **settings)
+  np.testing.assert_allclose(piped, single[0], rtol=2e-5)
 
 
-def test_chunked_loss_equals_the_full_logits_loss(hf_llama_dir):
+def test_chunked_loss_equals_the_full_logits_loss(tiny):
   """Loss sums and LoRA gradients of the chunked cross-entropy (pieces of 4 tokens, 4 being
   the largest divisor of 24 not above 5) equal those of the full [B, T, V] logits."""
-  path, _ = _tiny_dir(hf_llama_dir)
+  path = tiny
   model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32")
   model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0, targets=("q_proj", "lm_head"))
   graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
@@ -182,12 +201,12 @@ def test_chunked_loss_equals_the_full_logits_loss(hf_llama_dir):
       np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6)
 
 
-def test_chunked_mlp_trains_like_the_whole_mlp_in_less_memory(hf_llama_dir):
+def test_chunked_mlp_trains_like_the_whole_mlp_in_less_memory(tiny, hf_llama_dir):
   """--mlp-chunk: the MLP over pieces of 10 tokens (24 = 10 + 10 + 4, zero-padded) under
   remat gives the loss and LoRA gradients of the whole-sequence MLP; and XLA's plan for a long
   row (CPU) needs far less temporary memory, the [T, intermediate] buffers existing one piece
   at a time."""
-  path, _ = _tiny_dir(hf_llama_dir)
+  path = tiny
   model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32")
   model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
   lora0 = jax.tree.map(lambda x: x + 0.01, nnx.state(model, nnx.LoRAParam))
@@ -224,18 +243,18 @@ def test_chunked_mlp_trains_like_the_whole_mlp_in_less_memory(hf_llama_dir):
   assert pieces < 0.5 * whole, (pieces, whole)
 
 
-def test_grad_accumulation_normalises_over_all_micro_batches(hf_llama_dir, tmp_path):
-  path, _ = _tiny_dir(hf_llama_dir)
+def test_grad_accumulation_normalises_over_all_micro_batches(tiny, tmp_path):
+  path = tiny
   one = _losses(path, "1", tmp_path / "a", steps=2, accum=1)
   four = _losses(path, "1", tmp_path / "b", steps=2, accum=8)
   np.testing.assert_allclose(four, one, rtol=2e-5)
 
 
-def test_export_round_trips_to_transformers_and_peft(hf_llama_dir, tmp_path):
+def test_export_round_trips_to_transformers_and_peft(tiny, tmp_path):
   from peft import PeftModel
   from transformers import LlamaForCausalLM
 
-  path, _ = _tiny_dir(hf_llama_dir)
+  path = tiny
   mesh = meshlib.make_mesh("2x4")
   model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32", mesh=mesh)
   model = jaxtune.apply_lora(model, rank=4, alpha=8)
@@ -344,25 +363,24 @@ def test_default_run_learns_and_exports(tmp_path):
     np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
-def _tiny_model(hf_llama_dir):
-  path, _ = _tiny_dir(hf_llama_dir)
+def _tiny_model(path):
   return jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float32"), rank=4)
 
 
-def test_zero_loss_stops_or_is_skipped(hf_llama_dir, tmp_path):
+def test_zero_loss_stops_or_is_skipped(tiny, tmp_path):
   masked = _dataset()
   masked.labels[:] = data.IGNORE
   run = RunConfig(out=str(tmp_path), steps=3, batch_size=4, dtype="float32", lora_rank=4)
   with pytest.raises(trainer.TrainingError, match="loss is 0.0 at step 1, most likely no token"):
-    trainer.train(_tiny_model(hf_llama_dir), masked, run, None)
-  model = _tiny_model(hf_llama_dir)
+    trainer.train(_tiny_model(tiny), masked, run, None)
+  model = _tiny_model(tiny)
   before = np.asarray(model.layers.self_attn.q_proj.lora_a[...])
   model, history = trainer.train(model, masked, run.replace(skip_nonfinite=True), None)
   assert [h["skipped_steps"] for h in history] == [1, 2, 3]
   np.testing.assert_array_equal(np.asarray(model.layers.self_attn.q_proj.lora_a[...]), before)
 
 
-def test_overflow_stops_or_is_skipped(hf_llama_dir, tmp_path):
+def test_overflow_stops_or_is_skipped(tiny, tmp_path):
   run = RunConfig(
     out=str(tmp_path),
     steps=6,
@@ -375,9 +393,9 @@ def test_overflow_stops_or_is_skipped(hf_llama_dir, tmp_path):
     schedule="constant",
   )
   with pytest.raises(trainer.TrainingError, match="most likely an overflow"):
-    trainer.train(_tiny_model(hf_llama_dir), _dataset(), run, None)
+    trainer.train(_tiny_model(tiny), _dataset(), run, None)
   model, history = trainer.train(
-    _tiny_model(hf_llama_dir), _dataset(), run.replace(skip_nonfinite=True), None
+    _tiny_model(tiny), _dataset(), run.replace(skip_nonfinite=True), None
   )
   assert history[-1]["skipped_steps"] > 0
   assert all(
@@ -426,13 +444,13 @@ def test_loss_scale_rule():
   assert seen == [4, 4, 4, 8, 4, 2, 1, 1, 1]
 
 
-def test_float16_skips_overflowing_steps_and_keeps_float32_master(hf_llama_dir, tmp_path):
+def test_float16_skips_overflowing_steps_and_keeps_float32_master(tiny, tmp_path):
   """fp16 compute with dynamic loss scaling: a step whose scaled gradients overflow is skipped
   (nothing changes but the scale), the scale comes down, rises after good steps; adapters and
   optimizer state stay float32 throughout."""
   from jaxtune import checkpoint
 
-  path, _ = _tiny_dir(hf_llama_dir)
+  path = tiny
   model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float16"), rank=4)
   run = RunConfig(
     out=str(tmp_path),
@@ -483,8 +501,8 @@ def test_float16_skips_overflowing_steps_and_keeps_float32_master(hf_llama_dir, 
   assert float(state["opt_state"]["loss_scale"]["scale"]) == history[-1]["loss_scale"]
 
 
-def test_adapters_made_in_bfloat16_train_in_float32(hf_llama_dir):
-  path, _ = _tiny_dir(hf_llama_dir)
+def test_adapters_made_in_bfloat16_train_in_float32(tiny):
+  path = tiny
   model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="bfloat16"), rank=4)
   for _, linear in jaxtune.lora.iter_linears(model):
     if linear.lora_a is not None:
