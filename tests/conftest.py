@@ -1,6 +1,8 @@
 """Shared helpers: tiny, seeded transformers checkpoints written to disk as users have them."""
 
 import os
+import subprocess
+import sys
 
 # Tests fake 8 CPU devices for the mesh tests; must be set before jax initialises.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -43,6 +45,21 @@ def build_hf_llama(seed=0, **overrides):
       if name.endswith("norm.weight"):
         p.add_(0.3 * torch.randn_like(p))
   return model
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory):
+  """The default run from the command line (``--steps 40``, every other setting its default),
+  made once: test_train checks that it learns and exports, test_generate generates from it.
+  Returns (run directory, the finished process)."""
+  out = tmp_path_factory.mktemp("default_run") / "run"
+  proc = subprocess.run(
+    [sys.executable, "-m", "jaxtune.train", "--out", str(out), "--steps", "40"],
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
+  return out, proc
 
 
 @pytest.fixture

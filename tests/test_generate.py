@@ -123,14 +123,9 @@ def test_eos_stops_only_its_row(hf_llama_dir):
   assert stopped[0] == free[0][: free[0].index(eos) + 1] and stopped[1] == free[1]
 
 
-def test_cli_generates_from_a_trained_run(tmp_path):
-  out = tmp_path / "run"
-  subprocess.run(
-    [sys.executable, "-m", "jaxtune.train", "--out", str(out), "--steps", "3", "--export", "none"],
-    check=True,
-    capture_output=True,
-    timeout=600,
-  )
+def test_cli_generates_from_a_trained_run(default_run):
+  out, train = default_run  # the default run (40 steps), shared with test_train.py
+  assert train.returncode == 0, train.stderr[-2000:]
   proc = subprocess.run(
     [
       sys.executable,

@@ -324,10 +324,8 @@ def test_chat_loss_covers_assistant_turns_only(tmp_path):
   assert tok.decode(labelled) == "yo<|eos|>"
 
 
-def test_default_run_learns_and_exports(tmp_path):
-  out = tmp_path / "run"
-  env_cmd = [sys.executable, "-m", "jaxtune.train", "--out", str(out), "--steps", "40"]
-  proc = subprocess.run(env_cmd, capture_output=True, text=True, timeout=900)
+def test_default_run_learns_and_exports(default_run, tmp_path):
+  out, proc = default_run  # `python -m jaxtune.train --out OUT --steps 40`, see conftest.py
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "outputs in" in proc.stdout
   rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
