@@ -19,18 +19,9 @@ from jaxtune import trainer
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
   from conftest import build_hf_llama
+  from test_train import SHAPE  # tensor=4 divides its heads; 2 layers make a pipe of 2
 
-  # 8 heads / 4 kv heads so that tensor=4 divides both; hidden 256 keeps NF4 blocks whole;
-  # 2 layers so that a pipe of 2 has one layer per stage.
-  hf = build_hf_llama(
-    5,
-    hidden_size=256,
-    intermediate_size=512,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=32,
-    num_hidden_layers=2,
-  )
+  hf = build_hf_llama(5, **SHAPE)
   out = tmp_path_factory.mktemp("speed") / "llama"
   hf.save_pretrained(out)
   return out
