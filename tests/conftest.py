@@ -1,12 +1,8 @@
 """Shared helpers: tiny, seeded transformers checkpoints written to disk as users have them."""
 
-import functools
 import os
 import subprocess
 import sys
-import threading
-from collections.abc import Callable
-from typing import Any
 
 # Tests fake 8 CPU devices for the mesh tests; must be set before jax initialises.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -51,116 +47,19 @@ def build_hf_llama(seed=0, **overrides):
   return model
 
 
-# Command-line runs in the background. Tests that start `python -m jaxtune.train` (or .export,
-# .generate) and then only inspect what it wrote or said get the finished processes from a
-# fixture. The runs start with the session, one job at a time in a background thread, in the
-# order the tests need them: on CI's two cores this process keeps about one core busy (tracing,
-# compiling, interpreting kernels), so a command line beside it costs little wall time. Only
-# the jobs of the selected tests run.
-
-_JOBS: dict[str, Callable] = {}
-_RUNNING: set[subprocess.Popen] = set()
-
-
-def background_run(name: str):
-  """Decorator: ``job(directory, runs) -> result`` becomes the fixture ``name``, whose value is
-  ``result``. ``directory`` is the job's own temporary directory; ``runs.result(other)`` waits
-  for another job (one that a test needing this job also asks for, so it runs first). Jobs
-  start their processes with ``start_cli`` or ``run_cli``."""
-
-  def register(job):
-    _JOBS[name] = job
-
-    @pytest.fixture(name=name)
-    def fixture(_background_runs):
-      return _background_runs.result(name)
-
-    return fixture
-
-  return register
-
-
-def start_cli(argv: list[str], **kwargs) -> subprocess.Popen:
-  """Popen, by default with text pipes for stdout and stderr; killed if the session ends first."""
-  kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **kwargs}
-  proc = subprocess.Popen(argv, **kwargs)
-  _RUNNING.add(proc)
-  return proc
-
-
-def finish(proc: subprocess.Popen, timeout: float = 900) -> subprocess.CompletedProcess:
-  try:
-    out, err = proc.communicate(timeout=timeout)
-  except subprocess.TimeoutExpired:
-    proc.kill()
-    proc.communicate()
-    raise
-  finally:
-    _RUNNING.discard(proc)
-  return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def run_cli(argv: list[str], timeout: float = 900, **kwargs) -> subprocess.CompletedProcess:
-  """subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kwargs)."""
-  return finish(start_cli(argv, **kwargs), timeout)
-
-
-class _Runs:
-  def __init__(self, jobs: dict[str, Callable[["_Runs"], Any]]):
-    self._done = {name: threading.Event() for name in jobs}
-    self._results: dict[str, tuple[Any, BaseException | None]] = {}
-    self._stopping = False
-    self._thread = threading.Thread(target=self._run, args=(jobs,), name="background-runs")
-    self._thread.daemon = True
-    self._thread.start()
-
-  def _run(self, jobs):
-    for name, job in jobs.items():
-      if self._stopping:
-        break
-      try:
-        self._results[name] = (job(self), None)
-      except BaseException as e:  # handed to the test that asks for the result
-        self._results[name] = (None, e)
-      self._done[name].set()
-
-  def result(self, name: str):
-    if threading.current_thread() is self._thread and not self._done[name].is_set():
-      raise RuntimeError(f"background job {name} has not run; ask for it in the test too.")
-    self._done[name].wait()
-    value, error = self._results[name]
-    if error is not None:
-      raise error
-    return value
-
-  def stop(self):
-    self._stopping = True
-    for proc in list(_RUNNING):
-      proc.kill()
-    self._thread.join(timeout=60)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _background_runs(request, tmp_path_factory):
-  first_use = {}
-  for i, item in enumerate(request.session.items):
-    for name in item.fixturenames:
-      if name in _JOBS:
-        first_use.setdefault(name, i)
-  order = sorted(first_use, key=lambda n: (first_use[n], list(_JOBS).index(n)))
-  jobs = {name: functools.partial(_JOBS[name], tmp_path_factory.mktemp(name)) for name in order}
-  runs = _Runs(jobs)
-  yield runs
-  runs.stop()
-
-
-@background_run("default_run")
-def _default_run(directory, runs):
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory):
   """The default run from the command line (``--steps 40``, every other setting its default),
   made once: test_train checks that it learns and exports, test_generate generates from it.
   Returns (run directory, the finished process)."""
-  out = directory / "run"
-  return out, run_cli([sys.executable, "-m", "jaxtune.train", "--out", str(out), "--steps", "40"])
+  out = tmp_path_factory.mktemp("default_run") / "run"
+  proc = subprocess.run(
+    [sys.executable, "-m", "jaxtune.train", "--out", str(out), "--steps", "40"],
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
+  return out, proc
 
 
 @pytest.fixture

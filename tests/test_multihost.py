@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import background_run, finish, start_cli
 
 from jaxtune import distributed
 from jaxtune.run_config import RunConfig
@@ -37,9 +36,15 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _train(out: Path, env: dict, *flags: str, start=subprocess.Popen) -> subprocess.Popen:
-  argv = [sys.executable, "-m", "jaxtune.train", "--out", str(out), *flags]
-  return start(argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _train(out: Path, env: dict, *flags: str) -> subprocess.Popen:
+  return subprocess.Popen(
+    [sys.executable, "-m", "jaxtune.train", "--out", str(out), *flags],
+    env=env,
+    cwd=REPO,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
 
 
 def _losses(out: Path) -> list[float]:
@@ -148,26 +153,18 @@ def test_two_processes_train_like_one(tmp_path):
     np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-7, err_msg=k)
 
 
-@background_run("concurrent_runs")
-def _concurrent_runs(directory, runs):
-  """Two runs at once, on 2 and on 3 devices: (their --out directories, finished processes)."""
-  flags = ["--steps", "2", "--seq-len", "32", "--export", "none", "--lora-rank", "4"]
-  outs = directory / "a", directory / "b"
-  a = _train(outs[0], _env(2), *flags, "--batch-size", "4", start=start_cli)
-  b = _train(outs[1], _env(3), *flags, "--batch-size", "6", start=start_cli)
-  return outs, (finish(a, timeout=600), finish(b, timeout=600))
-
-
-def test_concurrent_runs_see_only_their_own_devices(concurrent_runs):
+def test_concurrent_runs_see_only_their_own_devices(tmp_path):
   """Two jobs at once, each limited to its devices (CUDA_VISIBLE_DEVICES on a GPU machine; a
   device count here): each trains on exactly what it was given, and the mesh defaults to it."""
-  (dir_a, dir_b), (a, b) = concurrent_runs
-  out_a, out_b = a.stdout, b.stdout
+  flags = ["--steps", "2", "--seq-len", "32", "--export", "none", "--lora-rank", "4"]
+  a = _train(tmp_path / "a", _env(2), *flags, "--batch-size", "4")
+  b = _train(tmp_path / "b", _env(3), *flags, "--batch-size", "6")
+  out_a, out_b = a.communicate(timeout=600)[0], b.communicate(timeout=600)[0]
   assert a.returncode == 0, out_a[-3000:]
   assert b.returncode == 0, out_b[-3000:]
   assert re.search(r"mesh \{'data': 2, .*\} on 2 cpu device\(s\);", out_a)
   assert re.search(r"mesh \{'data': 3, .*\} on 3 cpu device\(s\);", out_b)
-  assert len(_losses(dir_a)) == len(_losses(dir_b)) == 2
+  assert len(_losses(tmp_path / "a")) == len(_losses(tmp_path / "b")) == 2
 
 
 def test_no_nvidia_smi():
