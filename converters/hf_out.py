@@ -18,6 +18,7 @@ from safetensors.numpy import save_file
 from converters import bnb
 from converters import table as tables
 from jaxtune import nf4
+from jaxtune.errors import ExportError
 
 _NP = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}
 _JNP = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
@@ -151,7 +152,7 @@ def export_peft(model: nnx.Module, out_dir: str | Path) -> Path:
   """adapter_model.safetensors + adapter_config.json in PEFT's names and layout."""
   lora_cfg = getattr(model, "lora_config", None)
   if lora_cfg is None:
-    raise ValueError("this model has no LoRA adapters; call jaxtune.apply_lora first.")
+    raise ExportError("this model has no LoRA adapters; call jaxtune.apply_lora first.")
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   cfg = model.config

@@ -20,9 +20,7 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
-
-class CheckpointError(ValueError):
-  """A checkpoint jaxtune cannot load; the message names the file or tensor and the fix."""
+from jaxtune.errors import CheckpointError
 
 
 def safetensors_files(ckpt: Path) -> list[Path]:

@@ -61,7 +61,8 @@ TINY = dict(  # CPU smoke shape: 8 heads and 8 KV heads so tensor=8 divides, 4 l
   tie_word_embeddings=False,
 )
 START_LINE = re.compile(
-  r"\((?P<fill>\d+)% tokens.*attention (?P<attention>\w+), remat \w+; loaded in (?P<load>[\d.]+)s"
+  r"\((?P<fill>\d+)% tokens.*attention (?P<attention>\w+), remat \w+[^;]*; "
+  r"loaded in (?P<load>[\d.]+)s"
 )
 
 

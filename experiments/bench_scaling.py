@@ -2,7 +2,7 @@
 
 Loads a random-weight checkpoint of the shape once (bench_train's writer and the real NF4
 converter), keeps the loaded state on the host, and for each mesh puts it onto that mesh's
-shardings and times the jitted train step (trainer.make_train_step, LoRA r=16 on all seven
+shardings and times the jitted train step (step.make_train_step, LoRA r=16 on all seven
 projections, AdamW) at seq 2048. Every data replica takes --batch sequences per step, so the
 global batch is --batch x data. Per mesh it records:
 
@@ -43,7 +43,6 @@ if "--tiny" in sys.argv and "JAX_PLATFORMS" not in os.environ:  # before jax ini
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -55,7 +54,8 @@ from experiments.measure import step_gib  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import hf_config, write  # noqa: E402
 from jaxtune import mesh as meshlib  # noqa: E402
-from jaxtune import pipeline, sharding, trainer  # noqa: E402
+from jaxtune import pipeline, runtime, sharding  # noqa: E402
+from jaxtune import step as trainer  # noqa: E402
 from jaxtune.run_config import RunConfig  # noqa: E402
 
 # name -> --mesh string (data x tensor x pipe)
@@ -97,24 +97,23 @@ def time_mesh(name, host_state, graphdef, cfg, args, per_replica=None) -> dict:
   batch = (per_replica or args.batch) * sizes["data"]
   plan = pipeline.plan(mesh, cfg.num_layers, batch, args.microbatches)
   model = nnx.merge(graphdef, *host_state)
-  model.set_runtime(
-    remat=args.remat,
-    attention_impl=args.attention or trainer.default_attention(model, mesh),
-    activation_sharding=NamedSharding(mesh, PartitionSpec("data")) if n > 1 else None,
-    microbatches=args.microbatches,
-  )
+  run = RunConfig(
+    steps=args.steps, batch_size=batch, seq_len=args.seq, lora_rank=16, mesh=spec,
+    remat=args.remat, attention=args.attention, microbatches=args.microbatches,
+    shard_frozen=args.shard_frozen, dtype="bfloat16",
+  )  # fmt: skip
+  rt = runtime.resolve(run, cfg, devices=devices)
   graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
   if n > 1:
     lora = jax.device_put(lora, sharding.state_shardings(lora, mesh))
     frozen = jax.device_put(frozen, sharding.state_shardings(frozen, mesh, args.shard_frozen))
-    batch_shard = trainer.batch_sharding(mesh)
+    batch_shard = rt.sharding("accum", "batch", "length")
   else:
     lora, frozen = jax.device_put((lora, frozen), devices[0])
     batch_shard = devices[0]
-  run = RunConfig(steps=args.steps, batch_size=batch, seq_len=args.seq, lora_rank=16)
   tx, _ = trainer.make_optimizer(run)
   opt_state = tx.init(lora)
-  step = trainer.make_train_step(graphdef, tx)
+  step = trainer.make_train_step(graphdef, tx, rt)
   rng = np.random.default_rng(0)
 
   def make_batch():

@@ -25,7 +25,7 @@ Each row also has:
   peak_gib      the process's peak device memory so far (never reset, so over every row
                 before it too; batches run in ascending order)
   attention     the implementation timed; --attention default is the model's own choice on
-                this device (Decoder.default_attention). Each is first checked against the
+                this device (runtime.resolve_attention). Each is first checked against the
                 float32 reference (attention_check_rel_err)
   status        ok, oom, error, or skipped (a smaller batch of the same setting ran out of
                 memory, or the attention check failed); such rows keep their note in
@@ -65,8 +65,10 @@ import jaxtune  # noqa: E402
 from experiments.measure import host_peak, matmul_tflops, reset_host_peak, step_gib  # noqa: E402
 from experiments.record import record, run_meta  # noqa: E402
 from experiments.write_checkpoint import SHAPES, write  # noqa: E402
-from jaxtune import attention, trainer  # noqa: E402
+from jaxtune import attention, runtime  # noqa: E402
+from jaxtune import step as trainer_step  # noqa: E402
 from jaxtune.config import SLIDING  # noqa: E402
+from jaxtune.errors import UserError  # noqa: E402
 from jaxtune.run_config import RunConfig  # noqa: E402
 
 LORA_RANK = 16
@@ -117,19 +119,20 @@ def time_steps(model, b: int, args, setting: dict) -> dict:
   run = RunConfig(
     steps=args.steps, batch_size=b, seq_len=args.seq, lora_rank=LORA_RANK, lora_alpha=LORA_RANK
   )
-  model.set_runtime(
+  rt = runtime.Runtime(
+    dtype="bfloat16",
     remat=setting["remat"],
-    attention_impl=setting["attention"],
+    attention=setting["attention"],
     nf4_matmul=setting["nf4_matmul"],
-    fuse_lora=setting["fuse_lora"],
+    loss_chunk=setting["loss_chunk"],
     mlp_chunk=setting["mlp_chunk"],
   )
-  graphdef, lora, frozen = trainer.place(model, None)
+  graphdef, lora, frozen = trainer_step.place(model, rt)
   # The step donates the adapters: it gets copies, so the model's own survive a failed row.
   lora = jax.tree.map(jnp.copy, lora)
-  tx, _ = trainer.make_optimizer(run)
+  tx, _ = trainer_step.make_optimizer(run)
   opt_state = tx.init(lora)
-  step = trainer.make_train_step(graphdef, tx, loss_chunk=setting["loss_chunk"])
+  step = trainer_step.make_train_step(graphdef, tx, rt)
   rng = np.random.default_rng(b)
 
   def make_batch():
@@ -179,18 +182,19 @@ def check_attention(cfg, seq: int, impl: str) -> float | None:
   """
   softcap = cfg.attn_logit_softcap
   window = min(cfg.sliding_window, seq // 2) if cfg.has_sliding_layers else 0
-  if impl == "xla" or (impl == "fused" and (softcap or window)):
-    return None  # the reference itself; fused refuses this model (its rows say so)
+  if impl == "xla" or (impl == "cudnn" and (softcap or window)):
+    return None  # the reference itself; cuDNN refuses this model (its rows say so)
   keys = jax.random.split(jax.random.key(1), 3)
   q = jax.random.normal(keys[0], (1, seq, cfg.num_heads, cfg.head_dim), jnp.float32)
   k = jax.random.normal(keys[1], (1, seq, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
   v = jax.random.normal(keys[2], (1, seq, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
   kw = dict(segment_ids=jnp.ones((1, seq), jnp.int32), scale=cfg.attention_scale)
-  if impl != "fused":
+  if impl != "cudnn":
     kw.update(window=window, softcap=softcap)
   ref = np.asarray(attention.attention(q, k, v, **kw))
   bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
-  got = np.asarray(attention.attention(*bf, **kw, implementation=impl).astype(jnp.float32))
+  rt = runtime.Runtime(attention=impl)
+  got = np.asarray(attention.attention(*bf, **kw, runtime=rt).astype(jnp.float32))
   err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
   print(f"attention check: {impl} (bf16) vs xla (fp32), relative L2 error {err:.2e}", flush=True)
   return err
@@ -239,32 +243,37 @@ def bench_shape(shape: str, args, rate: float, emit) -> None:
         "host_peak_rss_load_gib": host_peak() / 2**30,
         "matmul_tflops": rate,
       }
-      impls = [model.default_attention() if a == "default" else a for a in csv(args.attention)]
-      impls = list(dict.fromkeys(impls))  # "default" may name one asked for explicitly too
       checks, refused = {}, {}  # refused: why an implementation is not timed
+      impls = []
+      for asked in csv(args.attention):
+        try:  # what the run would resolve --attention to on this device (default: unset)
+          impl, _ = runtime.resolve_attention(
+            None if asked == "default" else asked, cfg, dtype="bfloat16", packed=False
+          )
+        except UserError as e:
+          impl, refused[asked] = asked, str(e)
+        impls.append(impl)
+      impls = list(dict.fromkeys(impls))  # "default" may name one asked for explicitly too
       for impl in impls:
+        if impl in refused:
+          checks[impl] = None
+          continue
         try:
           checks[impl] = check_attention(cfg, args.seq, impl)
         except Exception as e:  # its rows say why; the other implementations still run
           checks[impl], refused[impl] = None, f"attention check failed: {error_line(e)}"
         if checks[impl] is not None and not checks[impl] < 1e-2:
           refused[impl] = f"{impl} differs from the reference by {checks[impl]:.2e}"
-      fuse = [bool(int(v)) for v in csv(args.fuse_lora)]
       settings = itertools.product(
-        impls,
-        csv(args.remat),
-        csv(args.loss_chunk, int),
-        csv(args.nf4_matmul),
-        fuse,
+        impls, csv(args.remat), csv(args.loss_chunk, int), csv(args.nf4_matmul),
         csv(args.mlp_chunk, int),
-      )
-      for impl, remat, loss_chunk, nf4_matmul, fuse_lora, mlp_chunk in settings:
+      )  # fmt: skip
+      for impl, remat, loss_chunk, nf4_matmul, mlp_chunk in settings:
         setting = dict(
           attention=impl,
           remat=remat,
           loss_chunk=loss_chunk,
           nf4_matmul=nf4_matmul,
-          fuse_lora=fuse_lora,
           mlp_chunk=mlp_chunk,
         )
         failed = refused.get(impl)  # once a batch runs out of memory, the larger ones skip
@@ -313,9 +322,6 @@ def main():
   )
   ap.add_argument("--quantization", default="nf4", help="comma-separated: nf4, none")
   ap.add_argument("--nf4-matmul", default="auto", help="comma-separated: auto, kernel, xla")
-  ap.add_argument(
-    "--fuse-lora", default="0", help="comma-separated 0/1: LoRA's x @ A in the NF4 weight's dot"
-  )
   ap.add_argument("--results-dir", default=None, help="default: experiments/ (--tiny: a temp dir)")
   ap.add_argument("--matmul-n", type=int, default=8192, help="size of the reference matmul")
   ap.add_argument(
@@ -366,14 +372,14 @@ def main():
   )
   print(f"\nrecorded to {args.results_dir or 'experiments/'}")
   print(
-    "\n| model | attention | remat | loss chunk | mlp chunk | nf4 matmul | fused LoRA | batch | "
+    "\n| model | attention | remat | loss chunk | mlp chunk | nf4 matmul | batch | "
     "tokens/s | ms/step | peak GiB | MFU-6N | MFU-4N | load s | first step s |"
   )
-  print("|---" * 15 + "|")
+  print("|---" * 14 + "|")
   for r in rows:
     setting = (
       f"| {r['model']} | {r['attention']} | {r['remat']} | {r['loss_chunk']} | "
-      f"{r.get('mlp_chunk', 0)} | {r['nf4_matmul']} | {r.get('fuse_lora', False)} | {r['batch']} "
+      f"{r.get('mlp_chunk', 0)} | {r['nf4_matmul']} | {r['batch']} "
     )
     if r["status"] != "ok":
       print(setting + f"| {r['status']} | | | | | {r['load_s']:.1f} | |")

@@ -4,7 +4,7 @@ Each trial is a fresh subprocess (an out-of-memory can leave a JAX process unusa
 builds the model of the shape with random NF4 weights directly on the device (writing and
 loading the 8B checkpoint would take over a minute per trial; the model, its layers and
 kernels are the ones a loaded checkpoint gets), adds LoRA r=16 on all seven projections,
-compiles the real train step (trainer.make_train_step, AdamW, --loss-chunk) at seq T and
+compiles the real train step (step.make_train_step, AdamW, --loss-chunk) at seq T and
 runs --steps steps of it.
 
 Search, per remat policy: start at --start, double while the trial trains (up to --cap),
@@ -87,7 +87,8 @@ def run_trial(args) -> None:
   import numpy as np
 
   import jaxtune
-  from jaxtune import trainer
+  from jaxtune import runtime
+  from jaxtune import step as trainer
   from jaxtune.run_config import RunConfig
 
   def say(**fields):
@@ -104,14 +105,18 @@ def run_trial(args) -> None:
   try:
     cfg = jaxtune.ModelConfig.from_hf(hf_config(SHAPES[args.shape]))
     model = jaxtune.apply_lora(random_nf4_model(cfg), rank=LORA_RANK, alpha=LORA_RANK)
-    impl = model.default_attention() if args.attention == "default" else args.attention
-    model.set_runtime(remat=args.remat, attention_impl=impl, mlp_chunk=args.mlp_chunk)
-    graphdef, lora, frozen = trainer.place(model, None)
+    asked = None if args.attention == "default" else args.attention
+    impl, _ = runtime.resolve_attention(asked, cfg, dtype="bfloat16", packed=False)
+    rt = runtime.Runtime(
+      dtype="bfloat16", remat=args.remat, attention=impl, loss_chunk=args.loss_chunk,
+      mlp_chunk=args.mlp_chunk,
+    )  # fmt: skip
+    graphdef, lora, frozen = trainer.place(model, rt)
     del model
     run = RunConfig(steps=args.steps, batch_size=1, seq_len=seq, lora_rank=LORA_RANK)
     tx, _ = trainer.make_optimizer(run)
     opt_state = tx.init(lora)
-    step = trainer.make_train_step(graphdef, tx, loss_chunk=args.loss_chunk)
+    step = trainer.make_train_step(graphdef, tx, rt)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, cfg.vocab_size, (1, 1, seq + 1)).astype(np.int32)
     batch = {

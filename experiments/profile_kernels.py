@@ -41,7 +41,8 @@ import jaxtune  # noqa: E402
 from experiments.measure import matmul_tflops  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
-from jaxtune import trainer  # noqa: E402
+from jaxtune import losses, runtime  # noqa: E402
+from jaxtune import step as trainer_step  # noqa: E402
 
 CATEGORIES = (  # first match wins
   ("attention", ("fmha", "flash", "cudnn", "mosaic", "attention")),
@@ -136,11 +137,11 @@ def main():
       ckpt = write(ckpt, args.shape)
     model = jaxtune.from_pretrained(ckpt, quantization="nf4", dtype="bfloat16")
   model = jaxtune.apply_lora(model, rank=16, alpha=16)
-  attention = args.attention or model.default_attention()
-  model.set_runtime(remat=args.remat, attention_impl=attention)
   cfg = model.config
+  attention, _ = runtime.resolve_attention(args.attention, cfg, dtype="bfloat16", packed=False)
+  rt = runtime.Runtime(dtype="bfloat16", remat=args.remat, attention=attention)
   graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
-  lora = trainer.fp32_master(lora)
+  lora = trainer_step.fp32_master(lora)
   rng = np.random.default_rng(0)
   ids = rng.integers(0, cfg.vocab_size, (args.batch, args.seq + 1)).astype(np.int32)
   batch = {
@@ -150,7 +151,7 @@ def main():
   }
 
   def mean_loss(lora, frozen, batch):
-    s, n = trainer.loss_sums(graphdef, lora, frozen, batch, None)
+    s, n = losses.loss_sums(graphdef, lora, frozen, batch, None, rt)
     return s / n
 
   step = jax.jit(jax.value_and_grad(mean_loss))

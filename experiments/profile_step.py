@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jaxtune  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
+from jaxtune import runtime  # noqa: E402
 
 
 def bench(f, *args, reps=6):
@@ -43,22 +44,22 @@ def main():
   with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
     model = jaxtune.from_pretrained(write(Path(tmp) / "c", args.shape), dtype="bfloat16")
   model = jaxtune.apply_lora(model, rank=16, alpha=16)
-  model.set_runtime(remat=args.remat, attention_impl="fused")
+  rt = runtime.Runtime(dtype="bfloat16", remat=args.remat, attention="cudnn")
   graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
   cfg = model.config
   ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch, args.seq)))
 
   def hidden(lora, frozen, ids):
-    return nnx.merge(graphdef, lora, frozen).hidden_states(ids)
+    return nnx.merge(graphdef, lora, frozen).hidden_states(ids, runtime=rt)
 
   def loss(lora, frozen, ids):
     m = nnx.merge(graphdef, lora, frozen)
-    logits = m(ids)
+    logits = m(ids, runtime=rt)
     return optax.softmax_cross_entropy_with_integer_labels(logits, ids).mean()
 
   def loss_bf16_logits(lora, frozen, ids):
     m = nnx.merge(graphdef, lora, frozen)
-    logits = m.logits_from_hidden(m.hidden_states(ids))
+    logits = m.logits_from_hidden(m.hidden_states(ids, runtime=rt))
     return optax.softmax_cross_entropy_with_integer_labels(logits, ids).mean()
 
   def sum_hidden(lora, frozen, ids):
@@ -75,17 +76,15 @@ def main():
     "grad, bf16 logits loss": bench(jax.jit(jax.grad(loss_bf16_logits)), lora, frozen, ids),
   }
   # Variants of the forward that isolate one suspect each.
-  model.scan_layers = False
-  g2, l2, f2 = nnx.split(model, nnx.LoRAParam, ...)
+  loop, xla = rt.replace(scan_layers=False), rt.replace(attention="xla")
   rows["forward hidden, python loop over layers"] = bench(
-    jax.jit(lambda lo, fr, ids: nnx.merge(g2, lo, fr).hidden_states(ids)), l2, f2, ids
-  )
-  model.scan_layers = True
-  model.set_runtime(attention_impl="xla")
-  g3, l3, f3 = nnx.split(model, nnx.LoRAParam, ...)
+    jax.jit(lambda lo, fr, ids: nnx.merge(graphdef, lo, fr).hidden_states(ids, runtime=loop)),
+    lora, frozen, ids,
+  )  # fmt: skip
   rows["forward hidden, xla attention"] = bench(
-    jax.jit(lambda lo, fr, ids: nnx.merge(g3, lo, fr).hidden_states(ids)), l3, f3, ids
-  )
+    jax.jit(lambda lo, fr, ids: nnx.merge(graphdef, lo, fr).hidden_states(ids, runtime=xla)),
+    lora, frozen, ids,
+  )  # fmt: skip
   d, f = cfg.hidden_size, cfg.intermediate_size
   x = jnp.ones((args.batch, args.seq, d), jnp.bfloat16)
   wg = jnp.ones((f, d), jnp.bfloat16) * 0.01

@@ -18,16 +18,10 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from jaxtune.errors import RestoreError, SaveError
+
 # What a corrupt or half-deleted checkpoint raises from orbax/tensorstore while reading.
 _READ_ERRORS = (ValueError, KeyError, OSError)
-
-
-class SaveError(RuntimeError):
-  """A checkpoint could not be written; the message says which one is intact."""
-
-
-class RestoreError(ValueError):
-  """No checkpoint can be resumed from; the message says why."""
 
 
 def _first_line(e: BaseException) -> str:

@@ -9,12 +9,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jaxtune.errors import ConfigError
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 SLIDING, FULL = "sliding_attention", "full_attention"
-
-
-class ConfigError(ValueError):
-  """A config.json that jaxtune cannot turn into a model; the message says why."""
 
 
 @dataclasses.dataclass(frozen=True)

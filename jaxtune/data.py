@@ -19,11 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxtune.errors import DataError
+
 IGNORE = -100
-
-
-class DataError(ValueError):
-  """A dataset problem; the message names the file and line."""
 
 
 @dataclass

@@ -20,11 +20,10 @@ from collections.abc import Mapping
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-
-class DistributedError(RuntimeError):
-  """A multi-process launch that cannot start; the message says which variable to fix."""
+from jaxtune.errors import DistributedError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +160,12 @@ def local_copy(tree, mesh: Mesh | None):
     return tree
   tree = jax.jit(lambda t: t, out_shardings=replicated(mesh))(tree)
   return jax.tree.map(lambda x: x.addressable_data(0), tree)
+
+
+def local_model(model, mesh: Mesh | None):
+  """The model with every array whole on this process (a no-op with one process)."""
+  graphdef, state = nnx.split(model)
+  return nnx.merge(graphdef, local_copy(state, mesh))
 
 
 def any_process(flag: bool) -> bool:

@@ -15,8 +15,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtune import nf4
+from jaxtune.errors import ConfigError
 from pallas_kernels.nf4_matmul import nf4_matmul
-from pallas_kernels.nf4_matmul.lora import nf4_lora_matmul
 
 
 def _stacked(layers: int | None, shape: tuple[int, ...], axes: tuple) -> tuple[tuple, tuple]:
@@ -48,7 +48,7 @@ class Linear(nnx.Module):
     shape, vaxes = _stacked(layers, (out_features, in_features), axes)
     if quantized:
       if in_features % nf4.BLOCKSIZE:
-        raise ValueError(
+        raise ConfigError(
           f"NF4 needs the input size of a linear layer to be a multiple of {nf4.BLOCKSIZE}, "
           f"got {in_features}; load this model with quantization=None."
         )
@@ -78,10 +78,6 @@ class Linear(nnx.Module):
     self.lora_b = nnx.data(None)
     self.lora_scale = 0.0
     self.lora_dropout = 0.0
-    self.nf4_impl = None  # None: pallas_kernels.nf4_matmul decides per shape and device
-    # NF4 with LoRA and no dropout: x @ A in W's dot (pallas_kernels.nf4_matmul.lora). Off
-    # until timed on a GPU.
-    self.fuse_lora = False
 
   def dense_weight(self, dtype, layer: int | None = None) -> jax.Array:
     """The frozen weight [out, in] in ``dtype`` (dequantized if NF4); one layer if stacked."""
@@ -92,24 +88,22 @@ class Linear(nnx.Module):
       )
     return pick(self.weight).astype(dtype)
 
-  def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
-    dropout = self.lora_a is not None and self.lora_dropout > 0.0 and dropout_key is not None
-    fused = self.quantized and self.lora_a is not None and self.fuse_lora and not dropout
+  def __call__(
+    self, x: jax.Array, dropout_key: jax.Array | None = None, nf4_impl: str = "auto"
+  ) -> jax.Array:
+    """``nf4_impl``: "kernel" or "xla" for an NF4 weight, "auto" to let
+    pallas_kernels.nf4_matmul choose per shape and device (``Runtime.nf4_matmul``)."""
     if self.quantized:
       parts = (self.codes[...], self.absmax[...], self.nested_absmax[...], self.offset[...])
       with jax.named_scope("nf4_matmul"):
-        if fused:
-          a, b = self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype)
-          y = nf4_lora_matmul(x, *parts, a, b, self.lora_scale)
-        else:
-          y = nf4_matmul(x, *parts, impl=self.nf4_impl)
+        y = nf4_matmul(x, *parts, impl=None if nf4_impl == "auto" else nf4_impl)
     else:
       y = jnp.einsum("...i,oi->...o", x, self.dense_weight(x.dtype))
     if self.bias is not None:
       y = y + self.bias[...].astype(y.dtype)
-    if self.lora_a is not None and not fused:
+    if self.lora_a is not None:
       h = x
-      if dropout:
+      if self.lora_dropout > 0.0 and dropout_key is not None:
         keep = jax.random.bernoulli(dropout_key, 1.0 - self.lora_dropout, x.shape)
         h = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(x.dtype)
       y = y + self._lora_term(h, self.lora_b[...]).astype(y.dtype)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtune.errors import UserError
 from jaxtune.layers import Linear
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -58,11 +59,11 @@ def apply_lora(
   found = {path[-1] for path, _ in iter_linears(model)}
   unknown = sorted((set(targets) | set(rank_pattern)) - found)
   if unknown:
-    raise ValueError(
+    raise UserError(
       f"LoRA target(s) {unknown} are not linear layers of this model; choose from {sorted(found)}."
     )
   if not 0.0 <= dropout < 1.0:
-    raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout}.")
+    raise UserError(f"LoRA dropout must be in [0, 1), got {dropout}.")
   key = jax.random.key(seed)
   for i, (path, linear) in enumerate(iter_linears(model)):
     name = path[-1]
@@ -70,7 +71,7 @@ def apply_lora(
       continue
     r = int(rank_pattern.get(name, rank))
     if r <= 0:
-      raise ValueError(f"LoRA rank must be positive, got {r} for {name}.")
+      raise UserError(f"LoRA rank must be positive, got {r} for {name}.")
     lead = () if linear.layers is None else (linear.layers,)
     lead_axes = () if linear.layers is None else ("layers",)
     out_axis, in_axis = linear.axes

@@ -13,12 +13,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxtune import pipeline
+from jaxtune.errors import MeshError
 
 AXES = ("data", "tensor", "pipe")
-
-
-class MeshError(ValueError):
-  """A mesh that cannot be built; the message says what to pass instead."""
 
 
 def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
@@ -40,9 +37,7 @@ def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
       if len(values) > 3:
         raise MeshError(f"--mesh {spec} has {len(values)} axes; at most data x tensor x pipe.")
       sizes.update(zip(AXES, values, strict=False))
-  except ValueError as e:
-    if isinstance(e, MeshError):
-      raise
+  except ValueError as e:  # int() of something that is not a number
     raise MeshError(
       f"cannot read --mesh {spec}; write e.g. 8, 2x4, 2x2x2 or data=2,tensor=4."
     ) from e
@@ -75,10 +70,7 @@ def check_model_fits(
   """Divisibility the tensor, data and pipe axes need, checked before any compute."""
   tp, dp = mesh.shape["tensor"], mesh.shape["data"]
   if num_layers is not None:
-    try:
-      pipeline.check_stages(num_layers, mesh.shape["pipe"])
-    except ValueError as e:
-      raise MeshError(str(e)) from None
+    pipeline.check_stages(num_layers, mesh.shape["pipe"])
   if num_heads % tp or num_kv_heads % tp:
     raise MeshError(
       f"tensor={tp} does not divide the model's {num_heads} attention heads and "

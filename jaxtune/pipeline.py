@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxtune.errors import MeshError
+
 AXIS = "pipe"
 
 
@@ -39,7 +41,7 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 def check_stages(num_layers: int, stages: int) -> None:
   if num_layers % stages:
     divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
-    raise ValueError(
+    raise MeshError(
       f"the model's {num_layers} layers do not split into {stages} equal pipeline stages; "
       f"choose a pipe size that divides {num_layers} ({', '.join(map(str, divisors))})."
     )
@@ -50,7 +52,7 @@ def num_microbatches(per_shard_batch: int, requested: int = 0) -> int:
   if not requested:
     return per_shard_batch
   if requested < 1 or per_shard_batch % requested:
-    raise ValueError(
+    raise MeshError(
       f"{requested} pipeline micro-batches do not divide the {per_shard_batch} sequences "
       "each data shard holds per step; pick a divisor of that number."
     )
@@ -59,7 +61,7 @@ def num_microbatches(per_shard_batch: int, requested: int = 0) -> int:
 
 def plan(mesh: Mesh, num_layers: int, batch: int, microbatches: int = 0) -> Plan:
   """The schedule a step of ``batch`` sequences (one micro-batch of the trainer) runs under
-  ``mesh``; raises ValueError (one sentence) when layers or batch do not split."""
+  ``mesh``; raises MeshError (one sentence) when layers or batch do not split."""
   stages = mesh.shape.get(AXIS, 1)
   check_stages(num_layers, stages)
   per_shard = max(1, batch // mesh.shape.get("data", 1))

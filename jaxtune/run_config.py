@@ -7,10 +7,8 @@ from typing import Any
 
 import yaml
 
-
-class RunConfigError(ValueError):
-  """A run setting with a wrong name, type or value; the message names the setting."""
-
+from jaxtune import runtime
+from jaxtune.errors import RunConfigError
 
 CHOICES = {
   "schedule": ("cosine", "linear", "constant"),
@@ -18,6 +16,8 @@ CHOICES = {
   "dtype": ("bfloat16", "float32", "float16"),
   "export": ("merged", "peft", "bnb4", None),
   "nf4_matmul": ("kernel", "xla", None),
+  "remat": runtime.REMAT,
+  "attention": (*runtime.ATTENTION_CHOICES, None),
 }
 # Smallest allowed value of numeric settings (None: any value).
 MINIMUM = {
@@ -31,6 +31,7 @@ MINIMUM = {
   "seq_len": 2,
   "loss_chunk": 0,
   "mlp_chunk": 0,
+  "microbatches": 0,
   "eval_every": 0,
   "lora_rank": 1,
   "lora_alpha": 0.0,  # exclusive
@@ -83,7 +84,7 @@ class RunConfig:
   )
   rslora: bool = False
   skip_nonfinite: bool = False  # skip (count) steps with NaN/inf/zero loss instead of stopping
-  remat: str = "full"  # a policy of models/decoder.py (REMAT_POLICIES); "activations": speed
+  remat: str = "full"  # runtime.REMAT (what each keeps: models/decoder.py); "activations": speed
   microbatches: int = 0  # pipeline micro-batches per step (mesh pipe > 1); 0: automatic
   shard_frozen: bool = False  # also split the frozen NF4 weights over data (FSDP-style)
   sequence_parallel: bool = False  # residual stream's tokens split over tensor between matmuls
@@ -145,7 +146,7 @@ def _check(name: str, value: Any, default: Any) -> Any:
   flag = "--" + name.replace("_", "-")
   if name in ("quantization", "export") and value == "none":
     value = None
-  choices = _choices(name)
+  choices = CHOICES.get(name)
   if choices is not None:
     if value not in choices:
       shown = ", ".join("none" if c is None else c for c in choices)
@@ -182,18 +183,6 @@ def _check(name: str, value: Any, default: Any) -> Any:
   if isinstance(value, bool) or not isinstance(value, str | int):
     raise RunConfigError(f"{flag} must be text, got {value!r}.")
   return str(value)
-
-
-def _choices(name: str) -> tuple | None:
-  if name == "remat":
-    from jaxtune.models.decoder import REMAT_POLICIES
-
-    return tuple(REMAT_POLICIES)
-  if name == "attention":
-    from jaxtune.attention import IMPLEMENTATIONS
-
-    return (*IMPLEMENTATIONS, None)
-  return CHOICES.get(name)
 
 
 def _number(value: Any, kind: type) -> int | float | None:

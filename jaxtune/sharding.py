@@ -1,6 +1,8 @@
 """Every parallelism decision in one place: logical axis names -> mesh axes.
 
-Parameters carry logical names (``axes`` metadata, see layers.py). Tensor parallelism is
+Parameters carry logical names (``axes`` metadata, see layers.py); activations are named where
+they are laid out (``Runtime.spec("batch", "length", "heads", "head_dim")``): one table,
+``RULES``, maps both to mesh axes. Tensor parallelism is
 Megatron-style: the column-parallel projections (q/k/v/gate/up) split their output features
 over ``tensor``, the row-parallel ones (o/down) their input features, so each block needs one
 all-reduce after attention and one after the MLP. The batch is split over ``data``. The
@@ -19,17 +21,35 @@ from jaxtune import nf4, pipeline
 
 # logical axis -> mesh axis (None: replicated).
 RULES: dict[str, str | None] = {
+  # parameters (and the activations that share their axes)
   "layers": "pipe",
   "embed": None,
   "heads": "tensor",
   "kv_heads": "tensor",
   "mlp": "tensor",
   "vocab": "tensor",
-  "batch": "data",
+  # activations only
+  "batch": "data",  # sequences of a step
+  "accum": None,  # gradient-accumulation micro-batches of a step
+  "length": None,  # tokens of a sequence
+  "norm_length": None,  # tokens of the residual stream (tensor under sequence parallelism)
+  "head_dim": None,
 }
 # Added for frozen NF4 storage with shard_frozen: the hidden dimension of every projection,
 # the one tensor parallelism leaves whole.
 FROZEN_RULES: dict[str, str] = {"embed": "data"}
+
+
+def logical_spec(names, rules: dict[str, str | None], mesh: Mesh | None) -> PartitionSpec:
+  """PartitionSpec for dimensions with logical ``names`` (None: replicated) under ``rules``;
+  mesh axes of size 1 (or absent from ``mesh``) are left out."""
+  spec = []
+  for name in names:
+    axis = rules.get(name) if name else None
+    if axis is not None and (mesh is None or mesh.shape.get(axis, 1) == 1):
+      axis = None
+    spec.append(axis)
+  return PartitionSpec(*spec)
 
 
 def spec_for(
@@ -38,7 +58,7 @@ def spec_for(
   """PartitionSpec of an array with logical ``axes``; an axis that does not divide stays whole.
 
   The stacked ``layers`` axis is the exception: pipeline stages must be equal, so a layer
-  count that the ``pipe`` size does not divide raises ValueError.
+  count that the ``pipe`` size does not divide raises MeshError.
   """
   spec = []
   for name, dim in zip(axes, shape, strict=True):
@@ -109,13 +129,6 @@ def can_split_sequence(mesh: Mesh, seq_len: int) -> bool:
   """Whether sequence parallelism applies: tensor > 1 dividing T, and no pipeline."""
   tp = mesh.shape.get("tensor", 1)
   return tp > 1 and seq_len % tp == 0 and mesh.shape.get("pipe", 1) == 1
-
-
-def residual_spec(mesh: Mesh, seq_len: int, sequence_parallel: bool = False) -> PartitionSpec:
-  """The residual stream [B, T, D] between layers: rows over ``data``; with
-  ``sequence_parallel`` (where ``can_split_sequence``) its tokens over ``tensor`` too."""
-  split = sequence_parallel and can_split_sequence(mesh, seq_len)
-  return PartitionSpec("data", "tensor") if split else PartitionSpec("data")
 
 
 def incoming(target: NamedSharding, shape: tuple[int, ...]):

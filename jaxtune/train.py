@@ -14,7 +14,11 @@ import os
 import sys
 from pathlib import Path
 
-from jaxtune.run_config import RunConfig, RunConfigError
+from jaxtune import distributed
+from jaxtune.errors import UserError
+from jaxtune.run_config import RunConfig
+from jaxtune.session import run_training, say
+from jaxtune.trainer import Stopped
 
 _HELP = {
   "model": "HF checkpoint directory or Hub id (default: the built-in small Llama)",
@@ -131,20 +135,10 @@ def allow_host_memory_for_offload(run: RunConfig, environ=os.environ) -> None:
 
 
 def main(argv=None) -> int:
-  from jaxtune import distributed
-
   try:
     run, resume = resolve_config(argv)
-    allow_host_memory_for_offload(run)
+    allow_host_memory_for_offload(run)  # before the GPU client starts
     distributed.initialize()  # before anything asks JAX for its devices
-  except (RunConfigError, distributed.DistributedError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-
-  from jaxtune.session import UserError, run_training, say
-  from jaxtune.trainer import Stopped
-
-  try:
     out = run_training(run, resume=resume)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -282,7 +282,7 @@ def test_signals_ask_the_loop_to_stop_after_saving(hf_llama_dir, tmp_path):
 
 def test_export_is_atomic_and_replaces_only_when_asked(hf_llama_dir, tmp_path, monkeypatch):
   import jaxtune
-  from jaxtune import export
+  from converters import export
 
   path, _ = hf_llama_dir()
   model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float32"), rank=4)
@@ -302,8 +302,8 @@ def test_export_is_atomic_and_replaces_only_when_asked(hf_llama_dir, tmp_path, m
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
   with monkeypatch.context() as m:
-    m.setattr(jaxtune, "export_peft", fails_halfway)
-    with pytest.raises(OSError):
+    m.setattr(export, "export_peft", fails_halfway)
+    with pytest.raises(export.ExportError, match="No space left on device.*nothing was changed"):
       export.write(model, "peft", out, overwrite=True)
   assert listing() == first  # the previous export untouched, nothing half-written beside it
   assert sorted(os.listdir(root)) == ["export"]

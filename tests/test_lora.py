@@ -9,6 +9,7 @@ import torch
 from flax import nnx
 
 import jaxtune
+from jaxtune.errors import UserError
 from jaxtune.lora import iter_linears
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -171,5 +172,5 @@ def test_gradients_match_peft(hf_llama_dir, rslora, rank_pattern):
 
 def test_unknown_target_is_a_clear_error(hf_llama_dir):
   path, _ = hf_llama_dir()
-  with pytest.raises(ValueError, match=r"\['qkv_proj'\] are not linear layers"):
+  with pytest.raises(UserError, match=r"\['qkv_proj'\] are not linear layers"):
     jaxtune.apply_lora(jaxtune.from_pretrained(path), targets=("qkv_proj",))

@@ -9,8 +9,7 @@ import pytest
 from flax import nnx
 
 import jaxtune
-from jaxtune import attention, data, trainer
-from jaxtune.lora import iter_linears
+from jaxtune import attention, data, losses, runtime
 
 SEQ = 128  # one flash-attention block multiple, so the kernel path pads nothing
 
@@ -63,20 +62,18 @@ def _gemma2_dir(tmp_path):
   return tmp_path / "gemma2"
 
 
-def _token_losses(model, ids, labels, positions=None, segments=None):
-  logits = model(jnp.asarray(ids), positions, segments)
+def _token_losses(model, ids, labels, positions=None, segments=None, rt=runtime.DEFAULT):
+  logits = model(jnp.asarray(ids), positions, segments, runtime=rt)
   mask = labels != data.IGNORE
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels, 0))
   return np.asarray(ce) * mask
 
 
-def _use_kernels(model, on: bool):
+def _use_kernels(on: bool) -> runtime.Runtime:
   """Every NF4 layer and the attention on the Mosaic GPU kernels' interpreter, or on XLA."""
-  model.set_runtime(attention_impl="xla", nf4_matmul="xla")
   if on:
-    for _, linear in iter_linears(model):
-      linear.nf4_impl = "interpret"
-    model.layers.self_attn.attention_impl = attention.PALLAS_INTERPRET
+    return runtime.Runtime(attention="interpret", nf4_matmul="interpret")
+  return runtime.Runtime(attention="xla", nf4_matmul="xla")
 
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["xla", "interpret-kernels"])
@@ -85,25 +82,25 @@ def test_packed_rows_give_each_example_its_own_loss(tmp_path, kernels):
   losses they have alone; the sliding window, softcaps and rope all see the restart."""
   dtype = "bfloat16" if kernels else "float32"  # the kernels take bf16
   model = jaxtune.from_pretrained(_gemma2_dir(tmp_path), quantization="nf4", dtype=dtype)
-  _use_kernels(model, kernels)
+  rt = _use_kernels(kernels)
   rng = np.random.default_rng(1)
   examples = [list(rng.integers(1, 256, n)) for n in (40, 25, 50)]
   labels = [e[1:] + [data.IGNORE] for e in examples]
   packed = data.to_rows(examples, labels, SEQ)
   assert len(packed) == 1 and packed.segment_ids.max() == 3
-  got = _token_losses(model, packed.input_ids, packed.labels, packed.positions, packed.segment_ids)[
-    0
-  ]
+  got = _token_losses(
+    model, packed.input_ids, packed.labels, packed.positions, packed.segment_ids, rt
+  )[0]
   tol = dict(rtol=3e-2, atol=3e-2) if kernels else dict(rtol=1e-5, atol=1e-5)
   # Each example alone in a row of its own (no segment ids), the three rows in one batch: rows
   # never see each other, and one call costs the interpreter far less than three.
   alone = data.to_rows(examples, labels, SEQ, pack=False)
   assert len(alone) == 3 and not alone.packed
-  want = _token_losses(model, alone.input_ids, alone.labels)
+  want = _token_losses(model, alone.input_ids, alone.labels, rt=rt)
   for s, example in enumerate(examples, 1):
     np.testing.assert_allclose(got[packed.segment_ids[0] == s], want[s - 1, : len(example)], **tol)
   # Without segment ids the later examples would attend to the earlier ones: not the same.
-  mixed = _token_losses(model, packed.input_ids, packed.labels, packed.positions)[0]
+  mixed = _token_losses(model, packed.input_ids, packed.labels, packed.positions, rt=rt)[0]
   second = packed.segment_ids[0] == 2
   assert np.abs(mixed[second] - got[second]).max() > 10 * tol["atol"]
 
@@ -130,12 +127,12 @@ def test_kernel_path_computes_the_xla_loss_and_gradients(hf_llama_dir):
   assert ds.packed
 
   def loss_and_grads(kernels):
-    _use_kernels(model, kernels)
+    rt = _use_kernels(kernels)
     graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
     lora = jax.tree.map(lambda x: x + 0.02, lora)  # B = 0 would hide the adapters' gradients
 
     def mean_loss(lora):
-      s, n = trainer.loss_sums(graphdef, lora, frozen, batch, None)
+      s, n = losses.loss_sums(graphdef, lora, frozen, batch, None, rt)
       return s / n
 
     fn = jax.jit(jax.value_and_grad(mean_loss))
@@ -168,13 +165,14 @@ def test_pallas_attention_runs_per_shard_of_a_data_tensor_mesh():
   k, v = (jax.random.normal(x, (4, 64, 4, 32), jnp.float32) for x in ks[1:])
   seg = jnp.asarray(np.repeat([[1] * 40 + [2] * 24], 4, axis=0), jnp.int32)
   kw = dict(segment_ids=seg, scale=0.2, softcap=4.0)
-  want = attention.attention(q, k, v, window=jnp.int32(16), implementation="xla", **kw)
+  want = attention.attention(q, k, v, window=jnp.int32(16), **kw)
   heads = NamedSharding(mesh, P("data", None, "tensor", None))
   q, k, v = (jax.device_put(x, heads) for x in (q, k, v))
 
   @jax.jit
   def sharded(q, k, v, window):
-    return attention.attention(q, k, v, window=window, implementation="pallas", mesh=mesh, **kw)
+    rt = runtime.Runtime(mesh=mesh, attention="flash_xla")
+    return attention.attention(q, k, v, window=window, runtime=rt, **kw)
 
   got = sharded(q, k, v, jnp.int32(16))
   assert got.sharding.spec == P("data", None, "tensor", None)
@@ -196,14 +194,15 @@ def test_chunked_loss_equals_the_full_loss_under_the_final_logit_softcap(tmp_pat
   batch = {"input_ids": ids, "labels": labels, "segment_ids": np.ones_like(ids)}
 
   def loss(lora, chunk):
-    s, n = trainer.loss_sums(graphdef, lora, frozen, batch, None, chunk)
+    rt = runtime.Runtime(loss_chunk=chunk)
+    s, n = losses.loss_sums(graphdef, lora, frozen, batch, None, rt)
     return s, n
 
   def vocab_pieces(lora):  # the tied embedding in 4 pieces of 64 entries, softcap on each
     m = nnx.merge(graphdef, lora, frozen)
     h = m.hidden_states(jnp.asarray(ids))
     vocab = (m.logits_piece, 256, 64)
-    return trainer.chunked_loss_sums(m.logits_from_hidden, h, jnp.asarray(labels), 5, vocab)
+    return losses.chunked_loss_sums(m.logits_from_hidden, h, jnp.asarray(labels), 5, vocab)
 
   (ref, ref_n), ref_g = jax.value_and_grad(lambda x: loss(x, 0), has_aux=True)(lora)
   for fn in (lambda x: loss(x, 5), vocab_pieces):

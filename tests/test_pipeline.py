@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxtune
 from converters.synthetic import write_random_checkpoint
-from jaxtune import data, pipeline, sharding, trainer
+from jaxtune import data, losses, pipeline, runtime, sharding, trainer
 from jaxtune import mesh as meshlib
 from jaxtune.models.decoder import REMAT_POLICIES, Decoder
 from jaxtune.run_config import RunConfig
@@ -72,16 +72,21 @@ def loss_and_grads(model_parts, spec, *, remat="full", shard_frozen=False, micro
   model = nnx.merge(graphdef, lora, frozen)
   mesh = _mesh(spec)
   multi = mesh.size > 1
-  act = NamedSharding(mesh, PartitionSpec("data")) if multi else None
-  model.set_runtime(remat=remat, activation_sharding=act, microbatches=microbatches)
-  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
   batch = _batch()
+  m = 1
+  if mesh.shape["pipe"] > 1:
+    m = pipeline.num_microbatches(len(batch["input_ids"]) // mesh.shape["data"], microbatches)
+  rt = runtime.Runtime(
+    mesh=mesh if multi else None, remat=remat, shard_frozen=shard_frozen, microbatches=m
+  )
+  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
   if multi:
     lora = jax.device_put(lora, sharding.state_shardings(lora, mesh))
     frozen = jax.device_put(frozen, sharding.state_shardings(frozen, mesh, shard_frozen))
     batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))
-  grad_fn = jax.value_and_grad(trainer.loss_sums, argnums=1, has_aux=True)
-  (total, count), grads = jax.jit(grad_fn, static_argnums=0)(graphdef, lora, frozen, batch, None)
+  grad_fn = jax.value_and_grad(losses.loss_sums, argnums=1, has_aux=True)
+  args = (graphdef, lora, frozen, batch, None, rt)
+  (total, count), grads = jax.jit(grad_fn, static_argnums=(0, 5))(*args)
   loss = float(total) / int(count)
   return loss, [np.asarray(g) for g in jax.tree.leaves(grads)], frozen
 
@@ -128,10 +133,8 @@ def test_remat_policies_give_the_same_loss(host_model, single, policy):
 def test_offload_keeps_layer_inputs_on_the_host_under_a_pipeline(host_model, single):
   _assert_same(loss_and_grads(host_model, "2x2x2", remat="offload"), single, "offload 2x2x2")
   graphdef, lora, frozen = host_model
-  model = nnx.merge(graphdef, lora, frozen)
-  model.set_runtime(remat="offload")
-  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
-  grad_fn = jax.grad(lambda lo: trainer.loss_sums(graphdef, lo, frozen, _batch(), None)[0])
+  rt = runtime.Runtime(remat="offload")
+  grad_fn = jax.grad(lambda lo: losses.loss_sums(graphdef, lo, frozen, _batch(), None, rt)[0])
   jaxpr = str(jax.make_jaxpr(grad_fn)(lora))
   # The layer scan's saved residual stream [L, B, T, D] lives in host memory.
   assert "f32<host>[8,8,16,128]" in jaxpr
@@ -142,14 +145,14 @@ def test_fewer_microbatches_than_sequences(host_model, single):
 
 
 def test_microbatches_must_divide_the_shard_batch(host_model):
-  with pytest.raises(ValueError, match="3 pipeline micro-batches do not divide the 4 sequences"):
+  with pytest.raises(meshlib.MeshError, match="3 pipeline micro-batches do not divide the 4"):
     loss_and_grads(host_model, "2x2x2", microbatches=3)
 
 
 def test_indivisible_layers_give_one_sentence():
   mesh = meshlib.make_mesh("data=2,pipe=4")
   msg = "the model's 6 layers do not split into 4 equal pipeline stages; choose a pipe size"
-  with pytest.raises(ValueError, match=msg):
+  with pytest.raises(meshlib.MeshError, match=msg):
     sharding.spec_for(("layers", "embed"), (6, 128), mesh)
   with pytest.raises(meshlib.MeshError, match=msg):
     meshlib.check_model_fits(mesh, 4, 2, 8, num_layers=6)
@@ -189,10 +192,10 @@ def test_sliding_window_layers_keep_their_windows_across_stages():
   ids = jnp.asarray(_batch()["input_ids"])
   want = np.asarray(model(ids))
   mesh = meshlib.make_mesh("2x1x4")
-  model.set_runtime(activation_sharding=NamedSharding(mesh, PartitionSpec("data")))
+  rt = runtime.Runtime(mesh=mesh, microbatches=pipeline.num_microbatches(8 // 2))
   graphdef, state = nnx.split(model)
   state = jax.device_put(state, sharding.state_shardings(state, mesh))
-  got = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, ids)
+  got = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, runtime=rt))(state, ids)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
@@ -218,8 +221,9 @@ def test_trainer_trains_pipelined_as_on_one_device(ckpt, tmp_path):
     model = jaxtune.from_pretrained(ckpt, quantization="nf4", dtype="float32", mesh=mesh)
     model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
     (tmp_path / spec).mkdir()
-    out = run.replace(out=str(tmp_path / spec))
-    _, history = trainer.train(model, dataset, out, mesh if mesh.size > 1 else None)
+    out = run.replace(out=str(tmp_path / spec), mesh=spec)
+    rt = runtime.resolve(out, model.config, devices=mesh.devices.flatten())
+    _, history = trainer.train(model, dataset, out, rt)
     losses[spec] = [h["loss"] for h in history]
   assert losses["1"][-1] < losses["1"][0]
   np.testing.assert_allclose(losses["2x2x2"], losses["1"], rtol=2e-5)

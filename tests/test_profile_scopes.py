@@ -9,18 +9,18 @@ from flax import nnx
 
 import jaxtune
 from experiments.profile_kernels import SCOPES, kernel_key, scopes_by_kernel
-from jaxtune import trainer
+from jaxtune import losses, runtime
 
 
 def test_every_scope_is_found_in_both_passes(hf_llama_dir):
   ckpt, _ = hf_llama_dir(num_hidden_layers=2)
   model = jaxtune.from_pretrained(ckpt, quantization="nf4", dtype="float32")
   model = jaxtune.apply_lora(model, rank=4)
-  model.set_runtime(remat="dots_no_batch")
+  rt = runtime.Runtime(remat="dots_no_batch")
   graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
   ids = jnp.zeros((2, 32), jnp.int32)
   batch = {"input_ids": ids, "labels": ids, "segment_ids": jnp.ones_like(ids)}
-  grad = jax.jit(jax.grad(lambda l, f, b: trainer.loss_sums(graphdef, l, f, b, None)[0]))
+  grad = jax.jit(jax.grad(lambda l, f, b: losses.loss_sums(graphdef, l, f, b, None, rt)[0]))
   hlo = grad.lower(lora, frozen, batch).compile().as_text()
   found = collections.Counter(scopes_by_kernel(hlo).values())
   for scope in SCOPES:

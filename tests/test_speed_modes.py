@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 import jaxtune
+from jaxtune import losses, runtime, step
 from jaxtune import mesh as meshlib
-from jaxtune import trainer
 
 
 @pytest.fixture(scope="module")
@@ -65,18 +65,13 @@ def _loss_and_grads(path, remat, mesh_spec="1", shard_frozen=False):
   model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
   # B = 0 would hide the adapters' gradients through the layers.
   nnx.update(model, jax.tree.map(lambda x: x + 0.01, nnx.state(model, nnx.LoRAParam)))
-  spec = None
-  if mesh is not None:
-    from jax.sharding import NamedSharding
-
-    from jaxtune import sharding
-
-    spec = NamedSharding(mesh, sharding.residual_spec(mesh, 16))
-  model.set_runtime(remat=remat, attention_impl="xla", activation_sharding=spec)
-  graphdef, lora, frozen = trainer.place(model, mesh, shard_frozen)
+  rt = runtime.Runtime(mesh=mesh, remat=remat, attention="xla", shard_frozen=shard_frozen)
+  graphdef, lora, frozen = step.place(model, rt)
   batch = _batch(model.config.vocab_size)
   fn = jax.jit(
-    jax.value_and_grad(lambda lo, fr, b: trainer.loss_sums(graphdef, lo, fr, b, None), has_aux=True)
+    jax.value_and_grad(
+      lambda lo, fr, b: losses.loss_sums(graphdef, lo, fr, b, None, rt), has_aux=True
+    )
   )
   (loss, count), grads = fn(lora, frozen, batch)
   return float(loss), int(count), [np.asarray(g) for g in jax.tree.leaves(grads)]
@@ -112,7 +107,6 @@ def test_activations_remat_keeps_what_the_backward_reads(checkpoint, capsys):
 
   model = jaxtune.from_pretrained(checkpoint, quantization="nf4", dtype="float32")
   model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
-  model.set_runtime(attention_impl="xla")
   graphdef, lora, frozen = nnx.split(model.layers, nnx.LoRAParam, ...)
   lora, frozen = (jax.tree.map(lambda a: a[0], s) for s in (lora, frozen))  # layer 0
   b, t, cfg = 2, 16, model.config
@@ -121,7 +115,7 @@ def test_activations_remat_keeps_what_the_backward_reads(checkpoint, capsys):
   seg = jnp.ones((b, t), jnp.int32)
 
   def layer(lora, x):
-    return nnx.merge(graphdef, lora, frozen)(x, cos, sin, seg, 0, None).sum()
+    return nnx.merge(graphdef, lora, frozen)(x, cos, sin, seg, 0, None, runtime.DEFAULT).sum()
 
   print_saved_residuals(jax.checkpoint(layer, policy=REMAT_POLICIES["activations"]), lora, x)
   lines = capsys.readouterr().out.splitlines()

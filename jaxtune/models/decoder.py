@@ -17,12 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding
 
 from jaxtune import attention, pipeline, rope, sharding
 from jaxtune.config import SLIDING, ModelConfig
 from jaxtune.layers import Embed, Linear, RMSNorm
-from jaxtune.lora import iter_linears
+from jaxtune.runtime import DEFAULT, Runtime
 
 # The order fixes which fold_in index each projection's LoRA dropout key gets.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -111,21 +110,20 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(cfg.head_dim, **norm, param_dtype=param_dtype)
     else:
       self.q_norm = self.k_norm = None
-    self.attention_impl = "xla"  # set for the whole model by Decoder.set_runtime
-    self.attention_mesh = None  # likewise: the data x tensor mesh "pallas" runs per shard on
     self.num_heads = cfg.num_heads
     self.num_kv_heads = cfg.num_kv_heads
     self.head_dim = cfg.head_dim
     self.scale = cfg.attention_scale
     self.softcap = cfg.attn_logit_softcap
 
-  def __call__(self, x, cos, sin, segment_ids, window, keys, cache=None):
+  def __call__(self, x, cos, sin, segment_ids, window, keys, runtime: Runtime, cache=None):
     """With ``cache``, a function (q, k, v, scale, softcap) -> (out, new cache) that stores
     this chunk's keys and attends over the cached ones, returns (out, new cache)."""
     b, t, _ = x.shape
-    q = self.q_proj(x, keys[0]).reshape(b, t, self.num_heads, self.head_dim)
-    k = self.k_proj(x, keys[1]).reshape(b, t, self.num_kv_heads, self.head_dim)
-    v = self.v_proj(x, keys[2]).reshape(b, t, self.num_kv_heads, self.head_dim)
+    mm = runtime.nf4_matmul
+    q = self.q_proj(x, keys[0], mm).reshape(b, t, self.num_heads, self.head_dim)
+    k = self.k_proj(x, keys[1], mm).reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(x, keys[2], mm).reshape(b, t, self.num_kv_heads, self.head_dim)
     if self.q_norm is not None:  # its backward reads the projections (remat="activations")
       q, k = checkpoint_name(q, "query_projected"), checkpoint_name(k, "key_projected")
       q, k = self.q_norm(q), self.k_norm(k)
@@ -140,13 +138,12 @@ class Attention(nnx.Module):
         scale=self.scale,
         window=window,
         softcap=self.softcap,
-        implementation=self.attention_impl,
-        mesh=self.attention_mesh,
+        runtime=runtime,
       )
       out = checkpoint_name(out, "attention_out")
     else:  # the decoder decides where keys are kept and which it attends to
       out, cache = cache(q, k, v, self.scale, self.softcap)
-    out = self.o_proj(out.reshape(b, t, -1), keys[3])
+    out = self.o_proj(out.reshape(b, t, -1), keys[3], mm)
     return out if cache is None else (out, cache)
 
 
@@ -157,25 +154,24 @@ class MLP(nnx.Module):
     self.up_proj = _linear(cfg, "up_proj", **kw)
     self.down_proj = _linear(cfg, "down_proj", **kw)
     self.activation = cfg.hidden_act
-    self.chunk = 0  # > 0: at most this many tokens per row at a time (Decoder.set_runtime)
 
-  def __call__(self, x, keys):
-    """down(act(gate(x)) * up(x)); with ``chunk``, a rematerialised scan over pieces of
-    ``chunk`` tokens (the last one zero-padded; the MLP is per token), so the
+  def __call__(self, x, keys, runtime: Runtime):
+    """down(act(gate(x)) * up(x)); with ``runtime.mlp_chunk``, a rematerialised scan over
+    pieces of that many tokens (the last one zero-padded; the MLP is per token), so the
     [B, T, intermediate] temporaries exist for one piece at a time (long contexts, where they
     are the largest buffers of a layer's backward). LoRA dropout draws each piece's masks
     from its own key, so with dropout the masks (not their distribution) differ from the
     unchunked run's."""
     b, t, d = x.shape
-    if not self.chunk or t <= self.chunk:
-      return self._mlp(x, keys)
-    c = self.chunk
+    c, mm = runtime.mlp_chunk, runtime.nf4_matmul
+    if not c or t <= c:
+      return self._mlp(x, keys, mm)
     n = -(-t // c)
 
     def piece(_, xs):
       x_c, i = xs
       keys_c = [None if k is None else jax.random.fold_in(k, i) for k in keys]
-      return None, self._mlp(x_c, keys_c)
+      return None, self._mlp(x_c, keys_c, mm)
 
     padded = jnp.pad(x, ((0, 0), (0, n * c - t), (0, 0)))
     pieces = padded.reshape(b, n, c, d).swapaxes(0, 1)
@@ -183,12 +179,12 @@ class MLP(nnx.Module):
     _, ys = jax.lax.scan(step, None, (pieces, jnp.arange(n)))
     return ys.swapaxes(0, 1).reshape(b, n * c, -1)[:, :t]
 
-  def _mlp(self, x, keys):
-    gate = checkpoint_name(self.gate_proj(x, keys[4]), "mlp_gate")
-    up = checkpoint_name(self.up_proj(x, keys[5]), "mlp_up")
+  def _mlp(self, x, keys, nf4_matmul: str):
+    gate = checkpoint_name(self.gate_proj(x, keys[4], nf4_matmul), "mlp_gate")
+    up = checkpoint_name(self.up_proj(x, keys[5], nf4_matmul), "mlp_up")
     with jax.named_scope("mlp_activation"):
       h = _ACTIVATIONS[self.activation](gate) * up
-    return self.down_proj(h, keys[6])
+    return self.down_proj(h, keys[6], nf4_matmul)
 
 
 class Block(nnx.Module):
@@ -215,33 +211,33 @@ class Block(nnx.Module):
     else:
       self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
     self.mlp = MLP(cfg, quantized=quantized, param_dtype=param_dtype, rngs=rngs)
-    # Sequence parallelism (set by Decoder.set_runtime): the residual stream's sharding after
-    # each residual add, its tokens split over ``tensor``, so the norms and adds run on 1/tensor
-    # of the tokens and each projection's all-reduce becomes a reduce-scatter + all-gather.
-    self.residual_sharding = None
 
-  def _residual(self, x):
-    if self.residual_sharding is None:
+  def _residual(self, x, runtime: Runtime):
+    """The residual stream after an add. Under sequence parallelism its tokens stay split over
+    ``tensor``, so the norms and adds run on 1/tensor of the tokens and each projection's
+    all-reduce becomes a reduce-scatter + all-gather."""
+    if not runtime.sequence_parallel:
       return x
-    return jax.lax.with_sharding_constraint(x, self.residual_sharding)
+    return runtime.constrain(x, "batch", "norm_length", "embed")
 
-  def __call__(self, x, cos, sin, segment_ids, window, key, cache=None):
+  def __call__(self, x, cos, sin, segment_ids, window, key, runtime: Runtime, cache=None):
     """The layer's output; with a KV ``cache`` (see Attention), (output, new cache)."""
     keys = [None] * len(PROJECTIONS)
     if key is not None:
       keys = [jax.random.fold_in(key, i) for i in range(len(PROJECTIONS))]
-    h = self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, window, keys, cache)
+    h = self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, window, keys, runtime, cache)
     h, new_cache = (h, None) if cache is None else h
-    # Sequence parallelism is a training layout; decoding (cache) runs on the model as it is.
-    res = self._residual if cache is None else (lambda x: x)
+    # Decoding (cache) runs on the model as it is: no training layout.
+    res = (lambda x: self._residual(x, runtime)) if cache is None else (lambda x: x)  # noqa: E731
+    mlp = lambda x: self.mlp(x, keys, runtime)  # noqa: E731
     # The checkpoint names mark what remat="activations" keeps for the backward pass.
     if self.pre_feedforward_layernorm is None:
       x = checkpoint_name(res(x + h), "residual_mid")
-      x = res(x + self.mlp(self.post_attention_layernorm(x), keys))
+      x = res(x + mlp(self.post_attention_layernorm(x)))
     else:
       h = checkpoint_name(h, "attention_projected")
       x = checkpoint_name(res(x + self.post_attention_layernorm(h)), "residual_mid")
-      h = checkpoint_name(self.mlp(self.pre_feedforward_layernorm(x), keys), "mlp_out")
+      h = checkpoint_name(mlp(self.pre_feedforward_layernorm(x)), "mlp_out")
       x = res(x + self.post_feedforward_layernorm(h))
     return x if cache is None else (x, new_cache)
 
@@ -260,11 +256,6 @@ class Decoder(nnx.Module):
     self.config = cfg
     self.dtype = dtype
     self.quantized = quantized
-    self.remat = "none"  # a key of REMAT_POLICIES; the trainer sets it
-    self.scan_layers = True
-    self.pipeline_microbatches = 0  # 0: one per sequence of a data shard (pipeline.py)
-    # Sharding of the residual stream [B, T, D], constrained at each block boundary.
-    self.activation_sharding = None
     self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=param_dtype, rngs=rngs)
     self.layers = Block(cfg, quantized=quantized, param_dtype=param_dtype, rngs=rngs)
     self.norm = RMSNorm(
@@ -299,38 +290,32 @@ class Decoder(nnx.Module):
     local_cs = rope.cos_sin(positions, rope.inverse_frequencies(local, cfg.head_dim), self.dtype)
     return x, (cos, sin), local_cs
 
-  def _mesh(self):
-    """The training mesh, known from the residual-stream sharding the trainer sets."""
-    return getattr(self.activation_sharding, "mesh", None)
-
-  def _layers(self, x, rope_global, rope_local, segment_ids, dropout_key=None):
+  def _layers(self, x, rope_global, rope_local, segment_ids, dropout_key, runtime: Runtime):
     """Run the stacked layers under scan (training and plain forward); pipelined over the
     mesh's ``pipe`` axis when it has one (pipeline.py)."""
     window, local = self._per_layer()
     n = self.config.num_layers
     layer_keys = None if dropout_key is None else jax.random.split(dropout_key, n)
     graphdef, state = nnx.split(self.layers)
-    mesh = self._mesh()
-    act_spec = None if mesh is None else self.activation_sharding.spec
 
     def step(x, xs, side):
       layer_state, key, w, is_local = xs
       (cos_g, sin_g), (cos_l, sin_l), seg = side
-      here = jax.sharding.get_abstract_mesh()  # inside the pipeline's shard_map: its mesh
-      here = mesh if here.empty else here
-      if mesh is not None:
-        x = jax.lax.with_sharding_constraint(x, NamedSharding(here, act_spec))
-        layer_state = sharding.gathered(layer_state, here)
+      # The residual stream's layout at each block boundary.
+      x = runtime.constrain(x, "batch", "norm_length", "embed")
+      if runtime.shard_frozen:
+        here = jax.sharding.get_abstract_mesh()  # inside the pipeline's shard_map: its mesh
+        layer_state = sharding.gathered(layer_state, runtime.mesh if here.empty else here)
       x = checkpoint_name(x, "layer_input")  # what remat="offload" keeps on the host
       c = jnp.where(is_local, cos_l, cos_g)
       s = jnp.where(is_local, sin_l, sin_g)
-      return nnx.merge(graphdef, layer_state)(x, c, s, seg, w, key)
+      return nnx.merge(graphdef, layer_state)(x, c, s, seg, w, key, runtime)
 
-    if self.remat != "none":
-      step = jax.checkpoint(step, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+    if runtime.remat != "none":
+      step = jax.checkpoint(step, policy=REMAT_POLICIES[runtime.remat], prevent_cse=False)
 
     def run(x, xs, side):
-      if self.scan_layers:
+      if runtime.scan_layers:
         return jax.lax.scan(lambda x, xs: (step(x, xs, side), None), x, xs)[0]
       for i in range(jax.tree.leaves(xs)[0].shape[0]):
         x = step(x, jax.tree.map(lambda a, i=i: a[i], xs), side)
@@ -338,7 +323,7 @@ class Decoder(nnx.Module):
 
     xs = (state, layer_keys, jnp.asarray(window), jnp.asarray(local))
     side = (rope_global, rope_local, segment_ids)
-    if mesh is None or mesh.shape.get(pipeline.AXIS, 1) == 1:
+    if not runtime.pipelined:
       return run(x, xs, side)
 
     def stage(x, xs, side, j):
@@ -347,20 +332,22 @@ class Decoder(nnx.Module):
         keys = jax.vmap(lambda k: jax.random.fold_in(k, j))(keys)
       return run(x, (state, keys, w, is_local), side)
 
-    data = mesh.shape.get("data", 1)
-    m = pipeline.num_microbatches(max(1, x.shape[0] // data), self.pipeline_microbatches)
-    x = pipeline.gpipe(stage, xs, x, side, mesh=mesh, microbatches=m)
+    mesh = runtime.mesh
+    x = pipeline.gpipe(stage, xs, x, side, mesh=mesh, microbatches=runtime.microbatches)
     return jax.lax.with_sharding_constraint(x, sharding.after_pipeline(mesh, x.shape[0]))
 
-  def hidden_states(self, input_ids, positions=None, segment_ids=None, dropout_key=None):
-    """Final-norm hidden states [B, T, D] in the compute dtype."""
+  def hidden_states(
+    self, input_ids, positions=None, segment_ids=None, dropout_key=None, runtime=DEFAULT
+  ):
+    """Final-norm hidden states [B, T, D] in the compute dtype, computed as ``runtime`` says."""
     b, t = input_ids.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     if segment_ids is None:
       segment_ids = jnp.ones((b, t), jnp.int32)
     x, rope_global, rope_local = self._embed(input_ids, positions)
-    return self.norm(self._layers(x, rope_global, rope_local, segment_ids, dropout_key))
+    h = self._layers(x, rope_global, rope_local, segment_ids, dropout_key, runtime)
+    return self.norm(h)
 
   def init_cache(self, batch: int, length: int) -> dict:
     """An empty KV cache for ``length`` slots.
@@ -433,7 +420,8 @@ class Decoder(nnx.Module):
       block = nnx.merge(graphdef, layer_state)
 
       def run(attend):
-        return block(x, c, s, None, None, None, cache=functools.partial(attend, cache, i))
+        attend_here = functools.partial(attend, cache, i)
+        return block(x, c, s, None, None, None, DEFAULT, cache=attend_here)
 
       if cache["local"] is None:
         x, cache = run(attend_global)
@@ -448,85 +436,6 @@ class Decoder(nnx.Module):
     )
     logits = self.logits_from_hidden(self.norm(x[:, -1:]))
     return logits[:, -1].astype(jnp.float32), cache
-
-  def default_attention(self, packed: bool = False) -> str:
-    """The fastest attention that computes this model's function on this device.
-
-    ``packed``: rows hold several examples, which "fused" (cuDNN, causal only) cannot separate.
-    """
-    return attention.default_implementation(
-      softcap=bool(self.config.attn_logit_softcap),
-      window=self.config.has_sliding_layers,
-      packed=packed,
-    )
-
-  def set_runtime(
-    self,
-    *,
-    remat=None,
-    attention_impl=None,
-    activation_sharding=None,
-    microbatches=None,
-    nf4_matmul=None,
-    fuse_lora=None,
-    mlp_chunk=None,
-  ):
-    """Runtime choices that change how, not what, the model computes.
-
-    ``activation_sharding``: a NamedSharding of the residual stream [B, T, D] (or None); its
-    mesh is the one the model runs under, pipelined when that mesh has a ``pipe`` axis > 1.
-    One that splits T (``sharding.residual_spec(mesh, seq_len, sequence_parallel=True)``)
-    also holds after every residual add inside the layers (training, not decoding): sequence
-    parallelism. Not under a pipeline.
-    ``microbatches``: pipeline micro-batches per step (0: one per sequence of a data shard).
-    ``nf4_matmul``: "kernel" or "xla" for every NF4 linear layer, "auto" to let
-    pallas_kernels.nf4_matmul choose per shape and device.
-    ``fuse_lora``: True to run each NF4 layer's LoRA down-projection in its weight's dot
-    (pallas_kernels.nf4_matmul.lora) whenever no LoRA dropout applies.
-    ``mlp_chunk``: > 0 runs the MLP at most that many tokens per row at a time (see MLP).
-    """
-    if nf4_matmul is not None and nf4_matmul not in ("auto", "kernel", "xla"):
-      raise ValueError(f"nf4_matmul must be auto, kernel or xla, got {nf4_matmul!r}.")
-    for _, linear in iter_linears(self):
-      if nf4_matmul is not None:
-        linear.nf4_impl = None if nf4_matmul == "auto" else nf4_matmul
-      if fuse_lora is not None:
-        linear.fuse_lora = bool(fuse_lora)
-    if mlp_chunk is not None:
-      if mlp_chunk < 0:
-        raise ValueError(f"mlp_chunk must be 0 (off) or positive, got {mlp_chunk}.")
-      self.layers.mlp.chunk = int(mlp_chunk)
-    if microbatches is not None:
-      if microbatches < 0:
-        raise ValueError(f"microbatches must be 0 (automatic) or positive, got {microbatches}.")
-      self.pipeline_microbatches = int(microbatches)
-    if remat is not None:
-      if remat not in REMAT_POLICIES:
-        raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}.")
-      self.remat = remat
-    if attention_impl is not None:
-      if attention_impl not in attention.IMPLEMENTATIONS:
-        raise ValueError(
-          f"attention must be one of {', '.join(attention.IMPLEMENTATIONS)}, "
-          f"got {attention_impl!r}."
-        )
-      if attention_impl == "fused" and (
-        self.config.attn_logit_softcap or self.config.has_sliding_layers
-      ):
-        raise ValueError(
-          f"fused attention cannot apply {self.config.model_type}'s logit softcap or sliding "
-          "window; use --attention xla."
-        )
-      self.layers.self_attn.attention_impl = attention_impl
-    self.activation_sharding = activation_sharding
-    mesh = getattr(activation_sharding, "mesh", None)
-    pipelined = mesh is not None and mesh.shape.get("pipe", 1) > 1
-    self.layers.self_attn.attention_mesh = None if pipelined else mesh
-    spec = getattr(activation_sharding, "spec", ())
-    sequence_split = len(spec) > 1 and spec[1] is not None
-    if sequence_split and pipelined:
-      raise ValueError("sequence parallelism does not run under a pipeline (pipe > 1).")
-    self.layers.residual_sharding = activation_sharding if sequence_split else None
 
   def logits_from_hidden(self, h: jax.Array) -> jax.Array:
     with jax.named_scope("output_layer"):
@@ -545,7 +454,9 @@ class Decoder(nnx.Module):
     cap = self.config.final_logit_softcap
     return cap * jnp.tanh(logits / cap) if cap else logits
 
-  def __call__(self, input_ids, positions=None, segment_ids=None, dropout_key=None):
+  def __call__(
+    self, input_ids, positions=None, segment_ids=None, dropout_key=None, runtime=DEFAULT
+  ):
     """Logits [B, T, V] in float32."""
-    h = self.hidden_states(input_ids, positions, segment_ids, dropout_key)
+    h = self.hidden_states(input_ids, positions, segment_ids, dropout_key, runtime)
     return self.logits_from_hidden(h).astype(jnp.float32)

@@ -1,0 +1,69 @@
+"""Write a model out in one of the export formats, atomically.
+
+The export is written into a temporary directory beside ``out`` and renamed into place when
+complete, so a failed or interrupted export never leaves a half-written model; an existing,
+non-empty ``out`` is replaced only with ``overwrite``.
+"""
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from converters.hf_out import export_bnb4, export_merged, export_peft
+from jaxtune.errors import ExportError
+
+FORMATS = ("merged", "peft", "bnb4")
+
+
+def check_destination(out: Path, overwrite: bool) -> None:
+  """Refuse ``out`` before anything is loaded: a file, or a non-empty directory without
+  ``overwrite``."""
+  if out.exists() and not out.is_dir():
+    raise ExportError(f"--out {out} is a file; pass a directory.")
+  if out.is_dir() and any(out.iterdir()) and not overwrite:
+    raise ExportError(
+      f"--out {out} is not empty; pass --overwrite to replace it, or choose another directory."
+    )
+
+
+def write(model, fmt: str, out: str | Path, dtype: str = "bfloat16", overwrite: bool = False):
+  """Export ``model`` as ``fmt`` (one of FORMATS) into ``out``, atomically; returns ``out``."""
+  out = Path(out)
+  check_destination(out, overwrite)
+  try:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+  except OSError as e:
+    raise ExportError(
+      f"cannot write into {out.parent} ({e.strerror}); choose another --out."
+    ) from e
+  old = None
+  try:
+    if fmt == "merged":
+      export_merged(model, tmp, dtype=dtype)
+    elif fmt == "bnb4":
+      export_bnb4(model, tmp, dtype=dtype)
+    elif fmt == "peft":
+      export_peft(model, tmp)
+    else:
+      raise ValueError(f"export format must be one of {FORMATS}, got {fmt!r}")
+    if out.exists():
+      old = out.with_name(tmp.name + ".old")
+      out.rename(old)
+    try:
+      tmp.rename(out)
+    except OSError:
+      if old is not None:
+        old.rename(out)
+      raise
+  except OSError as e:
+    raise ExportError(
+      f"writing the export to {out} failed ({e.strerror or e}); nothing was changed there: "
+      "free some space or choose another --out."
+    ) from e
+  finally:
+    if tmp.exists():
+      shutil.rmtree(tmp)
+  if old is not None:
+    shutil.rmtree(old)
+  return out

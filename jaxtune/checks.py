@@ -1,0 +1,77 @@
+"""The checks a run's inputs pass before anything is loaded or written.
+
+Each raises a ``UserError`` (one sentence) naming what to change. The run-time layout's own
+refusals (mesh, attention, pipeline, sequence parallelism) are in ``runtime.resolve``.
+"""
+
+from pathlib import Path
+
+from jaxtune.errors import RunConfigError, UserError
+from jaxtune.run_config import RunConfig
+
+
+def has_checkpoints(ckpt_dir: Path) -> bool:
+  """Whether a run's checkpoints/ holds a step (orbax names them by number)."""
+  return ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+
+
+# Settings a resumed run must share with the run that wrote the checkpoints.
+_RESUME_KEYS = ("model", "lora_rank", "lora_targets")
+
+
+def check_resume(run: RunConfig, out: Path, model_path: Path | None, resume: bool) -> None:
+  """--resume needs checkpoints; a new run must not write over them."""
+  ckpt_dir = out / "checkpoints"
+  has_ckpts = has_checkpoints(ckpt_dir)
+  if not resume:
+    if has_ckpts:
+      raise UserError(
+        f"{out} already holds checkpoints; pass --resume to continue, or a new --out."
+      )
+    return
+  if not has_ckpts:
+    raise UserError(f"--resume: {ckpt_dir} holds no checkpoint; start without --resume.")
+  saved_yaml = out / "config.yaml"
+  if not saved_yaml.is_file():
+    return
+  try:
+    saved = RunConfig.from_yaml(saved_yaml).checked()
+  except RunConfigError:
+    return  # the checkpoint's own shapes are checked when it is restored
+  now = run.replace(model=str(model_path))
+  for key in _RESUME_KEYS:
+    a, b = getattr(saved, key), getattr(now, key)
+    if key == "model":
+      a, b = str(Path(a).resolve()), str(Path(b).resolve())
+    if a != b:
+      shown = lambda v: ",".join(v) if isinstance(v, tuple) else v  # noqa: E731
+      raise UserError(
+        f"--resume: the checkpoints in {out} were trained with {key} {shown(a)}, not "
+        f"{shown(b)}; resume with the same {key}, or start a new --out."
+      )
+
+
+def check_targets(run: RunConfig, cfg) -> None:
+  known = (*cfg.linear_shapes(), "lm_head")
+  unknown = [t for t in run.lora_targets if t not in known]
+  if unknown:
+    which = "which is not a projection" if len(unknown) == 1 else "which are not projections"
+    raise UserError(
+      f"--lora-targets names {','.join(unknown)}, {which} of this {cfg.model_type}; "
+      f"choose from {','.join(known)}."
+    )
+
+
+def read_eval_prompts(run: RunConfig) -> list[str]:
+  """--eval-prompts' prompts, one per line ([] when not asked for)."""
+  if not run.eval_prompts:
+    return []
+  if not run.eval_data:
+    raise UserError("--eval-prompts runs at each evaluation; pass --eval-data FILE too.")
+  path = Path(run.eval_prompts)
+  if not path.is_file():
+    raise UserError(f"eval prompts file {path} does not exist.")
+  prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+  if not prompts:
+    raise UserError(f"eval prompts file {path} holds no prompts (one per line).")
+  return prompts

@@ -1,0 +1,101 @@
+"""The training losses: token cross-entropy over a micro-batch, whole or in pieces.
+
+Each returns (sum of token losses, number of loss tokens), so that the step can normalise over
+every token of the accumulated batch (DESIGN.md, Numerics).
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxtune.data import IGNORE
+from jaxtune.runtime import DEFAULT, Runtime
+
+
+def loss_sums(graphdef, lora, frozen, batch, key, runtime: Runtime = DEFAULT):
+  """(sum of token losses, number of loss tokens) of one micro-batch.
+
+  ``runtime.loss_chunk`` > 0: the float32 logits exist that many tokens per row at a time
+  (``chunked_loss_sums``), trading one recomputation of the output layer for their memory.
+  """
+  model = nnx.merge(graphdef, lora, frozen)
+  ids, segments, labels = batch["input_ids"], batch["segment_ids"], batch["labels"]
+  positions = batch.get("positions")  # packed rows restart positions at each example
+  chunk = runtime.loss_chunk
+  if chunk:
+    h = model.hidden_states(ids, positions, segments, dropout_key=key, runtime=runtime)
+    v = model.config.vocab_size
+    vocab = (model.logits_piece, v, VOCAB_PIECE) if v > LARGE_VOCAB else None
+    with jax.named_scope("loss"):
+      return chunked_loss_sums(model.logits_from_hidden, h, labels, chunk, vocab)
+  logits = model(ids, positions, segments, dropout_key=key, runtime=runtime)
+  with jax.named_scope("loss"):
+    mask = labels != IGNORE
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels, 0))
+    return jnp.sum(ce * mask), jnp.sum(mask)
+
+
+def _largest_divisor(n: int, most: int) -> int:
+  return max(x for x in range(1, min(most, n) + 1) if n % x == 0)
+
+
+# With --loss-chunk, vocabularies larger than this (Gemma's 256k) are also cut into pieces of
+# at most VOCAB_PIECE entries (the largest divisor of V not above it).
+LARGE_VOCAB = 200_000
+VOCAB_PIECE = 32768
+
+
+def chunked_loss_sums(head, h, labels, chunk: int, vocab=None):
+  """Cross-entropy sums over hidden states [B, T, D] without the full [B, T, V] float32 logits.
+
+  The sequence is cut into pieces of ``chunk`` tokens per row (the largest divisor of T not
+  above it); a scan computes each piece's logits, loss and count, and remat makes the backward
+  recompute them piece by piece, so at most [B, chunk, V] logits are alive in either pass. The
+  batch axis stays whole, so its data sharding is untouched.
+
+  ``vocab`` = (logits_piece, V, piece): the vocabulary too is walked in pieces,
+  ``logits_piece(h, start, size)`` giving the logits of entries start .. start + size - 1,
+  with an online log-sum-exp, so at most [B, chunk, piece] logits exist.
+  """
+  b, t, d = h.shape
+  c = _largest_divisor(t, chunk)
+  pieces = (h.reshape(b, t // c, c, d).swapaxes(0, 1), labels.reshape(b, t // c, c).swapaxes(0, 1))
+
+  @jax.checkpoint
+  def piece(h_c, labels_c):
+    mask = labels_c != IGNORE
+    safe = jnp.where(mask, labels_c, 0)
+    if vocab is None:
+      logits = head(h_c).astype(jnp.float32)  # [B, c, V]
+      ce = optax.softmax_cross_entropy_with_integer_labels(logits, safe)
+    else:
+      ce = _vocab_pieces_ce(*vocab, h_c, safe)
+    return jnp.sum(ce * mask), jnp.sum(mask)
+
+  def step(carry, xs):
+    total, count = piece(*xs)
+    return (carry[0] + total, carry[1] + count), None
+
+  zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+  return jax.lax.scan(step, zero, pieces)[0]
+
+
+def _vocab_pieces_ce(logits_piece, v: int, most: int, h, labels):
+  """Per-token cross-entropy [B, c] from vocabulary pieces: running max, running sum of
+  exponentials and the label's logit, each piece's logits recomputed in the backward."""
+  p = _largest_divisor(v, most)
+  piece_logits = jax.checkpoint(lambda h, start: logits_piece(h, start, p).astype(jnp.float32))
+
+  def step(carry, start):
+    m, s, picked = carry
+    z = piece_logits(h, start)  # [B, c, p]
+    m_new = jnp.maximum(m, z.max(axis=-1))
+    s = s * jnp.exp(m - m_new) + jnp.exp(z - m_new[..., None]).sum(axis=-1)
+    inside = (labels >= start) & (labels < start + p)
+    at = jnp.take_along_axis(z, jnp.clip(labels - start, 0, p - 1)[..., None], axis=-1)[..., 0]
+    return (m_new, s, picked + jnp.where(inside, at, 0.0)), None
+
+  init = (jnp.full(labels.shape, -1e30), jnp.zeros(labels.shape), jnp.zeros(labels.shape))
+  (m, s, picked), _ = jax.lax.scan(step, init, jnp.arange(0, v, p, dtype=jnp.int32))
+  return m + jnp.log(s) - picked

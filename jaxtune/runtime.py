@@ -1,0 +1,267 @@
+"""How a run computes, decided once: the frozen ``Runtime`` and the one function that resolves it.
+
+A run's settings (``RunConfig``) say what the user asked for; a model config says what the
+network is; the devices and the data say where and on what it runs. ``resolve`` turns those
+into a ``Runtime`` (mesh, compute dtype, remat policy, attention implementation, NF4 matmul,
+loss/MLP chunks, pipeline micro-batches, sequence parallelism) and raises every refusal of an
+impossible combination there, as one ``UserError`` sentence, before anything is built. The
+model reads its choices from the ``Runtime`` passed to it; nothing changes them afterwards.
+
+Attention, as resolved (``Runtime.attention``), names exactly the code that runs:
+  "xla"        jaxtune.attention's masked einsum ([T, T] mask; packing, windows, softcaps)
+  "cudnn"      cuDNN's fused kernel (jax.nn.dot_product_attention): causal, one document per
+               row, no softcap or window
+  "mosaic"     the Pallas flash kernel (Mosaic GPU, Hopper), per (data, tensor) shard
+  "interpret"  the same kernel in Mosaic GPU's CPU interpreter (tests)
+  "flash_xla"  the flash op's own jnp reference, per shard: ``--attention pallas`` where the
+               kernel cannot run (no Hopper GPU, or a dtype/head size it does not take)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxtune import mesh as meshlib
+from jaxtune import pipeline, sharding
+from jaxtune.errors import MeshError, UserError
+
+if TYPE_CHECKING:
+  from jaxtune.config import ModelConfig
+  from jaxtune.run_config import RunConfig
+
+# Activation checkpointing per layer (models/decoder.py REMAT_POLICIES holds what each keeps).
+REMAT = ("none", "full", "activations", "dots", "dots_no_batch", "offload")
+# What --attention may ask for; None lets resolve pick the fastest exact one.
+ATTENTION_CHOICES = ("xla", "fused", "pallas")
+ATTENTION = ("xla", "cudnn", "mosaic", "interpret", "flash_xla")
+NF4_MATMUL = ("auto", "kernel", "xla", "interpret")  # interpret: the kernel on CPU (tests)
+FLASH = ("mosaic", "interpret", "flash_xla")  # run per shard through the flash op
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+  """Every run-time choice that changes how, not what, the model computes.
+
+  The default is one device, no remat, XLA attention: what a plain forward pass (export,
+  generation, tests) runs. ``mesh`` is None on one device.
+  """
+
+  mesh: Mesh | None = None
+  dtype: str = "float32"  # the compute dtype the model is built in
+  remat: str = "none"
+  attention: str = "xla"
+  nf4_matmul: str = "auto"  # "auto": the kernel for few tokens on one Hopper GPU (nf4_matmul)
+  loss_chunk: int = 0  # > 0: float32 logits for this many tokens per row at a time
+  mlp_chunk: int = 0  # > 0: the MLP runs this many tokens per row at a time
+  microbatches: int = 1  # pipeline micro-batches per step (1 without a pipe axis)
+  sequence_parallel: bool = False  # the residual stream's tokens split over tensor
+  shard_frozen: bool = False  # NF4 storage also split over data, gathered per layer
+  scan_layers: bool = True  # False: a Python loop over the layers (tests, profiles)
+  notes: tuple[str, ...] = ()  # why a choice differs from what was asked
+
+  def __post_init__(self):
+    if self.remat not in REMAT:
+      raise ValueError(f"remat must be one of {REMAT}, got {self.remat!r}")
+    if self.attention not in ATTENTION:
+      raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
+    if self.nf4_matmul not in NF4_MATMUL:
+      raise ValueError(f"nf4_matmul must be one of {NF4_MATMUL}, got {self.nf4_matmul!r}")
+
+  def replace(self, **changes) -> Runtime:
+    return dataclasses.replace(self, **changes)
+
+  def size(self, axis: str) -> int:
+    """The mesh's size along ``axis`` (1 without a mesh or without that axis)."""
+    return 1 if self.mesh is None else self.mesh.shape.get(axis, 1)
+
+  @property
+  def mesh_shape(self) -> dict[str, int]:
+    """Every mesh axis with its size (all 1 on one device)."""
+    return {axis: self.size(axis) for axis in meshlib.AXES}
+
+  @property
+  def pipelined(self) -> bool:
+    return self.size(pipeline.AXIS) > 1
+
+  @property
+  def rules(self) -> dict[str, str | None]:
+    """Logical axis -> mesh axis for activations under this runtime (sharding.RULES, with the
+    residual stream's tokens over tensor under sequence parallelism)."""
+    if self.sequence_parallel:
+      return {**sharding.RULES, "norm_length": "tensor"}
+    return sharding.RULES
+
+  def spec(self, *names: str | None) -> PartitionSpec:
+    """The PartitionSpec of an activation whose dimensions have these logical names."""
+    return sharding.logical_spec(names, self.rules, self.mesh)
+
+  def sharding(self, *names: str | None) -> NamedSharding | None:
+    return None if self.mesh is None else NamedSharding(self.mesh, self.spec(*names))
+
+  def constrain(self, x: jax.Array, *names: str | None) -> jax.Array:
+    """``x`` constrained to the layout of ``names`` (a no-op on one device). Inside a
+    ``shard_map`` (the pipeline) the constraint is stated on its abstract mesh."""
+    if self.mesh is None:
+      return x
+    here = jax.sharding.get_abstract_mesh()
+    mesh = self.mesh if here.empty else here
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, self.spec(*names)))
+
+  def describe(self) -> str:
+    """The start line's account of the runtime."""
+    parts = [f"attention {self.attention}", f"remat {self.remat}", f"dtype {self.dtype}"]
+    if self.nf4_matmul != "auto":
+      parts.append(f"nf4 matmul {self.nf4_matmul}")
+    for name in ("loss_chunk", "mlp_chunk"):
+      if getattr(self, name):
+        parts.append(f"{name.replace('_', ' ')} {getattr(self, name)}")
+    if self.sequence_parallel:
+      parts.append("sequence parallel")
+    if self.shard_frozen:
+      parts.append("frozen weights sharded over data")
+    if self.pipelined:
+      parts.append(f"{self.microbatches} pipeline micro-batches")
+    return ", ".join(parts + list(self.notes))
+
+
+# What a model computes with when given no runtime: one device, no remat, XLA attention.
+DEFAULT = Runtime()
+
+
+def compute_dtype(requested: str, devices: Sequence) -> tuple[str, str | None]:
+  """(dtype to train in, a note saying why it differs from ``requested``, or None).
+
+  GPUs before compute capability 8.0 (V100, T4) have no bfloat16: float16 with dynamic loss
+  scaling there.
+  """
+  if requested != "bfloat16":
+    return requested, None
+  for d in devices:
+    cc = getattr(d, "compute_capability", None)
+    if d.platform == "gpu" and cc is not None and float(cc) < 8.0:
+      return "float16", (
+        f"{d.device_kind} (compute capability {cc}) has no bfloat16: float16 with dynamic "
+        "loss scaling"
+      )
+  return requested, None
+
+
+def _on_hopper(device) -> bool:
+  return device.platform == "gpu" and str(getattr(device, "compute_capability", "")) == "9.0"
+
+
+def _mosaic_takes(dtype: str, head_dim: int) -> bool:
+  """Whether the flash kernel takes this compute dtype and head size."""
+  return dtype in ("bfloat16", "float16") and head_dim % 64 == 0 and head_dim <= 256
+
+
+def resolve_attention(
+  requested: str | None,
+  cfg: ModelConfig,
+  *,
+  dtype: str,
+  packed: bool,
+  pipelined: bool = False,
+  device=None,
+) -> tuple[str, str | None]:
+  """(the attention implementation that runs, a note when it is not what was asked).
+
+  Unset: cuDNN on a GPU where it computes the model's function (one document per row, no
+  softcap or window: measured 2.5% faster than the Pallas kernel in the 1B train step on an
+  H100, and compiles in seconds), else the Pallas kernel on Hopper, else XLA; XLA under a
+  pipeline (neither custom call partitions inside the pipeline's shard_map yet). Refuses what
+  cannot compute the model's function.
+  """
+  device = device or jax.devices()[0]
+  gpu, hopper = device.platform == "gpu", _on_hopper(device)
+  special = bool(cfg.attn_logit_softcap) or cfg.has_sliding_layers
+  cudnn_exact = gpu and not (special or packed)
+  kernel_ok = hopper and _mosaic_takes(dtype, cfg.head_dim)
+  if requested in ("fused", "pallas") and pipelined:
+    kind = "cuDNN" if requested == "fused" else "the Mosaic GPU kernel"
+    raise MeshError(
+      f"--attention {requested} ({kind}) cannot run inside the pipeline yet; use "
+      "--attention xla with a pipe axis in --mesh."
+    )
+  if requested == "fused":
+    if special:
+      raise UserError(
+        f"--attention fused cannot apply {cfg.model_type}'s logit softcap or sliding window; "
+        "use --attention pallas or xla."
+      )
+    if packed:
+      raise UserError(
+        "--attention fused (cuDNN, causal only) would let packed examples attend to each "
+        "other; use --attention pallas or xla, or --no-packing."
+      )
+    return ("cudnn", None) if gpu else ("xla", "xla attention (fused is cuDNN, GPU only)")
+  if requested == "pallas":
+    if kernel_ok:
+      return "mosaic", None
+    return "flash_xla", "flash attention's jnp reference (the kernel needs a Hopper GPU)"
+  if requested == "xla" or pipelined:
+    return "xla", None
+  if cudnn_exact:
+    return "cudnn", None
+  return ("mosaic", None) if kernel_ok else ("xla", None)
+
+
+def resolve(
+  run: RunConfig,
+  cfg: ModelConfig,
+  *,
+  packed: bool = False,
+  devices: Sequence | None = None,
+) -> Runtime:
+  """The runtime of ``run`` for model ``cfg`` on ``devices`` (default: all of JAX's), with
+  ``packed`` saying whether any training or held-out row holds several examples.
+
+  Raises a ``UserError`` (one sentence) for every combination that cannot run.
+  """
+  devices = list(devices if devices is not None else jax.devices())
+  if run.batch_size % run.grad_accum:
+    raise UserError(
+      f"--batch-size {run.batch_size} must be a multiple of --grad-accum {run.grad_accum}."
+    )
+  mesh = meshlib.make_mesh(run.mesh, devices)
+  micro_batch = run.batch_size // run.grad_accum
+  meshlib.check_model_fits(mesh, cfg.num_heads, cfg.num_kv_heads, micro_batch, cfg.num_layers)
+  if run.seq_len > cfg.max_position_embeddings:
+    raise UserError(
+      f"--seq-len {run.seq_len} is longer than the {cfg.max_position_embeddings} positions "
+      f"this {cfg.model_type} was trained for (max_position_embeddings); lower --seq-len."
+    )
+  tp, pp = mesh.shape["tensor"], mesh.shape[pipeline.AXIS]
+  if run.sequence_parallel and not sharding.can_split_sequence(mesh, run.seq_len):
+    raise MeshError(
+      f"--sequence-parallel splits each row's tokens over the tensor axis, but --mesh "
+      f"{run.mesh or len(devices)} has tensor={tp}, pipe={pp} for --seq-len {run.seq_len}; "
+      "use a tensor axis > 1 that divides --seq-len and no pipe axis, or drop the flag."
+    )
+  microbatches = 1
+  if pp > 1:
+    per_shard = max(1, micro_batch // mesh.shape["data"])
+    microbatches = pipeline.num_microbatches(per_shard, run.microbatches)
+  dtype, dtype_note = compute_dtype(run.dtype, devices)
+  attention, attention_note = resolve_attention(
+    run.attention, cfg, dtype=dtype, packed=packed, pipelined=pp > 1, device=devices[0]
+  )
+  return Runtime(
+    mesh=mesh if math.prod(mesh.shape.values()) > 1 else None,
+    dtype=dtype,
+    remat=run.remat,
+    attention=attention,
+    nf4_matmul=run.nf4_matmul or "auto",
+    loss_chunk=run.loss_chunk,
+    mlp_chunk=run.mlp_chunk,
+    microbatches=microbatches,
+    sequence_parallel=run.sequence_parallel,
+    shard_frozen=run.shard_frozen,
+    notes=tuple(n for n in (dtype_note, attention_note) if n),
+  )

@@ -1,0 +1,197 @@
+"""The pure parts of training: optimizer, loss scaling, placement and the jitted steps.
+
+``make_train_step`` builds one pure jitted function of (lora_state, opt_state, frozen_state,
+batch, key); the adapters and optimizer state are donated so their buffers are updated in
+place. The adapters and optimizer state are float32 whatever the compute dtype (the master
+copy); with float16 compute the loss is scaled dynamically (``LossScale``) so small gradients
+do not underflow, and a step whose scaled gradients overflow is skipped while the scale comes
+down.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxtune import distributed, run_log, sharding
+from jaxtune.data import IGNORE, Dataset
+from jaxtune.errors import RunConfigError
+from jaxtune.losses import loss_sums
+from jaxtune.run_config import RunConfig
+from jaxtune.runtime import DEFAULT, Runtime
+
+
+def make_optimizer(run: RunConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  warmup = max(0, min(run.warmup_steps, run.steps - 1))
+  decay_steps = max(1, run.steps - warmup)
+  if run.schedule == "cosine":
+    decay = optax.cosine_decay_schedule(run.learning_rate, decay_steps)
+  elif run.schedule == "linear":
+    decay = optax.linear_schedule(run.learning_rate, 0.0, decay_steps)
+  elif run.schedule == "constant":
+    decay = optax.constant_schedule(run.learning_rate)
+  else:
+    raise RunConfigError(f"--schedule must be cosine, linear or constant, got {run.schedule!r}.")
+  schedule = optax.join_schedules(
+    [optax.linear_schedule(0.0, run.learning_rate, warmup), decay], [warmup]
+  )
+  return optax.chain(
+    optax.clip_by_global_norm(run.max_grad_norm),
+    optax.adamw(schedule, weight_decay=run.weight_decay),
+  ), schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScale:
+  """Dynamic loss scaling for float16: halve on overflow, double after ``period`` good steps."""
+
+  initial: float = 2.0**15
+  factor: float = 2.0
+  period: int = 2000
+  minimum: float = 1.0
+  maximum: float = 2.0**24
+
+  def init(self) -> dict:
+    return {"scale": jnp.float32(self.initial), "good_steps": jnp.int32(0)}
+
+  def update(self, state: dict, overflow: jax.Array) -> dict:
+    scale, good = state["scale"], state["good_steps"] + 1
+    grow = ~overflow & (good >= self.period)
+    lower = jnp.maximum(scale / self.factor, self.minimum)
+    higher = jnp.minimum(scale * self.factor, self.maximum)
+    return {
+      "scale": jnp.where(overflow, lower, jnp.where(grow, higher, scale)),
+      "good_steps": jnp.where(overflow | grow, 0, good).astype(jnp.int32),
+    }
+
+
+def make_train_step(
+  graphdef, tx, runtime: Runtime, loss_scale: LossScale | None = None, out_shardings=None
+):
+  """The jitted step, computed as ``runtime`` says. ``loss_scale``: dynamic loss scaling
+  (float16); None: no scaling.
+
+  With ``loss_scale`` the optimizer state is ``{"tx": tx's state, "loss_scale": ...}``
+  (``init_opt_state``), so the scale is saved and restored with it.
+  A step is applied only when it is good: finite loss, not exactly 0, finite gradients.
+  Otherwise the adapters and optimizer state stay as they were; ``metrics["scale_skip"]``
+  says the step was skipped for loss scaling (an overflow the lowered scale will fix).
+  """
+
+  def train_step(lora, opt_state, frozen, batch, key):
+    """batch leaves are [accum, micro, T]; the loss is normalised over all of them."""
+    if loss_scale is not None:
+      tx_state, scale_state = opt_state["tx"], opt_state["loss_scale"]
+      scale = scale_state["scale"]
+    else:
+      tx_state, scale = opt_state, jnp.float32(1.0)
+
+    def scaled_loss(lora_, mb, k):
+      s, n = loss_sums(graphdef, lora_, frozen, mb, k, runtime)
+      return s * scale, (s, n)
+
+    def micro(carry, xs):
+      grads, loss_sum, count = carry
+      mb, k = xs
+      (_, (l, n)), g = jax.value_and_grad(scaled_loss, has_aux=True)(lora, mb, k)
+      # flush each micro-batch's gradient into the running sum right away.
+      grads = jax.tree.map(jnp.add, grads, g)
+      return (grads, loss_sum + l, count + n), None
+
+    accum = batch["input_ids"].shape[0]
+    keys = jax.random.split(key, accum)
+    zeros = jax.tree.map(jnp.zeros_like, lora)
+    (grads, loss_sum, count), _ = jax.lax.scan(
+      micro, (zeros, jnp.float32(0.0), jnp.int32(0)), (batch, keys)
+    )
+    denom = jnp.maximum(count, 1).astype(jnp.float32)
+    grads = jax.tree.map(lambda g: g / (denom * scale), grads)
+    loss, grad_norm = loss_sum / denom, optax.global_norm(grads)
+    loss_ok = jnp.isfinite(loss) & (loss != 0)
+    overflow = ~jnp.isfinite(grad_norm)
+    good = loss_ok & ~overflow
+    updates, new_tx_state = tx.update(grads, tx_state, lora)
+    new_lora = optax.apply_updates(lora, updates)
+    keep = lambda new, old: jnp.where(good, new, old)  # noqa: E731
+    new_lora = jax.tree.map(keep, new_lora, lora)
+    new_opt_state = jax.tree.map(keep, new_tx_state, tx_state)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "good": good}
+    if loss_scale is not None:
+      new_scale_state = loss_scale.update(scale_state, overflow)
+      new_opt_state = {"tx": new_opt_state, "loss_scale": new_scale_state}
+      metrics["scale_skip"] = loss_ok & overflow & (scale > loss_scale.minimum)
+      metrics["loss_scale"] = new_scale_state["scale"]
+    return new_lora, new_opt_state, metrics
+
+  return jax.jit(train_step, donate_argnums=(0, 1), out_shardings=out_shardings)
+
+
+def init_opt_state(tx, lora, loss_scale: LossScale | None = None):
+  """The optimizer state the step takes: tx's, plus the loss scale when there is one."""
+  state = tx.init(lora)
+  return state if loss_scale is None else {"tx": state, "loss_scale": loss_scale.init()}
+
+
+def fp32_master(lora):
+  """The adapters as float32 (the optimizer's master copy), whatever they were built in."""
+  return jax.tree.map(
+    lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, lora
+  )
+
+
+def place(model, runtime: Runtime):
+  """Split the model and put every piece on its sharding; returns (graphdef, lora, frozen).
+
+  ``runtime.shard_frozen`` also splits the NF4 storage over ``data`` (gathered per layer in
+  the scan).
+  """
+  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  lora = fp32_master(lora)
+  mesh = runtime.mesh
+  if mesh is not None:
+    lora = jax.device_put(lora, sharding.state_shardings(lora, mesh))
+    frozen = jax.device_put(frozen, sharding.state_shardings(frozen, mesh, runtime.shard_frozen))
+  return graphdef, lora, frozen
+
+
+def placements(tree, runtime: Runtime):
+  """Where the step expects ``tree``: scalars replicated, the rest on their own sharding.
+
+  Every call then sees the placement the previous one returned, so the step compiles once.
+  """
+  if runtime.mesh is None:
+    return jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), tree)
+  replicated = NamedSharding(runtime.mesh, PartitionSpec())
+  return jax.tree.map(lambda x: replicated if x.ndim == 0 else x.sharding, tree)
+
+
+def make_eval_step(graphdef, runtime: Runtime = DEFAULT):
+  """jitted (loss sum, token count) of one [B, T] batch, no gradient."""
+  return jax.jit(
+    lambda lora, frozen, batch: loss_sums(graphdef, lora, frozen, batch, None, runtime)
+  )
+
+
+def evaluate(eval_step, lora, frozen, dataset: Dataset, batch_size: int, shard=None) -> dict:
+  """Held-out loss and perplexity over every example of ``dataset`` (token-weighted)."""
+  total, count = 0.0, 0
+  n = len(dataset)
+  for start in range(0, n, batch_size):
+    idx = np.arange(start, start + batch_size) % n
+    batch = {
+      "input_ids": dataset.input_ids[idx],
+      "labels": np.where(
+        (np.arange(start, start + batch_size) < n)[:, None], dataset.labels[idx], IGNORE
+      ),  # wrapped-around fill rows count nothing
+      "segment_ids": dataset.segment_ids[idx],
+      "positions": dataset.positions[idx],
+    }
+    batch = {k: distributed.global_batch(v, shard) for k, v in batch.items()}
+    s, c = eval_step(lora, frozen, batch)
+    total, count = total + float(s), count + int(c)
+  loss = total / max(count, 1)
+  return {"eval_loss": loss, "eval_ppl": run_log.perplexity(loss), "eval_tokens": count}
