@@ -12,7 +12,7 @@ import torch
 from conftest import copy_dequantized_into, max_rel_err, torch_logits
 
 import jaxtune
-from jaxtune import trainer
+from jaxtune import runtime, trainer
 from jaxtune.data import Dataset
 from jaxtune.run_config import RunConfig
 
@@ -144,7 +144,8 @@ def test_lora_training_and_merged_export(family_dir, family, tmp_path):
     dtype="float32",
     lora_rank=4,
   )
-  model, history = trainer.train(model, data, run, None)
+  one = runtime.resolve(run, model.config, devices=jax.devices()[:1])
+  model, history = trainer.train(model, data, run, one)
   assert history[-1]["loss"] < history[0]["loss"]
   out = jaxtune.export_merged(model, tmp_path / "merged", dtype="float32")
   hf = AutoModelForCausalLM.from_pretrained(

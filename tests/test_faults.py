@@ -263,7 +263,7 @@ def test_signals_ask_the_loop_to_stop_after_saving(hf_llama_dir, tmp_path):
   from test_train import _dataset, _tiny_dir
 
   import jaxtune
-  from jaxtune import trainer
+  from jaxtune import runtime, trainer
 
   previous = signal.getsignal(signal.SIGINT)
   with trainer.StopSignals() as stop:
@@ -276,7 +276,8 @@ def test_signals_ask_the_loop_to_stop_after_saving(hf_llama_dir, tmp_path):
   run = RunConfig(out=str(tmp_path), steps=5, batch_size=4, dtype="float32", lora_rank=4)
   ckpts = checkpoint.Checkpoints(tmp_path / "checkpoints")
   with pytest.raises(trainer.Stopped, match="stopped by SIGINT after step 1") as info:
-    trainer.train(model, _dataset(), run, None, ckpts, stop=stop)  # the signal already came
+    one = runtime.resolve(run, model.config, devices=jax.devices()[:1])
+    trainer.train(model, _dataset(), run, one, ckpts, stop=stop)  # the signal already came
   assert info.value.saved and ckpts.latest_step() == 1
 
 
