@@ -121,7 +121,6 @@ def time_steps(model, b: int, args, setting: dict) -> dict:
     remat=setting["remat"],
     attention_impl=setting["attention"],
     nf4_matmul=setting["nf4_matmul"],
-    fuse_lora=setting["fuse_lora"],
     mlp_chunk=setting["mlp_chunk"],
   )
   graphdef, lora, frozen = trainer.place(model, None)
@@ -249,22 +248,19 @@ def bench_shape(shape: str, args, rate: float, emit) -> None:
           checks[impl], refused[impl] = None, f"attention check failed: {error_line(e)}"
         if checks[impl] is not None and not checks[impl] < 1e-2:
           refused[impl] = f"{impl} differs from the reference by {checks[impl]:.2e}"
-      fuse = [bool(int(v)) for v in csv(args.fuse_lora)]
       settings = itertools.product(
         impls,
         csv(args.remat),
         csv(args.loss_chunk, int),
         csv(args.nf4_matmul),
-        fuse,
         csv(args.mlp_chunk, int),
       )
-      for impl, remat, loss_chunk, nf4_matmul, fuse_lora, mlp_chunk in settings:
+      for impl, remat, loss_chunk, nf4_matmul, mlp_chunk in settings:
         setting = dict(
           attention=impl,
           remat=remat,
           loss_chunk=loss_chunk,
           nf4_matmul=nf4_matmul,
-          fuse_lora=fuse_lora,
           mlp_chunk=mlp_chunk,
         )
         failed = refused.get(impl)  # once a batch runs out of memory, the larger ones skip
@@ -313,9 +309,6 @@ def main():
   )
   ap.add_argument("--quantization", default="nf4", help="comma-separated: nf4, none")
   ap.add_argument("--nf4-matmul", default="auto", help="comma-separated: auto, kernel, xla")
-  ap.add_argument(
-    "--fuse-lora", default="0", help="comma-separated 0/1: LoRA's x @ A in the NF4 weight's dot"
-  )
   ap.add_argument("--results-dir", default=None, help="default: experiments/ (--tiny: a temp dir)")
   ap.add_argument("--matmul-n", type=int, default=8192, help="size of the reference matmul")
   ap.add_argument(
@@ -366,14 +359,14 @@ def main():
   )
   print(f"\nrecorded to {args.results_dir or 'experiments/'}")
   print(
-    "\n| model | attention | remat | loss chunk | mlp chunk | nf4 matmul | fused LoRA | batch | "
+    "\n| model | attention | remat | loss chunk | mlp chunk | nf4 matmul | batch | "
     "tokens/s | ms/step | peak GiB | MFU-6N | MFU-4N | load s | first step s |"
   )
-  print("|---" * 15 + "|")
+  print("|---" * 14 + "|")
   for r in rows:
     setting = (
       f"| {r['model']} | {r['attention']} | {r['remat']} | {r['loss_chunk']} | "
-      f"{r.get('mlp_chunk', 0)} | {r['nf4_matmul']} | {r.get('fuse_lora', False)} | {r['batch']} "
+      f"{r.get('mlp_chunk', 0)} | {r['nf4_matmul']} | {r['batch']} "
     )
     if r["status"] != "ok":
       print(setting + f"| {r['status']} | | | | | {r['load_s']:.1f} | |")

@@ -17,7 +17,6 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtune import nf4
 from jaxtune.nf4_storage import NF4Storage
 from pallas_kernels.nf4_matmul import nf4_matmul
-from pallas_kernels.nf4_matmul.lora import nf4_lora_matmul
 
 
 def _stacked(layers: int | None, shape: tuple[int, ...], axes: tuple) -> tuple[tuple, tuple]:
@@ -99,9 +98,8 @@ class Linear(nnx.Module):
     if self.quantized:
       parts = (self.codes[...], self.absmax[...], self.nested_absmax[...], self.offset[...])
       with jax.named_scope("nf4_matmul"):
-        if fused:
-          a, b = self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype)
-          y = nf4_lora_matmul(x, *parts, a, b, self.lora_scale)
+        if fused:  # removed with pallas_kernels/nf4_matmul/lora.py; fuse_lora goes next
+          raise NotImplementedError("fused LoRA was removed: it measured slower (RESULTS.md).")
         else:
           y = nf4_matmul(x, *parts, impl=self.nf4_impl)
     else:
