@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import jaxtune
-from jaxtune.generate import generate_ids, sample
+from jaxtune.decoding import generate_ids, sample
 from jaxtune.lora import iter_linears
 
 
