@@ -12,9 +12,11 @@ jaxtune's NF4 storage holds exactly these bytes (reshaped), so nothing passes th
 """
 
 import json
+from pathlib import Path
 
 import numpy as np
 
+from converters.safetensors_read import CheckpointError
 from jaxtune import nf4
 from jaxtune.nf4_maps import DYNAMIC_MAP, NF4_CODE
 
@@ -79,6 +81,53 @@ def unpack(base: str, parts: dict[str, np.ndarray]) -> tuple[nf4.NF4Quantized, t
   if q.codes.size != -(-n // 2) or q.absmax.size != -(-n // nf4.BLOCKSIZE):
     raise BnbError(f"{base}: its bytes do not match its quant state shape {list(shape)}.")
   return q, shape
+
+
+class Assembler:
+  """Gathers the six tensors of each quantized Linear as a file streams them past, in any order,
+  and hands the Linear on once all six have arrived."""
+
+  def __init__(self):
+    self.pending: dict[str, dict[str, np.ndarray]] = {}  # base name -> the parts read so far
+
+  def add(self, name: str, file: Path, tensor: np.ndarray):
+    """-> (name, tensor, None) for a tensor that is no part of a quantized Linear; None while
+    a Linear's parts are still arriving; ("X.weight", None, (flat NF4, [out, in])) with its
+    last part."""
+    piece = split_name(name, tensor)
+    if piece is None:
+      return name, tensor, None
+    base, part = piece
+    parts = self.pending.setdefault(base, {})
+    parts[part] = tensor
+    if len(parts) < len(PARTS):
+      return None
+    del self.pending[base]
+    try:
+      return base, None, unpack(base, parts)
+    except BnbError as e:
+      raise CheckpointError(f"{file.name}: {e}") from e
+
+  def check_complete(self, ckpt: Path) -> None:
+    """Raise if a Linear's parts never all arrived (once every file has been read)."""
+    if self.pending:
+      some = sorted(self.pending)[0]
+      raise CheckpointError(
+        f"4-bit tensor {some} lacks {sorted(set(PARTS) - set(self.pending[some]))} in {ckpt}; "
+        "the checkpoint is incomplete."
+      )
+
+
+def linear_layout(flat: nf4.NF4Quantized, out_features: int) -> nf4.NF4Quantized:
+  """bitsandbytes' flat tensors of a Linear [out, in] -> jaxtune's NF4 layout of it: codes
+  [out, in / 2], absmax [out, in / 64] (the same bytes: blocks of 64 never cross a row when
+  in is a multiple of 64)."""
+  return nf4.NF4Quantized(
+    flat.codes.reshape(out_features, -1),
+    flat.absmax.reshape(out_features, -1),
+    flat.nested_absmax,
+    np.asarray(flat.offset, np.float32),
+  )
 
 
 def pack(q: nf4.NF4Quantized, shape: tuple[int, int], dtype: str) -> dict[str, np.ndarray]:

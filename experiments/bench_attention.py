@@ -5,8 +5,7 @@ Cases (batch 1, bf16, causal):
   gemma256: 16 query heads, 8 K/V heads, head_dim 256, scale 256**-0.5; plain, softcap 50,
             window 4096, softcap + window (the window passed as a traced value, as in the
             model's layer scan).
-Implementations: "mosaic" (ours), "mosaic_fused" (ours, head_dim 128, dQ accumulated by the
-dK/dV kernel: Blocks(fused_dq=True)), "cudnn" (jax.nn.dot_product_attention, when it can express
+Implementations: "mosaic" (ours), "cudnn" (jax.nn.dot_product_attention, when it can express
 the variant), "xla" (jax.nn.dot_product_attention's XLA version, or our jnp reference for
 softcap; skipped where its [T, T] float32 scores would not fit).
 
@@ -18,7 +17,6 @@ Times are medians over repeats of a loop of calls (block_until_ready after each 
 """
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -55,12 +53,8 @@ def attention_fn(impl, case, variant):
   scale = case["scale"] or case["head_dim"] ** -0.5
   softcap = variant.get("softcap")
   windowed = "window" in variant
-  if impl in ("mosaic", "mosaic_fused"):
-    if impl == "mosaic_fused" and case["head_dim"] != 128:
-      return None
+  if impl == "mosaic":
     blocks = kernel.Blocks.for_head_dim(case["head_dim"])
-    if impl == "mosaic_fused":
-      blocks = kernel.Blocks(fused_dq=True)
     return lambda q, k, v, w: ops.flash_attention(
       q, k, v, window=w if windowed else 0, softcap=softcap, scale=scale, implementation=MOSAIC,
       blocks=blocks,
@@ -162,11 +156,8 @@ def packed_checks(lengths=(1000,)):
     (t,) = lengths
     q, k, v, do = inputs(case, 2, t, seed=h)
     seg = jnp.sort(jax.random.randint(jax.random.key(h), (2, t), 0, 5), axis=1)
-    options = [{}, {"softcap": 20.0, "window": 300}]
-    if h == 128:
-      options.append({"softcap": 20.0, "window": 300, "fused_dq": True})
-    for kw in options:
-      blocks = dataclasses.replace(kernel.Blocks.for_head_dim(h), fused_dq="fused_dq" in kw)
+    for kw in ({}, {"softcap": 20.0, "window": 300}):
+      blocks = kernel.Blocks.for_head_dim(h)
       f = lambda q, k, v, w, kw=kw, seg=seg, blocks=blocks: ops.flash_attention(
         q, k, v, segment_ids=seg, window=w if "window" in kw else 0,
         softcap=kw.get("softcap"), scale=0.1, implementation=MOSAIC, blocks=blocks,
@@ -188,7 +179,6 @@ def packed_checks(lengths=(1000,)):
 
 SWEEP = [
   kernel.Blocks(),
-  kernel.Blocks(defer_dq=True),
   kernel.Blocks(defer_dk=False),
   kernel.Blocks(dq_kv=128),
   kernel.Blocks(dkv_stages=3),
@@ -230,12 +220,10 @@ def sweep(batch, seq, results_dir):
       row["delta_ms"] = timed(delta_f, out, do) * 1e3
       bargs = (q, k, v, do, lse, delta)
       rest = (zeros, zeros, win, opts, blocks, None)
-      row["dq_ms"] = row["dkv_ms"] = None  # the fused backward has no separate dQ kernel
-      if not blocks.fused_dq:
-        dq_f = jax.jit(lambda *a, r=rest: kernel_backward.backward_dq(*a, *r))
-        row["dq_ms"] = timed(dq_f, *bargs) * 1e3
-        dkv_f = jax.jit(lambda *a, r=rest: kernel_backward.backward_dkv(*a, *r))
-        row["dkv_ms"] = timed(dkv_f, *bargs) * 1e3
+      dq_f = jax.jit(lambda *a, r=rest: kernel_backward.backward_dq(*a, *r))
+      row["dq_ms"] = timed(dq_f, *bargs) * 1e3
+      dkv_f = jax.jit(lambda *a, r=rest: kernel_backward.backward_dkv(*a, *r))
+      row["dkv_ms"] = timed(dkv_f, *bargs) * 1e3
       row["vs_cudnn_fwd"] = cudnn["fwd"] * 1e3 / row["fwd_ms"]
       row["vs_cudnn_fwd_bwd"] = cudnn["fwd_bwd"] * 1e3 / row["fwd_bwd_ms"]
       print("sweep", {k_: (round(x, 4) if isinstance(x, float) else x) for k_, x in row.items()},
@@ -262,7 +250,7 @@ def main():
   ap.add_argument("--seqs", default="2048,8192,32768")
   ap.add_argument("--batch", type=int, default=1)
   ap.add_argument("--cases", default="gqa128,gemma256")
-  ap.add_argument("--impls", default="mosaic,cudnn,xla,mosaic_fused")
+  ap.add_argument("--impls", default="mosaic,cudnn,xla")
   ap.add_argument("--no-checks", action="store_true")
   ap.add_argument("--sweep", action="store_true", help="also time a few block-size choices")
   ap.add_argument("--sweep-only", action="store_true", help="only the block sweep")
@@ -287,7 +275,7 @@ def main():
     case = CASES[case_name]
     for var_name, variant in VARIANTS[case_name].items():
       errs = {}
-      for impl in ("mosaic", "mosaic_fused"):
+      for impl in ("mosaic",):
         f = attention_fn(impl, case, variant)
         if args.no_checks or impl not in impls or f is None:
           continue

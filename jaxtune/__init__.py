@@ -1,22 +1,51 @@
 """jaxtune: QLoRA fine-tuning of Llama-family models in JAX / Flax NNX.
 
-The public surface is small on purpose: load, add adapters, (train), export.
+The public surface is small on purpose: load, add adapters, (train), export, generate.
+Each name is imported on first use: ``import jaxtune`` loads nothing (not even JAX), so that
+importing one submodule loads only what that submodule needs.
 """
 
-from converters.hf_in import CheckpointError, from_pretrained
-from converters.hf_out import export_bnb4, export_merged, export_peft
-from jaxtune.config import ConfigError, ModelConfig
-from jaxtune.generate import generate
-from jaxtune.lora import apply_lora
+import importlib
+import sys
+import types
 
-__all__ = [
-  "CheckpointError",
-  "ConfigError",
-  "ModelConfig",
-  "apply_lora",
-  "export_bnb4",
-  "export_merged",
-  "export_peft",
-  "from_pretrained",
-  "generate",
-]
+# Public name -> "module:attribute". ``train`` and ``load_adapter`` join here when they exist.
+_PUBLIC = {
+  "CheckpointError": "jaxtune.errors:CheckpointError",
+  "ConfigError": "jaxtune.errors:ConfigError",
+  "ModelConfig": "jaxtune.config:ModelConfig",
+  "UserError": "jaxtune.errors:UserError",
+  "apply_lora": "jaxtune.lora:apply_lora",
+  "export_bnb4": "converters.hf_out:export_bnb4",
+  "export_merged": "converters.hf_out:export_merged",
+  "export_peft": "converters.hf_out:export_peft",
+  "from_pretrained": "converters.hf_in:from_pretrained",
+  "generate": "jaxtune.decoding:generate",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+  if name not in _PUBLIC:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  module, attr = _PUBLIC[name].split(":")
+  value = getattr(importlib.import_module(module), attr)
+  globals()[name] = value  # later lookups skip this function
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+  def __setattr__(self, name: str, value) -> None:
+    # Importing the submodule jaxtune.generate (the command line) binds it here; the public
+    # function jaxtune.generate must keep the name.
+    if name in _PUBLIC and isinstance(value, types.ModuleType):
+      return
+    super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtune import nf4
 from jaxtune.errors import ConfigError
+from jaxtune.nf4_storage import NF4Storage
 from pallas_kernels.nf4_matmul import nf4_matmul
 
 
@@ -54,17 +55,17 @@ class Linear(nnx.Module):
         )
       # Starts as exact zeros (code 7 is 0.0); from_pretrained fills it from a checkpoint.
       lead = shape[:-2]
-      self.codes = nf4.NF4Storage(
+      self.codes = NF4Storage(
         jnp.full((*lead, out_features, in_features // 2), 0x77, jnp.uint8), axes=vaxes
       )
-      self.absmax = nf4.NF4Storage(
+      self.absmax = NF4Storage(
         jnp.zeros((*lead, out_features, in_features // nf4.BLOCKSIZE), jnp.uint8), axes=vaxes
       )
-      self.nested_absmax = nf4.NF4Storage(
+      self.nested_absmax = NF4Storage(
         jnp.zeros((*lead, nf4.nested_size(out_features, in_features)), jnp.float32),
         axes=vaxes[:-2] + (None,),
       )
-      self.offset = nf4.NF4Storage(jnp.zeros(lead, jnp.float32), axes=vaxes[:-2])
+      self.offset = NF4Storage(jnp.zeros(lead, jnp.float32), axes=vaxes[:-2])
     else:
       std = 1.0 / math.sqrt(in_features)
       weight = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)

@@ -32,7 +32,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxtune.nf4_maps import DYNAMIC_MAP, NF4_CODE
 
@@ -45,10 +44,6 @@ _NF4_BOUNDS = ((NF4_CODE[:-1] + NF4_CODE[1:]) / np.float32(2)).astype(np.float32
 # grid point to the level whose float32 midpoints bracket it.
 _LUT_SIZE = 65536
 _DYNAMIC_MIDPOINTS = (np.float32(0.5) * (DYNAMIC_MAP[:-1] + DYNAMIC_MAP[1:])).astype(np.float32)
-
-
-class NF4Storage(nnx.Variable):
-  """Frozen NF4 bytes and scales. Not an ``nnx.Param``: no optimizer filter can select it."""
 
 
 class NF4Quantized(NamedTuple):

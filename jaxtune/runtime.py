@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtune import mesh as meshlib
 from jaxtune import pipeline, sharding
 from jaxtune.errors import MeshError, UserError
+from pallas_kernels.flash_attention import mosaic_supports
 
 if TYPE_CHECKING:
   from jaxtune.config import ModelConfig
@@ -156,11 +157,6 @@ def _on_hopper(device) -> bool:
   return device.platform == "gpu" and str(getattr(device, "compute_capability", "")) == "9.0"
 
 
-def _mosaic_takes(dtype: str, head_dim: int) -> bool:
-  """Whether the flash kernel takes this compute dtype and head size."""
-  return dtype in ("bfloat16", "float16") and head_dim % 64 == 0 and head_dim <= 256
-
-
 def resolve_attention(
   requested: str | None,
   cfg: ModelConfig,
@@ -182,7 +178,7 @@ def resolve_attention(
   gpu, hopper = device.platform == "gpu", _on_hopper(device)
   special = bool(cfg.attn_logit_softcap) or cfg.has_sliding_layers
   cudnn_exact = gpu and not (special or packed)
-  kernel_ok = hopper and _mosaic_takes(dtype, cfg.head_dim)
+  kernel_ok = hopper and mosaic_supports(dtype, cfg.head_dim)
   if requested in ("fused", "pallas") and pipelined:
     kind = "cuDNN" if requested == "fused" else "the Mosaic GPU kernel"
     raise MeshError(

@@ -15,8 +15,8 @@ from converters import export
 from converters.hf_in import from_pretrained, resolve_checkpoint
 from jaxtune import checkpoint, checks, data, default_model, distributed, runtime, step, trainer
 from jaxtune.config import ModelConfig
+from jaxtune.decoding import generate
 from jaxtune.errors import RunConfigError, TrainingError, UserError
-from jaxtune.generate import generate  # moves to jaxtune.decoding
 from jaxtune.lora import apply_lora
 from jaxtune.run_config import RunConfig
 

@@ -15,9 +15,11 @@ a time inside its scan (``gathered``), trading an all-gather per layer for memor
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtune import nf4, pipeline
+from jaxtune import pipeline
+from jaxtune.nf4_storage import NF4Storage
 
 # logical axis -> mesh axis (None: replicated).
 RULES: dict[str, str | None] = {
@@ -93,7 +95,7 @@ def state_shardings(state, mesh: Mesh | None, shard_frozen: bool = False):
 
   def one(variable):
     value = variable.get_value()
-    fsdp = shard_frozen and isinstance(variable, nf4.NF4Storage)
+    fsdp = shard_frozen and isinstance(variable, NF4Storage)
     return sharding_for(_axes(variable, value), value.shape, mesh, shard_frozen=fsdp)
 
   return jax.tree.map(one, state, is_leaf=lambda x: hasattr(x, "get_metadata"))
@@ -108,13 +110,13 @@ def gathered(layer_state, mesh):
   """
 
   def one(variable):
-    if not isinstance(variable, nf4.NF4Storage):
+    if not isinstance(variable, NF4Storage):
       return variable
     value = variable.get_value()
     spec = spec_for(_axes(variable, value)[1:], value.shape, mesh)  # [1:]: no layers axis
     return variable.replace(jax.lax.with_sharding_constraint(value, NamedSharding(mesh, spec)))
 
-  return jax.tree.map(one, layer_state, is_leaf=lambda x: isinstance(x, nf4.nnx.Variable))
+  return jax.tree.map(one, layer_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def after_pipeline(mesh: Mesh, batch: int) -> NamedSharding:

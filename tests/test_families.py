@@ -5,6 +5,7 @@ sequence is longer than the sliding window; query_pre_attn_scalar differs from h
 softcaps are small enough to bite.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxtune import attention
 from pallas_kernels.flash_attention import kernel, ops, reference
 
 # bf16 inputs and probabilities: errors land near 3e-3; a wrong mask gives > 5e-2.
@@ -32,19 +31,8 @@ CASES = {
   "one-segment-window": (330, 2, 1, 64, {"segments": "one", "window": 200}),
   "h256-softcap-window": (200, 2, 1, 256, {"softcap": 4.0, "window": 64}),
   "h256-segments-noncausal-gqa4": (128, 4, 1, 256, {"segments": True, "causal": False}),
-  # dK and dQ products issued in their own step (Blocks(defer_dk=False, defer_dq=False)), not
-  # with the next step's products
-  "undeferred-segments-gqa2": (200, 4, 2, 64, {"defer": False, "segments": True}),
-  "deferred-window-gqa4": (200, 4, 1, 64, {"defer": True, "window": 48}),
-  # dQ accumulated by the dK/dV kernel (head_dim 128 only)
-  "fused-dq-gqa2": (200, 4, 2, 128, {"fused_dq": True}),
-  "fused-dq-segments-window-softcap": (
-    330,
-    2,
-    1,
-    128,
-    {"fused_dq": True, "segments": True, "window": 100, "softcap": 5.0},
-  ),
+  # dK products issued in their own step (Blocks(defer_dk=False)), not with the next step's
+  "undeferred-segments-gqa2": (200, 4, 2, 64, {"defer_dk": False, "segments": True}),
 }
 
 
@@ -60,12 +48,12 @@ def _inputs(t, n, kv, h, seed):
   return q, k, v, do, seg
 
 
-def _blocks(head_dim, fused_dq, defer=None):
-  """The head dim's blocks; ``defer`` (not None) sets both deferral options."""
-  blocks = dataclasses.replace(kernel.Blocks.for_head_dim(head_dim), fused_dq=fused_dq)
-  if defer is None:
+def _blocks(head_dim, defer_dk=None):
+  """The head dim's blocks, with ``defer_dk`` if given."""
+  blocks = kernel.Blocks.for_head_dim(head_dim)
+  if defer_dk is None:
     return blocks
-  return dataclasses.replace(blocks, defer_dk=defer, defer_dq=defer)
+  return dataclasses.replace(blocks, defer_dk=defer_dk)
 
 
 def _rel(x, ref):
@@ -96,7 +84,7 @@ def test_kernels_match_reference(name):
     softcap=opts.get("softcap"),
     scale=opts.get("scale"),
   )
-  blocks = _blocks(h, opts.get("fused_dq", False), opts.get("defer"))
+  blocks = _blocks(h, opts.get("defer_dk"))
   f = lambda q, k, v, impl: ops.flash_attention(q, k, v, implementation=impl, blocks=blocks, **kw)
   errs = _errors(f, q, k, v, do)
   assert max(errs) < TOL, dict(zip(("out", "dq", "dk", "dv"), errs, strict=True))
@@ -118,9 +106,9 @@ def test_traced_window_in_a_layer_scan():
   assert max(errs) < TOL, errs
 
 
-@pytest.mark.parametrize("head_dim, fused", [(64, False), (128, False), (128, True), (256, False)])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("everything", [False, True])
-def test_kernels_lower_for_hopper(head_dim, fused, everything):
+def test_kernels_lower_for_hopper(head_dim, everything):
   """Mosaic GPU lowering (layouts, shared-memory budget) runs without a GPU: catch it here."""
   q = jax.ShapeDtypeStruct((1, 1000, 4, head_dim), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 1000, 2, head_dim), jnp.bfloat16)
@@ -129,7 +117,7 @@ def test_kernels_lower_for_hopper(head_dim, fused, everything):
 
   def f(q, k, v, do, seg, window):
     kw = dict(segment_ids=seg, window=window, softcap=30.0) if everything else {}
-    blocks = _blocks(head_dim, fused)
+    blocks = _blocks(head_dim)
     attn = lambda q, k, v: ops.flash_attention(
       q, k, v, implementation="mosaic", blocks=blocks, **kw
     )
@@ -137,7 +125,7 @@ def test_kernels_lower_for_hopper(head_dim, fused, everything):
     return out, *vjp(do)
 
   text = jax.jit(f).trace(q, k, k, q, seg, window).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("mosaic_gpu") >= (2 if fused else 3)  # forward, dQ, dK/dV
+  assert text.count("mosaic_gpu") >= 3  # forward, dQ, dK/dV
 
 
 def test_tile_ranges_cover_exactly_the_visible_blocks():
@@ -167,15 +155,23 @@ def test_tile_ranges_cover_exactly_the_visible_blocks():
             assert blk.all(), (causal, window, k0, j)
 
 
-def test_dispatch_and_errors():
+def test_implementation_is_named_and_inputs_checked():
   q, k, v, _, seg = _inputs(64, 2, 1, 64, seed=1)
-  # Off Hopper, "pallas" is the op's own fallback: here the jnp reference.
-  assert ops.default_implementation(segmented=True) == "xla"
-  got = attention.attention(
-    q, k, v, segment_ids=seg, scale=0.125, window=16, implementation="pallas"
-  )
-  want = attention.attention(q, k, v, segment_ids=seg, scale=0.125, window=16, implementation="xla")
-  assert _rel(got, want) < TOL
+  # The caller names the implementation: the op never picks one.
+  for missing in (None, "pallas"):
+    with pytest.raises(ValueError, match="mosaic, interpret, cudnn, xla"):
+      ops.flash_attention(q, k, v, implementation=missing)
+  assert ops.mosaic_supports(jnp.bfloat16, 256) and ops.mosaic_supports(jnp.float16, 64)
+  assert not ops.mosaic_supports(jnp.float32, 128) and not ops.mosaic_supports(jnp.bfloat16, 96)
+  assert ops.cudnn_supports(segmented=False, softcap=None, window=16)
+  assert not ops.cudnn_supports(segmented=True, softcap=None, window=0)
+  assert not ops.cudnn_supports(segmented=False, softcap=30.0, window=0)
+
+  def scanned_layer(window):  # a traced window, as in the decoder's layer scan: not for cuDNN
+    assert not ops.cudnn_supports(segmented=False, softcap=None, window=window)
+    return window
+
+  jax.eval_shape(scanned_layer, jnp.int32(0))
   with pytest.raises(ValueError, match="bf16 or f16"):
     ops.flash_attention(q.astype(jnp.float32), k, v, implementation="interpret")
   with pytest.raises(ValueError, match="head_dim"):

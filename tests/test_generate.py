@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import jaxtune
-from jaxtune.generate import generate_ids, sample
+from jaxtune.decoding import generate_ids, init_cache, sample
 from jaxtune.lora import iter_linears
 
 
@@ -80,7 +80,7 @@ def test_sliding_window_model_past_its_window(tmp_path):
   hf.save_pretrained(tmp_path / "g2")
   model = jaxtune.from_pretrained(tmp_path / "g2", quantization=None, dtype="float32")
   # Sliding layers keep a ring of `window` slots; full layers keep every slot.
-  cache = model.init_cache(2, 40)
+  cache = init_cache(model, 2, 40)
   assert cache["local"][0].shape[:3] == (2, 2, 6) and cache["global"][0].shape[:3] == (2, 2, 40)
   prompt = [3, 1, 4, 1, 5]
   ours = generate_ids(model, [prompt], max_new_tokens=12)  # 17 tokens, window 6

@@ -9,10 +9,11 @@ from conftest import copy_dequantized_into, max_rel_err, torch_logits
 from flax import nnx
 
 import jaxtune
-from jaxtune import nf4, runtime
+from jaxtune import runtime
 from jaxtune.config import ModelConfig
 from jaxtune.layers import Linear
 from jaxtune.models.decoder import Decoder
+from jaxtune.nf4_storage import NF4Storage
 
 LLAMA3_ROPE = {
   "rope_type": "llama3",
@@ -128,7 +129,7 @@ def test_nf4_storage_is_not_a_param():
   params = nnx.state(model, nnx.Param)
   flat = [".".join(map(str, p)) for p, _ in params.flat_state()]
   assert flat and not any(p.endswith(("codes", "absmax", "offset")) for p in flat)
-  assert nnx.state(model, nf4.NF4Storage).flat_state()
+  assert nnx.state(model, NF4Storage).flat_state()
 
 
 def _param_count(hf_config: dict) -> int:
@@ -176,7 +177,7 @@ def test_full_size_shapes_without_allocating():
   abstract = nnx.eval_shape(lambda: Decoder(cfg, quantized=True, rngs=nnx.Rngs(0)))
   codes = sum(
     int(np.prod(x.shape))
-    for p, x in nnx.to_flat_state(nnx.state(abstract, nf4.NF4Storage))
+    for p, x in nnx.to_flat_state(nnx.state(abstract, NF4Storage))
     if p[-1] == "codes"
   )
   linear_params = cfg.num_layers * sum(o * i for o, i in cfg.linear_shapes().values())

@@ -65,21 +65,21 @@ def test_nf4_bytes_are_quantize_linear_of_each_weight(ckpt):
 def test_loading_onto_a_mesh_writes_what_one_device_loads(ckpt, spec, monkeypatch):
   """Under a mesh, tensors cross from the host split over data and are gathered on the devices:
   every array holds the single-device bytes, in its variable's own layout."""
-  from converters import hf_in
+  from converters import device_put
   from jaxtune import mesh as meshlib
   from jaxtune import sharding
 
   one = nnx.state(jaxtune.from_pretrained(ckpt, quantization="nf4", dtype="bfloat16"))
   mesh = meshlib.make_mesh(spec)
   from_host = []  # (shape, spec) of every numpy array the loader sends to the devices
-  real_put = hf_in.jax.device_put
+  real_put = device_put.jax.device_put
 
   def put(x, where=None, **kw):
     if isinstance(x, np.ndarray) and isinstance(where, jax.sharding.NamedSharding):
       from_host.append((x.shape, str(where.spec)))
     return real_put(x, where, **kw)
 
-  monkeypatch.setattr(hf_in.jax, "device_put", put)
+  monkeypatch.setattr(device_put.jax, "device_put", put)
   state = nnx.state(jaxtune.from_pretrained(ckpt, quantization="nf4", dtype="bfloat16", mesh=mesh))
   monkeypatch.undo()
   weights = [s for shape, s in from_host if len(shape) == 2]

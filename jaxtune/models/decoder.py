@@ -9,7 +9,6 @@ Module and attribute names follow transformers' (``layers.self_attn.q_proj``), s
 converter table and LoRA targets read the same as a PEFT config.
 """
 
-import functools
 import math
 
 import jax
@@ -273,14 +272,15 @@ class Decoder(nnx.Module):
         rngs=rngs,
       )
 
-  def _per_layer(self) -> tuple[np.ndarray, np.ndarray]:
+  def per_layer(self) -> tuple[np.ndarray, np.ndarray]:
     """(window [L] int32, 0 = full attention; local [L] bool: uses the local rope)."""
     cfg = self.config
     sliding = np.array([t == SLIDING for t in cfg.layer_types] or [False] * cfg.num_layers)
     window = np.where(sliding, cfg.sliding_window or 0, 0).astype(np.int32)
     return window, sliding & (cfg.rope_local is not None)
 
-  def _embed(self, input_ids, positions):
+  def embed(self, input_ids, positions):
+    """(embedded tokens [B, T, D], global rope (cos, sin), local rope (cos, sin))."""
     cfg = self.config
     x = self.embed_tokens(input_ids, self.dtype)
     if cfg.embed_scale:  # Gemma rounds sqrt(hidden) to the compute dtype first
@@ -293,7 +293,7 @@ class Decoder(nnx.Module):
   def _layers(self, x, rope_global, rope_local, segment_ids, dropout_key, runtime: Runtime):
     """Run the stacked layers under scan (training and plain forward); pipelined over the
     mesh's ``pipe`` axis when it has one (pipeline.py)."""
-    window, local = self._per_layer()
+    window, local = self.per_layer()
     n = self.config.num_layers
     layer_keys = None if dropout_key is None else jax.random.split(dropout_key, n)
     graphdef, state = nnx.split(self.layers)
@@ -345,97 +345,9 @@ class Decoder(nnx.Module):
       positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     if segment_ids is None:
       segment_ids = jnp.ones((b, t), jnp.int32)
-    x, rope_global, rope_local = self._embed(input_ids, positions)
+    x, rope_global, rope_local = self.embed(input_ids, positions)
     h = self._layers(x, rope_global, rope_local, segment_ids, dropout_key, runtime)
     return self.norm(h)
-
-  def init_cache(self, batch: int, length: int) -> dict:
-    """An empty KV cache for ``length`` slots.
-
-    Full-attention layers keep every slot: {"global": (k, v)} of [Lg, B, length, K, H].
-    Sliding-window layers keep only their window, as a ring: {"local": (k, v)} of
-    [Ll, B, min(window, length), K, H]; slot a lives at ring index a % window.
-    """
-    cfg = self.config
-    window, _ = self._per_layer()
-    n_local = int(np.sum(window > 0))
-    n_global = cfg.num_layers - n_local
-    ring = min(cfg.sliding_window or length, length)
-
-    def zeros(n, slots):
-      shape = (n, batch, slots, cfg.num_kv_heads, cfg.head_dim)
-      return (jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)) if n else None
-
-    return {"global": zeros(n_global, length), "local": zeros(n_local, ring)}
-
-  def forward_cached(self, input_ids, positions, cache: dict, start, key_valid):
-    """Logits of the last position [B, V] (float32) and the cache with this chunk stored.
-
-    input_ids/positions [B, T] take cache slots start .. start + T - 1; key_valid [B, S]
-    marks the slots that hold real tokens (left padding does not).
-    """
-    t = input_ids.shape[1]
-    x, rope_global, rope_local = self._embed(input_ids, positions)
-    window, local = self._per_layer()
-    is_sliding = window > 0
-    type_index = jnp.asarray(
-      np.where(is_sliding, np.cumsum(is_sliding) - 1, np.cumsum(~is_sliding) - 1), jnp.int32
-    )
-    q_slot = start + jnp.arange(t)  # [T]
-
-    def attend_global(cache, i, q, k, v, scale, softcap):
-      ks, vs = cache["global"]
-      k_all = jax.lax.dynamic_update_slice_in_dim(ks[i], k.astype(ks.dtype), start, axis=1)
-      v_all = jax.lax.dynamic_update_slice_in_dim(vs[i], v.astype(vs.dtype), start, axis=1)
-      slots = jnp.arange(k_all.shape[1])
-      mask = key_valid[:, None, :] & (slots[None, None, :] <= q_slot[None, :, None])
-      out = attention.masked_attention(q, k_all, v_all, mask[:, None, None], scale, softcap)
-      return out, {**cache, "global": (ks.at[i].set(k_all), vs.at[i].set(v_all))}
-
-    def attend_local(cache, i, q, k, v, scale, softcap):
-      ks, vs = cache["local"]
-      ring = ks.shape[2]
-      # Slot held by each ring entry before this chunk (negative: never written).
-      held = start - 1 - jnp.mod(start - 1 - jnp.arange(ring), ring)
-      slots = jnp.concatenate([held, q_slot])  # [ring + T]
-      k_all = jnp.concatenate([ks[i], k.astype(ks.dtype)], axis=1)
-      v_all = jnp.concatenate([vs[i], v.astype(vs.dtype)], axis=1)
-      valid = (slots >= 0)[None, :] & jnp.take(key_valid, jnp.maximum(slots, 0), axis=1)
-      distance = q_slot[:, None] - slots[None, :]
-      mask = valid[:, None, :] & ((distance >= 0) & (distance < ring))[None]
-      out = attention.masked_attention(q, k_all, v_all, mask[:, None, None], scale, softcap)
-      keep = min(t, ring)  # only the newest `ring` keys survive
-      where = jnp.mod(start + t - keep + jnp.arange(keep), ring)
-      new_k = ks[i].at[:, where].set(k[:, t - keep :].astype(ks.dtype))
-      new_v = vs[i].at[:, where].set(v[:, t - keep :].astype(vs.dtype))
-      return out, {**cache, "local": (ks.at[i].set(new_k), vs.at[i].set(new_v))}
-
-    graphdef, state = nnx.split(self.layers)
-
-    def step(carry, xs):
-      x, cache = carry
-      layer_state, sliding, i, is_local = xs
-      c = jnp.where(is_local, rope_local[0], rope_global[0])
-      s = jnp.where(is_local, rope_local[1], rope_global[1])
-      block = nnx.merge(graphdef, layer_state)
-
-      def run(attend):
-        attend_here = functools.partial(attend, cache, i)
-        return block(x, c, s, None, None, None, DEFAULT, cache=attend_here)
-
-      if cache["local"] is None:
-        x, cache = run(attend_global)
-      elif cache["global"] is None:
-        x, cache = run(attend_local)
-      else:
-        x, cache = jax.lax.cond(sliding, lambda: run(attend_local), lambda: run(attend_global))
-      return (x, cache), None
-
-    (x, cache), _ = jax.lax.scan(
-      step, (x, cache), (state, jnp.asarray(is_sliding), type_index, jnp.asarray(local))
-    )
-    logits = self.logits_from_hidden(self.norm(x[:, -1:]))
-    return logits[:, -1].astype(jnp.float32), cache
 
   def logits_from_hidden(self, h: jax.Array) -> jax.Array:
     with jax.named_scope("output_layer"):

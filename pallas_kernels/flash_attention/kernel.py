@@ -21,7 +21,6 @@ with no visible key in a block stays NaN-free and is wiped by the rescale once a
 key arrives.
 """
 
-import dataclasses
 import math
 
 import jax
@@ -30,72 +29,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.flash_attention.options import (
+  COMPUTE_WGS,
+  MIXED,
+  SEGMENT_BLOCK,
+  Blocks,
+  Options,
+)
+
 LOG2E = math.log2(math.e)
 MASKED = -1e30
-SEGMENT_BLOCK = 64  # rows summarised by one entry of the ``uniform`` segment array
-MIXED = -(2**31)  # its value for a block holding several segment ids
-_COMPUTE_WGS = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-  """What the kernels compute. Static: each combination compiles its own kernel."""
-
-  seq_len: int  # valid tokens; the arrays may be padded past it
-  scale: float
-  causal: bool = True
-  softcap: float | None = None
-  windowed: bool = False  # read the window (a run-time value) and mask with it
-  segmented: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Blocks:
-  """Tile sizes (rows per compute warpgroup). ``for_head_dim`` picks ones that fit."""
-
-  q: int = 64  # forward: query rows per warpgroup
-  kv: int = 128  # forward: keys per pipeline step
-  dq_q: int = 64  # dQ: query rows per warpgroup
-  dq_kv: int = 64  # dQ: keys per step
-  dkv_kv: int = 64  # dK/dV: keys per warpgroup
-  dkv_q: int = 64  # dK/dV: queries per step
-  dq_wgs: int = 2  # dQ: compute warpgroups (query tiles of dq_wgs * dq_q rows)
-  num_stages: int = 2
-  # dK/dV with ``defer_dk``: stages of the Q/dO ring (otherwise ``num_stages``). A step then
-  # holds two slots, its own and the last step's; still, 2 measured faster than 3 on an H100.
-  dkv_stages: int = 2
-  # dK/dV: issue step i's dK product (dS_i @ Q_i) together with step i+1's S product, one
-  # tensor-core wait for both instead of one each (dK/dV 1.98 -> 1.77 ms, H100, seq 8192).
-  defer_dk: bool = True
-  # dQ likewise: step i's dS_i @ K_i goes with step i+1's S and dP products. Off: it measured
-  # slower (dQ 1.18 -> 1.59 ms, H100, seq 8192), three products in flight and the dS tile
-  # carried across steps crowd the registers.
-  defer_dq: bool = False
-  # head_dim 128: the dK/dV kernel also accumulates dQ (f32, TMA reductions), and no dQ
-  # kernel recomputes S and dP: 5 matmuls in the backward instead of 7.
-  fused_dq: bool = False
-
-  @classmethod
-  def for_head_dim(cls, head_dim: int) -> "Blocks":
-    if head_dim <= 128:
-      return cls()
-    # 256: the f32 accumulators take half the registers, and K/V tiles the shared memory:
-    # 64-key steps (the least a bf16 wgmma contracts over), one dQ warpgroup (its Q and dO
-    # tiles and a two-stage K/V ring fill 192 KiB).
-    return cls(kv=64, dq_wgs=1)
-
-  @property
-  def multiple(self) -> int:
-    """T must be a multiple of this."""
-    sizes = (
-      _COMPUTE_WGS * self.q,
-      self.kv,
-      self.dq_wgs * self.dq_q,
-      self.dq_kv,
-      _COMPUTE_WGS * self.dkv_kv,
-      self.dkv_q,
-    )
-    return math.lcm(*sizes)
 
 
 def _cdiv(a, b):
@@ -274,17 +217,6 @@ def _mma(pairs, stage, during=None):
   return list(pl.run_state(body)(tuple(plgpu.ACC.init(x) for x in inits)))
 
 
-def _mma_sum(shape, products):
-  """sum(a @ b for a, b in products) into one fresh f32 accumulator; operands in shared memory."""
-
-  def scoped(acc_ref):
-    for a, b in products:
-      plgpu.wgmma(acc_ref, a, b)
-    return acc_ref[...]
-
-  return pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32))
-
-
 def _smem(shape, dtype):
   return plgpu.SMEM(
     shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -317,7 +249,7 @@ def forward(q, k, v, segment_ids, uniform, window, o: Options, blocks: Blocks, i
   dtype = q.dtype
   interpreted = interpret is not None
   padded = o.seq_len < t
-  tile = _COMPUTE_WGS * bq
+  tile = COMPUTE_WGS * bq
   num_tiles = t // tile
 
   def body(q_ref, k_ref, v_ref, seg_ref, uni_ref, win_ref, out_ref, lse_ref, scratch):
@@ -337,7 +269,7 @@ def forward(q, k, v, segment_ids, uniform, window, o: Options, blocks: Blocks, i
       plgpu.barrier_arrive(sched)
       plgpu.barrier_wait(sched)
 
-    @pl.when(wg < _COMPUTE_WGS)
+    @pl.when(wg < COMPUTE_WGS)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
       stage = None if stage_smem is None else stage_smem.at[wg]
@@ -424,7 +356,7 @@ def forward(q, k, v, segment_ids, uniform, window, o: Options, blocks: Blocks, i
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, head, pl.ds(base, bq)])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == _COMPUTE_WGS)
+    @pl.when(wg == COMPUTE_WGS)
     def _memory():
       plgpu.set_max_registers(40, action="decrease")
 
@@ -442,20 +374,20 @@ def forward(q, k, v, segment_ids, uniform, window, o: Options, blocks: Blocks, i
 
   k_copies = 2 if o.segmented else 1
   scratch = (
-    _smem((_COMPUTE_WGS, bq, head_dim), dtype),
+    _smem((COMPUTE_WGS, bq, head_dim), dtype),
     _smem((stages, bk, head_dim), dtype),
     _smem((stages, bk, head_dim), dtype),
-    plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),
-    plgpu.SMEM((_COMPUTE_WGS, bq), jnp.int32),
+    plgpu.SMEM((COMPUTE_WGS, bq), jnp.float32),
+    plgpu.SMEM((COMPUTE_WGS, bq), jnp.int32),
     plgpu.SMEM((stages, bk), jnp.int32),
-    plgpu.SMEM((_COMPUTE_WGS, bq, bk), dtype) if interpreted else None,
+    plgpu.SMEM((COMPUTE_WGS, bq, bk), dtype) if interpreted else None,
     (
-      plgpu.Barrier(num_arrivals=k_copies, num_barriers=_COMPUTE_WGS),
+      plgpu.Barrier(num_arrivals=k_copies, num_barriers=COMPUTE_WGS),
       plgpu.Barrier(num_arrivals=k_copies, num_barriers=stages),
       plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+      plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=COMPUTE_WGS),
     ),
   )
   out_type = (
@@ -468,7 +400,7 @@ def forward(q, k, v, segment_ids, uniform, window, o: Options, blocks: Blocks, i
     scratch_types=scratch,
     grid=(num_heads, num_tiles, batch),
     grid_names=("heads", "q_tiles", "batch"),
-    num_threads=_COMPUTE_WGS + 1,
+    num_threads=COMPUTE_WGS + 1,
     thread_name="wg",
     compiler_params=_compiler_params(),
     interpret=interpret,

@@ -2,6 +2,11 @@
 
 Both recompute the probabilities block by block from the forward's log-sum-exp (log2 units)
 and take delta = rowsum(dO * O) from ops.py. Layouts, pipelining and masking as in kernel.py.
+
+Two variants measured slower on an H100 and were removed (experiments/RESULTS.md, flash
+attention sweeps): dQ's product deferred to the next step as dK/dV's is (dQ 1.18 -> 1.59 ms
+at seq 8192), and FlashAttention-3's dQ accumulated inside the dK/dV kernel, with no dQ kernel
+(fwd+bwd 4.36 -> 5.88 ms).
 """
 
 import jax
@@ -11,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.flash_attention.kernel import (
-  _COMPUTE_WGS,
+  COMPUTE_WGS,
   Blocks,
   Options,
   _compiler_params,
@@ -20,7 +25,6 @@ from pallas_kernels.flash_attention.kernel import (
   _mask_invisible,
   _mask_segments,
   _mma,
-  _mma_sum,
   _q_blocks,
   _read_window,
   _row_ids,
@@ -47,7 +51,6 @@ def backward_dq(
   padded = o.seq_len < t
   tile = wgs * bq
   num_tiles = t // tile
-  defer = blocks.defer_dq
 
   def body(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, uni_ref, win_ref, dq_ref, scratch
@@ -87,25 +90,14 @@ def backward_dq(
       by_row = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
       dq = plgpu.layout_cast(jnp.full((bq, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-      def step(i, carry, masked):
-        """carry: dq, or deferring (``Blocks.defer_dq``) dq, the last step's dS and K slot."""
+      def step(i, dq, masked):
         slot = lax.rem(i, jnp.int32(stages))
         plgpu.barrier_wait(kv_bar.at[slot])
         s_dp = [
           ((bq, bk), q_smem, k_smem.at[slot].transpose((1, 0))),
           ((bq, bk), do_smem, v_smem.at[slot].transpose((1, 0))),
         ]
-        if defer:
-          dq, ds_last, last = carry
-          dq, s, dp = _mma([(dq, ds_last, k_smem.at[last]), *s_dp], stage)
-
-          @pl.when(i > 0)  # at step 0 the "last" product was of zeros on this very slot
-          def _release_last():
-            plgpu.barrier_arrive(kv_free.at[last])
-
-        else:
-          dq = carry
-          s, dp = _mma(s_dp, stage)
+        s, dp = _mma(s_dp, stage)
         s, t_cap = _log2_scores(o, s)
         k0 = (lo + i) * bk
         if masked:
@@ -123,27 +115,13 @@ def backward_dq(
         if t_cap is not None:
           ds = ds * (1.0 - t_cap * t_cap)
 
-        if defer:
-          return dq, ds.astype(dtype), slot  # the slot stays held until the product is issued
         (dq,) = _mma([(dq, ds.astype(dtype), k_smem.at[slot])], stage)
         plgpu.barrier_arrive(kv_free.at[slot])
         return dq
 
-      carry = dq
-      if defer:
-        no_ds = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
-        carry = (dq, no_ds, jnp.int32(0))
-      carry = lax.fori_loop(0, a - lo, lambda i, x: step(i, x, True), carry)
-      carry = lax.fori_loop(a - lo, c - lo, lambda i, x: step(i, x, False), carry)
-      carry = lax.fori_loop(c - lo, n, lambda i, x: step(i, x, True), carry)
-      if defer:
-        # The last step's product. n >= 1: each query tile holds a real row (the padding is
-        # shorter than a tile), which sees at least its own key.
-        dq, ds_last, last = carry
-        (dq,) = _mma([(dq, ds_last, k_smem.at[last])], stage)
-        plgpu.barrier_arrive(kv_free.at[last])
-      else:
-        dq = carry
+      dq = lax.fori_loop(0, a - lo, lambda i, x: step(i, x, True), dq)
+      dq = lax.fori_loop(a - lo, c - lo, lambda i, x: step(i, x, False), dq)
+      dq = lax.fori_loop(c - lo, n, lambda i, x: step(i, x, True), dq)
       q_smem[...] = (dq * o.scale).astype(dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, head])
@@ -199,20 +177,13 @@ def backward_dq(
 
 
 def backward_dkv(
-  q, k, v, do, lse, delta, segment_ids, uniform, window, o: Options, blocks: Blocks,
-  interpret=None, dq_acc=None,
-):  # fmt: skip
+  q, k, v, do, lse, delta, segment_ids, uniform, window, o: Options, blocks: Blocks, interpret=None
+):
   """-> dk, dv [B, T, K, H] in k's dtype.
 
   Head dim <= 128: each compute warpgroup owns its own ``dkv_kv`` keys and accumulates both
   dK and dV. Larger: two f32 accumulators do not fit the registers, so both warpgroups take
   the same keys, one accumulating dV (2 matmuls a step), the other dK (3 matmuls).
-
-  ``dq_acc`` (head_dim 128 only): a zeroed float32 [B, T, N, H] ``jax.Ref``. Then this kernel
-  also adds dS @ K (unscaled) into it, FlashAttention-3's backward: no separate dQ kernel
-  recomputing S and dP. Both warpgroups share their dS tiles through shared memory and each
-  adds one half of the head dim with a TMA reduction (on the interpreter, which has none: a
-  read-add-write, race-free since each warpgroup owns its columns and CTAs run in turn).
   """
   batch, t, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
@@ -222,23 +193,18 @@ def backward_dkv(
   interpreted = interpret is not None
   padded = o.seq_len < t
   split = head_dim > 128
-  fused = dq_acc is not None
-  defer = blocks.defer_dk and not fused  # the fused dQ reads dS in its own step
+  defer = blocks.defer_dk
   stages = blocks.dkv_stages if defer else blocks.num_stages
-  if fused and head_dim != 128:
-    raise ValueError(f"the fused dQ takes head_dim 128 (whole 64-wide halves), not {head_dim}")
-  half = head_dim // 2
-  kv_bufs = 1 if split else _COMPUTE_WGS
-  tile = bk if split else _COMPUTE_WGS * bk
+  kv_bufs = 1 if split else COMPUTE_WGS
+  tile = bk if split else COMPUTE_WGS * bk
   num_tiles = t // tile
 
   def body(*refs):
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, uni_ref, win_ref) = refs[:9]
-    dq_ref = refs[9] if fused else None
-    dk_ref, dv_ref, scratch = refs[9 + fused], refs[10 + fused], refs[11 + fused :]
+    dk_ref, dv_ref, scratch = refs[9], refs[10], refs[11:]
     (k_smem2, v_smem2, kseg_smem, q_smem, do_smem, lse_smem, delta_smem, qseg_smem) = scratch[:8]
-    stage_smem, ds_smem, dq_smem, barriers = scratch[8:]
-    kv_bar, q_bar, q_free, done, ds_ready = barriers
+    stage_smem, barriers = scratch[8:]
+    kv_bar, q_bar, q_free, done = barriers
     b = lax.axis_index("batch")
     kv_head = lax.axis_index("heads")
     k_tile0 = lax.axis_index("kv_tiles") * tile  # causal: the first keys have the most work
@@ -248,7 +214,7 @@ def backward_dkv(
     per_head = hi - lo
     n = group * per_head
 
-    @pl.when(wg < _COMPUTE_WGS)
+    @pl.when(wg < COMPUTE_WGS)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
       stage = None if stage_smem is None else stage_smem.at[wg]
@@ -329,37 +295,12 @@ def backward_dkv(
             out += _mma([(carry[0], ds16, q_s)], stage)
           if want_dv:
             out.append(dv)
-          if fused:
-            add_dq(i, qb, ds16)
           if defer:
             return (*out, ds16, slot)  # the slot stays held until the product is issued
         else:
           out += _mma([(carry[0], p.astype(dtype), do_s)], stage)
         plgpu.barrier_arrive(q_free.at[slot])
         return tuple(out)
-
-      def add_dq(i, qb, ds16):
-        """dq[queries, this warpgroup's half of H] += dS^T @ K over both warpgroups' keys."""
-        par = lax.rem(i, 2)  # two dS buffers: the other warpgroup may still read the last one
-        ds_smem.at[par, wg][...] = ds16
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(ds_ready.at[par])
-        plgpu.barrier_wait(ds_ready.at[par])
-        cols = pl.ds(wg * half, half)
-        # Indices from wg (traced): accumulator scopes cannot close over constant indices.
-        dqp = _mma_sum(
-          (bq, half),
-          [(ds_smem.at[par, w].transpose((1, 0)), k_smem2.at[w].at[:, cols]) for w in (wg, 1 - wg)],
-        )
-        head = kv_head * group + lax.div(i, jnp.maximum(per_head, 1))
-        dst = dq_ref.at[b, pl.ds(qb * bq, bq), head, cols]
-        if interpreted:
-          dst[...] = dst[...] + dqp
-        else:
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction read dq_smem
-          dq_smem.at[wg][...] = dqp
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op="add")
 
       def run(want_dk, want_dv):
         def head_loop(g, carry):
@@ -408,13 +349,10 @@ def backward_dkv(
 
       else:
         dk, dv = run(True, True)
-        if fused:  # the other warpgroup's last dQ product reads this warpgroup's K
-          plgpu.barrier_arrive(done)
-          plgpu.barrier_wait(done)
         store(dk, k_smem, dk_ref, o.scale)
         store(dv, v_smem, dv_ref, 1.0)
 
-    @pl.when(wg == _COMPUTE_WGS)
+    @pl.when(wg == COMPUTE_WGS)
     def _memory():
       plgpu.set_max_registers(40, action="decrease")
 
@@ -443,33 +381,23 @@ def backward_dkv(
     plgpu.SMEM((stages, bq), jnp.float32),
     plgpu.SMEM((stages, bq), jnp.float32),
     plgpu.SMEM((stages, bq), jnp.int32),
-    plgpu.SMEM((_COMPUTE_WGS, bk, bq), dtype) if interpreted else None,
-    _smem((2, _COMPUTE_WGS, bk, bq), dtype) if fused else None,
-    plgpu.SMEM(
-      (_COMPUTE_WGS, bq, half),
-      jnp.float32,
-      transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)),
-    )
-    if fused and not interpreted
-    else None,
+    plgpu.SMEM((COMPUTE_WGS, bk, bq), dtype) if interpreted else None,
     (
       plgpu.Barrier(num_arrivals=2 + seg, num_barriers=kv_bufs),
       plgpu.Barrier(num_arrivals=4 + seg, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
-      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=2),
+      plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=COMPUTE_WGS),
     ),
   )
   out = jax.ShapeDtypeStruct(k.shape, dtype)
-  operands = (q, k, v, do, lse, delta, segment_ids, uniform, window)
   return plgpu.kernel(
     body,
     out_type=(out, out),
     scratch_types=scratch,
     grid=(num_kv_heads, num_tiles, batch),
     grid_names=("heads", "kv_tiles", "batch"),
-    num_threads=_COMPUTE_WGS + 1,
+    num_threads=COMPUTE_WGS + 1,
     thread_name="wg",
     compiler_params=_compiler_params(),
     interpret=interpret,
-  )(*operands, *((dq_acc,) if fused else ()))
+  )(q, k, v, do, lse, delta, segment_ids, uniform, window)

@@ -9,7 +9,8 @@ at training sizes XLA dequantizes once per call into a bf16 weight and runs cuBL
 measured 1.1x a bf16 matmul, faster than the fused kernel (1.2-1.7x); under a multi-device
 mesh the kernel would need a shard_map wrapper that is not written yet. ``impl`` forces one:
 "kernel", "xla", or "interpret" (the kernels under Mosaic GPU's CPU interpreter, with the
-lookup and data path the interpreter supports; what the tests run).
+lookup and data path the interpreter supports; what the tests run). kernel.py imports Mosaic
+GPU, so it is loaded the first time "kernel" or "interpret" runs.
 """
 
 import functools
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _gpu
-from pallas_kernels.nf4_matmul import kernel, reference
+from pallas_kernels.nf4_matmul import reference
 
 IMPLS = ("kernel", "xla", "interpret")
 KERNEL_MAX_TOKENS = 64
@@ -29,6 +30,14 @@ KERNEL_MIN_WEIGHTS = 2**23
 _TARGET_CELLS = 264  # two per streaming multiprocessor of an H100 / H200
 
 
+@functools.cache
+def _kernel():
+  """kernel.py, imported on first use: importing it loads Mosaic GPU."""
+  from pallas_kernels.nf4_matmul import kernel
+
+  return kernel
+
+
 def _block_m(m: int) -> int:
   for bm in (16, 32, 64, 128):
     if m <= bm:
@@ -36,7 +45,9 @@ def _block_m(m: int) -> int:
   return 256
 
 
-def _forward_config(m: int, n: int, k: int, interpret: bool) -> kernel.Config | None:
+def _forward_config(m: int, n: int, k: int, interpret: bool):
+  """The kernel's Config for x [m, k] @ W^T [k, n], or None where it does not apply."""
+  kernel = _kernel()
   wgs = 2 if n % (2 * kernel.WG_ROWS) == 0 else 1
   if n % (wgs * kernel.WG_ROWS) or k % kernel.BLOCK_K:
     return None
@@ -53,7 +64,8 @@ def _forward_config(m: int, n: int, k: int, interpret: bool) -> kernel.Config | 
   return kernel.Config(block_m=bm, compute_wgs=wgs, a_from_smem=interpret, split_k=split)
 
 
-def _backward_config(m: int, n: int, k: int) -> kernel.Config | None:
+def _backward_config(m: int, n: int, k: int):
+  kernel = _kernel()
   bn = 128 if n % 128 == 0 else 64
   wgs = 2 if k % 128 == 0 else 1
   if n % bn or k % (64 * wgs):
@@ -76,9 +88,11 @@ def _kernel_args(impl: str):
 def _fwd_impl(impl, x2, weights):
   m, _ = x2.shape
   n = weights[0].shape[0]
-  cfg = _forward_config(m, n, x2.shape[1], impl == "interpret")
-  if impl == "xla" or cfg is None or x2.dtype != jnp.bfloat16:
+  use = impl != "xla" and x2.dtype == jnp.bfloat16
+  cfg = _forward_config(m, n, x2.shape[1], impl == "interpret") if use else None
+  if cfg is None:
     return reference.dequantize_then_dot(x2, *weights)
+  kernel = _kernel()
   kw = _kernel_args(impl)
   w4, scales = kernel.kernel_operands(*weights, swap_nibbles=kw["lookup"] == "select")
   y = kernel.forward(_pad_rows(x2, cfg.block_m), w4, scales, config=cfg, **kw)
@@ -88,9 +102,10 @@ def _fwd_impl(impl, x2, weights):
 def _bwd_impl(impl, dy2, weights):
   m, n = dy2.shape
   k = 2 * weights[0].shape[1]
-  cfg = _backward_config(m, n, k)
-  if impl == "xla" or cfg is None or dy2.dtype != jnp.bfloat16:
+  cfg = _backward_config(m, n, k) if impl != "xla" and dy2.dtype == jnp.bfloat16 else None
+  if cfg is None:
     return reference.dequantize_then_dot_t(dy2, *weights)
+  kernel = _kernel()
   kw = _kernel_args(impl)
   w4, scales = kernel.kernel_operands(*weights, swap_nibbles=kw["lookup"] == "select")
   return kernel.backward(_pad_rows(dy2, cfg.block_m), w4, scales, config=cfg, **kw)[:m]

@@ -1,0 +1,229 @@
+"""Putting a checkpoint's tensors onto the devices: one buffer per model variable, filled one
+tensor (one layer slice) at a time, NF4-quantized on the way in where the model is NF4.
+
+Every distinct weight shape compiles once; the stacked buffers are updated in place (donated),
+with the layer index a traced argument. The one host round trip of NF4 (the mean of absmax,
+computed in float64 on the host so the bytes match bitsandbytes') is started asynchronously
+and finished a few tensors later. Under a mesh a tensor crosses from the host split over the
+devices (``sharding.incoming``) and is gathered into its variable's own layout on them.
+"""
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from converters import bnb
+from converters.safetensors_read import CheckpointError
+from jaxtune import nf4, sharding
+
+# A tensor over twice this size goes to the device in row pieces of about this size, two at a
+# time: the runtime stages each host-to-device copy in pinned host memory that it keeps, so a
+# 1 GiB embedding sent whole would hold 1 GiB of host memory beyond the file's own buffer
+# (Llama-3.1-8B on an H100: peak host RSS +3.4 GiB over idle whole, +1.7 GiB in pieces).
+PUT_PIECE_BYTES = 128 << 20
+
+
+def put_in_pieces(tensor: np.ndarray, device, piece_bytes: int = PUT_PIECE_BYTES) -> jax.Array:
+  """``jax.device_put(tensor, device)``; a tensor over two pieces goes a few rows at a time,
+  at most two pieces in flight, joined on the device."""
+  if tensor.nbytes <= 2 * piece_bytes or tensor.ndim == 0 or tensor.shape[0] < 2:
+    return jax.device_put(tensor, device)
+  rows = max(1, piece_bytes // (tensor.nbytes // tensor.shape[0]))
+  pieces = []
+  for start in range(0, tensor.shape[0], rows):
+    if len(pieces) >= 2:
+      pieces[-2].block_until_ready()
+    pieces.append(jax.device_put(tensor[start : start + rows], device))
+  return jnp.concatenate(pieces)
+
+
+# Quantized weights whose host mean may still be outstanding: the device keeps this many
+# tensors of work queued while the host waits for the oldest one's absmax.
+_MEAN_LAG = 4
+_NF4_FIELDS = ("codes", "absmax", "nested_absmax", "offset")
+
+
+class DeviceBuffers:
+  """Device buffers for every variable, filled one tensor (one layer slice) at a time."""
+
+  def __init__(self, variables: dict, mesh: Mesh | None):
+    self.variables = variables
+    self.mesh = mesh
+    self.filled: dict[tuple, set] = {path: set() for path in variables}
+    # (target, layer, float32 absmax on its way to the host) awaiting the second NF4 stage.
+    self.pending: collections.deque = collections.deque()
+    # All layer-stacked buffers at once, zero-filled by one compiled program.
+    stacked = [path for path, var in variables.items() if _stacked(var)]
+    specs = tuple(
+      (variables[p].get_value().shape, variables[p].get_value().dtype, self._sharding(p))
+      for p in stacked
+    )
+    self.buffers: dict[tuple, jax.Array] = dict(zip(stacked, _zeros(specs), strict=True))
+
+  def _sharding(self, path, drop_layer=False, shape=None):
+    return sharding.sharding_for(*self._axes_shape(path, drop_layer, shape), self.mesh)
+
+  def _axes_shape(self, path, drop_layer=False, shape=None):
+    var = self.variables[path]
+    value = var.get_value()
+    axes = tuple(var.get_metadata().get("axes") or (None,) * value.ndim)
+    if drop_layer:
+      axes = axes[1:]
+    if shape is None:
+      shape = value.shape[1:] if drop_layer else value.shape
+    return axes, tuple(shape)
+
+  def _incoming(self, path, drop_layer=False, shape=None):
+    """Where a tensor from the file goes first (sharding.incoming)."""
+    _, shape = self._axes_shape(path, drop_layer, shape)
+    return sharding.incoming(self._sharding(path, drop_layer, shape), shape)
+
+  def _write(self, path, layer, value, hf_name: str):
+    """Place one tensor (numpy from the file, or a jax array) into its variable's buffer."""
+    var = self.variables[path]
+    abstract = var.get_value()
+    stacked = _stacked(var)
+    expected = abstract.shape[1:] if stacked else abstract.shape
+    if tuple(value.shape) != tuple(expected):
+      raise CheckpointError(
+        f"tensor {hf_name} has shape {tuple(value.shape)}, but config.json implies "
+        f"{tuple(expected)}; the checkpoint and config do not belong together."
+      )
+    if isinstance(value, np.ndarray) and value.dtype.itemsize > 4:
+      value = value.astype(abstract.dtype)  # float64: round once, here, not via float32
+    # Copied as stored and cast on the device: no host-side conversion of a whole tensor.
+    value = jax.device_put(value, self._incoming(path, drop_layer=stacked))
+    if stacked:
+      buffer = self.buffers[path]
+      self.buffers[path] = _set_layer(buffer, value, np.int32(layer), buffer.sharding)
+    else:  # gathered over the devices' links into the variable's own layout
+      self.buffers[path] = jax.device_put(value.astype(abstract.dtype), self._sharding(path))
+    self.filled[path].add(layer if stacked else None)
+
+  def put(self, hf_name, target, layer, tensor):
+    path = tuple(target)
+    if path not in self.variables:
+      raise CheckpointError(f"tensor {hf_name} has no place in this model's configuration.")
+    self._write(path, layer, tensor, hf_name)
+
+  def put_linear(self, hf_name, target, layer, tensor, quantized, prequantized=None):
+    """A Linear's weight: dense ``tensor``, or ``prequantized`` = (flat NF4, [out, in]) from a
+    bnb-4bit file, whose bytes are kept as they are when the model is NF4 too."""
+    if not quantized or target == ("lm_head",):
+      if prequantized is not None:
+        q, shape = prequantized
+        tensor = nf4.dequantize(q, shape, jnp.float32)
+      self.put(hf_name, (*target, "weight"), layer, tensor)
+      return
+    codes_path = (*target, "codes")
+    if codes_path not in self.variables:
+      raise CheckpointError(f"tensor {hf_name} has no place in this model's configuration.")
+    out_features, half = self.variables[codes_path].get_value().shape[-2:]
+    expected = (out_features, half * 2)
+    shape = prequantized[1] if prequantized is not None else tuple(tensor.shape)
+    if tuple(shape) != expected:
+      raise CheckpointError(
+        f"tensor {hf_name} has shape {tuple(shape)}, but config.json implies "
+        f"{expected}; the checkpoint and config do not belong together."
+      )
+    if prequantized is not None:
+      q = bnb.linear_layout(prequantized[0], out_features)
+      for field, value in zip(_NF4_FIELDS, q, strict=True):
+        self._write((*target, field), layer, value, hf_name)
+      return
+    nf4.check_linear_shape(expected)
+    stacked = _stacked(self.variables[codes_path])
+    if not stacked:
+      w = jax.device_put(tensor, self._sharding(codes_path, shape=expected))
+      for field, value in zip(_NF4_FIELDS, nf4.quantize_linear(w), strict=True):
+        self._write((*target, field), layer, value, hf_name)
+      return
+    w = jax.device_put(tensor, self._incoming(codes_path, drop_layer=True, shape=expected))
+    buffer = self.buffers[codes_path]
+    # absmax in the weight's own layout (whole over data), for the host mean to read.
+    blocks = (expected[0], expected[1] // nf4.BLOCKSIZE)
+    absmax_at = self._sharding(codes_path, drop_layer=True, shape=blocks)
+    codes, absmax = _quantize_into(buffer, w, np.int32(layer), buffer.sharding, absmax_at)
+    self.buffers[codes_path] = codes
+    self.filled[codes_path].add(layer)
+    absmax.copy_to_host_async()
+    self.pending.append((target, layer, absmax))
+    while len(self.pending) > _MEAN_LAG:
+      self._double_quantize(*self.pending.popleft())
+
+  def _double_quantize(self, target, layer, absmax):
+    """Second NF4 stage of one layer's weight, once its absmax has reached the host."""
+    offset = nf4.host_mean(absmax)
+    paths = [(*target, field) for field in _NF4_FIELDS[1:]]
+    buffers = tuple(self.buffers[path] for path in paths)
+    shardings = tuple(buffer.sharding for buffer in buffers)
+    updated = _double_quantize_into(buffers, absmax, offset, np.int32(layer), shardings)
+    for path, buffer in zip(paths, updated, strict=True):
+      self.buffers[path] = buffer
+      self.filled[path].add(layer)
+
+  def finish(self):
+    """Complete every quantization still waiting for its host mean."""
+    while self.pending:
+      self._double_quantize(*self.pending.popleft())
+
+  def missing(self) -> list[str]:
+    out = []
+    for path, var in self.variables.items():
+      want = set(range(var.get_value().shape[0])) if _stacked(var) else {None}
+      if not want <= self.filled[path]:
+        out.append(".".join(path))
+    return out
+
+  def state(self):
+    return [(path, var.replace(self.buffers[path])) for path, var in self.variables.items()]
+
+
+def _stacked(var) -> bool:
+  return "layers" in (var.get_metadata().get("axes") or ())
+
+
+def _zeros(specs: tuple) -> tuple[jax.Array, ...]:
+  """Zero arrays for ((shape, dtype, sharding), ...), created where they live."""
+  return _zeros_program(specs)() if specs else ()
+
+
+@functools.cache
+def _zeros_program(specs: tuple):
+  return jax.jit(
+    lambda: tuple(jnp.zeros(shape, dtype) for shape, dtype, _ in specs),
+    out_shardings=tuple(out_sharding for *_, out_sharding in specs),
+  )
+
+
+def _update(buffer: jax.Array, value: jax.Array, layer, out_sharding) -> jax.Array:
+  # The buffer keeps the layout its variable declares, whatever layout the value has.
+  updated = jax.lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), layer, 0)
+  return jax.lax.with_sharding_constraint(updated, out_sharding)
+
+
+# Buffers are donated, so each update writes in place; the layer index is traced, so one
+# compiled program serves every layer of a shape. ``out_sharding``: the buffer's own.
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
+def _set_layer(buffer: jax.Array, value: jax.Array, layer, out_sharding) -> jax.Array:
+  return _update(buffer, value, layer, out_sharding)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=(3, 4))
+def _quantize_into(codes_buffer: jax.Array, w: jax.Array, layer, out_sharding, absmax_sharding):
+  """First NF4 stage of one layer's weight [out, in], codes written into the stacked buffer;
+  returns the buffer and the float32 absmax [out, in / 64] laid out as ``absmax_sharding``."""
+  codes, absmax = nf4.quantize_linear_4bit(w)
+  absmax = jax.lax.with_sharding_constraint(absmax, absmax_sharding)
+  return _update(codes_buffer, codes, layer, out_sharding), absmax
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=4)
+def _double_quantize_into(buffers: tuple, absmax: jax.Array, offset, layer, out_shardings):
+  """Second NF4 stage, its (absmax, nested_absmax, offset) written into the stacked buffers."""
+  values = nf4.double_quantize_linear(absmax, offset)
+  return tuple(map(_update, buffers, values, (layer,) * 3, out_shardings))

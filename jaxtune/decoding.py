@@ -1,0 +1,276 @@
+"""Text generation with a preallocated KV cache: jitted prefill, then one jitted decode loop.
+
+Prompts of a batch are left-padded to one length; padding slots are masked out of attention
+and positions count real tokens only, so each row generates what it would alone. The command
+line is jaxtune/generate.py.
+"""
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxtune import attention
+from jaxtune.errors import UserError
+from jaxtune.models.decoder import Decoder
+from jaxtune.runtime import DEFAULT
+
+
+def init_cache(model: Decoder, batch: int, length: int) -> dict:
+  """An empty KV cache for ``length`` slots.
+
+  Full-attention layers keep every slot: {"global": (k, v)} of [Lg, B, length, K, H].
+  Sliding-window layers keep only their window, as a ring: {"local": (k, v)} of
+  [Ll, B, min(window, length), K, H]; slot a lives at ring index a % window.
+  """
+  cfg = model.config
+  window, _ = model.per_layer()
+  n_local = int(np.sum(window > 0))
+  n_global = cfg.num_layers - n_local
+  ring = min(cfg.sliding_window or length, length)
+
+  def zeros(n, slots):
+    shape = (n, batch, slots, cfg.num_kv_heads, cfg.head_dim)
+    return (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype)) if n else None
+
+  return {"global": zeros(n_global, length), "local": zeros(n_local, ring)}
+
+
+def forward_cached(model: Decoder, input_ids, positions, cache: dict, start, key_valid):
+  """Logits of the last position [B, V] (float32) and the cache with this chunk stored.
+
+  input_ids/positions [B, T] take cache slots start .. start + T - 1; key_valid [B, S]
+  marks the slots that hold real tokens (left padding does not).
+  """
+  t = input_ids.shape[1]
+  x, rope_global, rope_local = model.embed(input_ids, positions)
+  window, local = model.per_layer()
+  is_sliding = window > 0
+  type_index = jnp.asarray(
+    np.where(is_sliding, np.cumsum(is_sliding) - 1, np.cumsum(~is_sliding) - 1), jnp.int32
+  )
+  q_slot = start + jnp.arange(t)  # [T]
+
+  def attend_global(cache, i, q, k, v, scale, softcap):
+    ks, vs = cache["global"]
+    k_all = jax.lax.dynamic_update_slice_in_dim(ks[i], k.astype(ks.dtype), start, axis=1)
+    v_all = jax.lax.dynamic_update_slice_in_dim(vs[i], v.astype(vs.dtype), start, axis=1)
+    slots = jnp.arange(k_all.shape[1])
+    mask = key_valid[:, None, :] & (slots[None, None, :] <= q_slot[None, :, None])
+    out = attention.masked_attention(q, k_all, v_all, mask[:, None, None], scale, softcap)
+    return out, {**cache, "global": (ks.at[i].set(k_all), vs.at[i].set(v_all))}
+
+  def attend_local(cache, i, q, k, v, scale, softcap):
+    ks, vs = cache["local"]
+    ring = ks.shape[2]
+    # Slot held by each ring entry before this chunk (negative: never written).
+    held = start - 1 - jnp.mod(start - 1 - jnp.arange(ring), ring)
+    slots = jnp.concatenate([held, q_slot])  # [ring + T]
+    k_all = jnp.concatenate([ks[i], k.astype(ks.dtype)], axis=1)
+    v_all = jnp.concatenate([vs[i], v.astype(vs.dtype)], axis=1)
+    valid = (slots >= 0)[None, :] & jnp.take(key_valid, jnp.maximum(slots, 0), axis=1)
+    distance = q_slot[:, None] - slots[None, :]
+    mask = valid[:, None, :] & ((distance >= 0) & (distance < ring))[None]
+    out = attention.masked_attention(q, k_all, v_all, mask[:, None, None], scale, softcap)
+    keep = min(t, ring)  # only the newest `ring` keys survive
+    where = jnp.mod(start + t - keep + jnp.arange(keep), ring)
+    new_k = ks[i].at[:, where].set(k[:, t - keep :].astype(ks.dtype))
+    new_v = vs[i].at[:, where].set(v[:, t - keep :].astype(vs.dtype))
+    return out, {**cache, "local": (ks.at[i].set(new_k), vs.at[i].set(new_v))}
+
+  graphdef, state = nnx.split(model.layers)
+
+  def step(carry, xs):
+    x, cache = carry
+    layer_state, sliding, i, is_local = xs
+    c = jnp.where(is_local, rope_local[0], rope_global[0])
+    s = jnp.where(is_local, rope_local[1], rope_global[1])
+    block = nnx.merge(graphdef, layer_state)
+
+    def run(attend):
+      attend_here = functools.partial(attend, cache, i)
+      return block(x, c, s, None, None, None, DEFAULT, cache=attend_here)
+
+    if cache["local"] is None:
+      x, cache = run(attend_global)
+    elif cache["global"] is None:
+      x, cache = run(attend_local)
+    else:
+      x, cache = jax.lax.cond(sliding, lambda: run(attend_local), lambda: run(attend_global))
+    return (x, cache), None
+
+  (x, cache), _ = jax.lax.scan(
+    step, (x, cache), (state, jnp.asarray(is_sliding), type_index, jnp.asarray(local))
+  )
+  logits = model.logits_from_hidden(model.norm(x[:, -1:]))
+  return logits[:, -1].astype(jnp.float32), cache
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p"))
+def sample(logits, key, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):
+  """Next tokens [B] from logits [B, V]: greedy at temperature 0, else top-k / top-p sampling."""
+  if temperature == 0.0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits / temperature
+  if top_k:
+    kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  if top_p < 1.0:
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    cumulative = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p (always the most likely token).
+    drop_sorted = (cumulative - jax.nn.softmax(sorted_logits, axis=-1)) >= top_p
+    drop = (
+      jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
+    )
+    logits = jnp.where(drop, -jnp.inf, logits)
+  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill(graphdef, state, ids, positions, cache, key_valid):
+  return forward_cached(nnx.merge(graphdef, state), ids, positions, cache, 0, key_valid)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9))
+def _decode(
+  graphdef,
+  state,
+  logits,
+  cache,
+  key_valid,
+  first,
+  n,
+  temperature,
+  top_k,
+  top_p,
+  positions,
+  eos,
+  key,
+):
+  """Up to ``n`` tokens [B, n] on the device; stops early once every row has emitted EOS."""
+  model = nnx.merge(graphdef, state)
+  b = logits.shape[0]
+
+  def body(carry):
+    i, logits, cache, key, tokens, done = carry
+    key, sub = jax.random.split(key)
+    nxt = sample(logits, sub, temperature=temperature, top_k=top_k, top_p=top_p)
+    tokens = tokens.at[:, i].set(nxt)
+    done = done | jnp.isin(nxt, eos)
+    logits, cache = forward_cached(
+      model, nxt[:, None], (positions + i)[:, None], cache, first + i, key_valid
+    )
+    return i + 1, logits, cache, key, tokens, done
+
+  def cond(carry):
+    i, *_, done = carry
+    return (i < n) & ~jnp.all(done)
+
+  init = (0, logits, cache, key, jnp.zeros((b, n), jnp.int32), jnp.zeros((b,), jnp.bool_))
+  steps, *_, tokens, _ = jax.lax.while_loop(cond, body, init)
+  return tokens, steps
+
+
+def generate_ids(
+  model,
+  prompts: Sequence[Sequence[int]],
+  max_new_tokens: int = 64,
+  eos_token_ids: Sequence[int] = (),
+  temperature: float = 0.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  seed: int = 0,
+  pad_id: int = 0,
+) -> list[list[int]]:
+  """New token ids per prompt (up to and including an EOS, if one is generated).
+
+  Prefill and the whole decode loop each run as one compiled call (a while loop on the
+  device), cached across calls for the same model structure and sampling settings.
+  """
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise UserError("every prompt needs at least one token.")
+  b = len(prompts)
+  p_len = max(len(p) for p in prompts)
+  pad = np.array([p_len - len(p) for p in prompts])
+  tokens = np.full((b, p_len), pad_id, np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, pad[i] :] = p
+  length = p_len + max_new_tokens
+  key_valid = jnp.asarray(np.arange(length)[None, :] >= pad[:, None])
+  positions = jnp.asarray(np.maximum(np.arange(p_len)[None, :] - pad[:, None], 0))
+
+  graphdef, state = nnx.split(model)
+  logits, cache = _prefill(
+    graphdef, state, jnp.asarray(tokens), positions, init_cache(model, b, length), key_valid
+  )
+  eos = jnp.asarray(list(eos_token_ids), jnp.int32)
+  new, steps = _decode(
+    graphdef,
+    state,
+    logits,
+    cache,
+    key_valid,
+    p_len,
+    max_new_tokens,
+    float(temperature),
+    int(top_k),
+    float(top_p),
+    jnp.asarray(p_len - pad, jnp.int32),
+    eos,
+    jax.random.key(seed),
+  )
+  new = np.asarray(new)[:, : int(steps)]
+  out = []
+  for row in new.tolist():
+    stop = next((i for i, t in enumerate(row) if t in set(eos_token_ids)), None)
+    out.append(row if stop is None else row[: stop + 1])
+  return out
+
+
+def generate(
+  model,
+  tokenizer,
+  prompts: str | Sequence[str],
+  max_new_tokens: int = 128,
+  chat: bool = False,
+  temperature: float = 0.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  seed: int = 0,
+) -> list[str]:
+  """Completions of ``prompts`` (chat=True renders each as a user turn with the chat template)."""
+  if isinstance(prompts, str):
+    prompts = [prompts]
+  if chat:
+    ids = [
+      list(
+        tokenizer.apply_chat_template(
+          [{"role": "user", "content": p}],
+          add_generation_prompt=True,
+          tokenize=True,
+          return_dict=True,
+        )["input_ids"]
+      )
+      for p in prompts
+    ]
+  else:
+    ids = [tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
+  eos = tokenizer.eos_token_id
+  eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+  new = generate_ids(
+    model,
+    ids,
+    max_new_tokens,
+    eos_ids,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    pad_id=tokenizer.pad_token_id or 0,
+  )
+  return [tokenizer.decode(t, skip_special_tokens=True) for t in new]

@@ -1,0 +1,201 @@
+"""Every module imports alone, and the layers of DESIGN.md import only from below.
+
+Each module of jaxtune/, converters/ and pallas_kernels/ is imported in its own fresh
+interpreter (a cycle that only some import orders reach fails there), which also reports
+whether the import loaded Mosaic GPU: only the kernel modules themselves may. The layering
+rules are checked on the source (every import statement, at module level and in functions).
+"""
+
+import ast
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("jaxtune", "converters", "pallas_kernels")
+# Loaded by the Mosaic GPU kernels only. (jax itself loads parts of jax._src.pallas.mosaic_gpu
+# and jaxlib's Mosaic dialect whenever flax is imported; those are not these.)
+MOSAIC = ("jax.experimental.pallas.mosaic_gpu", "jax.experimental.mosaic.gpu")
+KERNEL_FILES = ("kernel", "kernel_backward")
+ENTRY_POINTS = ("jaxtune.train", "jaxtune.export", "jaxtune.generate")
+NF4_FORMAT = ("jaxtune.nf4", "jaxtune.nf4_maps")
+
+
+def _module_files() -> dict[str, Path]:
+  out = {}
+  for package in PACKAGES:
+    for path in sorted((ROOT / package).rglob("*.py")):
+      parts = path.relative_to(ROOT).with_suffix("").parts
+      if parts[-1] == "__init__":
+        parts = parts[:-1]
+      out[".".join(parts)] = path
+  return out
+
+
+MODULES = _module_files()
+
+
+def _is_kernel(name: str) -> bool:
+  return name.startswith("pallas_kernels.") and name.rsplit(".", 1)[-1] in KERNEL_FILES
+
+
+# Prints, after importing sys.argv[1], the Mosaic GPU and kernel modules that came with it.
+_CHILD = f"""
+import importlib, sys
+importlib.import_module(sys.argv[1])
+loaded = [
+  m for m in sys.modules
+  if m.startswith({MOSAIC!r})
+  or (m.startswith("pallas_kernels.") and m.rsplit(".", 1)[-1] in {KERNEL_FILES!r})
+]
+print(" ".join(sorted(loaded)))
+"""
+
+
+def _import_alone(name: str) -> subprocess.CompletedProcess:
+  # cwd first on sys.path: this checkout's modules, not an installed copy.
+  return subprocess.run(
+    [sys.executable, "-c", _CHILD, name],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+
+
+@pytest.fixture(scope="module")
+def imported() -> dict[str, subprocess.CompletedProcess]:
+  """Every module imported in a fresh interpreter, a few at a time (each loads JAX anew)."""
+  workers = max(2, min(8, os.cpu_count() or 1))
+  with ThreadPoolExecutor(workers) as pool:
+    return dict(zip(MODULES, pool.map(_import_alone, MODULES), strict=True))
+
+
+def test_modules_are_discovered():
+  some = {"jaxtune", "jaxtune.models.decoder", "converters.hf_in", "pallas_kernels.nf4_matmul.ops"}
+  assert some <= MODULES.keys()
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_imports_alone_in_a_fresh_interpreter(imported, name):
+  child = imported[name]
+  assert child.returncode == 0, f"import {name} failed:\n{child.stderr}"
+  loaded = child.stdout.split()
+  if not _is_kernel(name):
+    assert not loaded, f"import {name} loaded the Mosaic GPU kernels: {loaded}"
+
+
+def _imports(name: str) -> set[str]:
+  """The modules ``name`` imports anywhere in its source; ``from P import x`` counts as P.x
+  when that is one of our modules, else as P."""
+  path = MODULES[name]
+  package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+  out = set()
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      out.update(alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join([*parent, base] if base else parent)
+      for alias in node.names:
+        full = f"{base}.{alias.name}"
+        out.add(full if full in MODULES else base)
+  return out
+
+
+def _ours(module: str) -> bool:
+  return module.split(".")[0] in PACKAGES
+
+
+def _third_party(module: str) -> str | None:
+  top = module.split(".")[0]
+  return None if top in PACKAGES or top in sys.stdlib_module_names else top
+
+
+def _violations(rule) -> list[str]:
+  return [
+    f"{name} imports {m}" for name in MODULES for m in sorted(_imports(name)) if rule(name, m)
+  ]
+
+
+def test_kernels_depend_on_the_nf4_format_and_jax_only():
+  def bad(name, m):
+    if not name.startswith("pallas_kernels"):
+      return False
+    if _ours(m):
+      return not (m.startswith("pallas_kernels") or m in NF4_FORMAT)
+    return _third_party(m) not in (None, "jax", "numpy")
+
+  assert not _violations(bad)
+
+
+def test_nf4_format_depends_on_jax_and_numpy_only():
+  def bad(name, m):
+    if name not in NF4_FORMAT:
+      return False
+    return m not in NF4_FORMAT if _ours(m) else _third_party(m) not in (None, "jax", "numpy")
+
+  assert not _violations(bad)
+
+
+def test_converters_do_not_import_entry_points():
+  assert not _violations(lambda name, m: name.startswith("converters") and m in ENTRY_POINTS)
+
+
+def test_entry_points_do_not_import_each_other():
+  assert not _violations(lambda name, m: name in ENTRY_POINTS and m in ENTRY_POINTS and m != name)
+
+
+# DESIGN.md's layers, bottom to top; a module imports only from its own layer or below.
+# (jaxtune/__init__.py names its public API as strings, imported on first use: layer 6. Both
+# configs, ModelConfig and RunConfig, are layer 3 with the models, as DESIGN.md has it.)
+_TRAINING = (
+  "data", "checkpoint", "distributed", "run_log", "losses", "step", "trainer",
+  "checks", "session", "default_model",
+)  # fmt: skip
+LAYERS = {
+  **{m: 1 for m in (*NF4_FORMAT, "jaxtune.errors")},
+  **{f"jaxtune.{m}": 5 for m in _TRAINING},
+  **{m: 6 for m in (*ENTRY_POINTS, "jaxtune")},
+}
+
+
+def _layer(module: str) -> int:
+  """Which layer of DESIGN.md a module of ours belongs to."""
+  if module in LAYERS:
+    return LAYERS[module]
+  top = module.split(".")[0]
+  return {"pallas_kernels": 2, "jaxtune": 3, "converters": 4}[top]
+
+
+def test_every_import_goes_down_the_layers():
+  """NF4 format (and errors) < kernels < models < converters < training < entry points."""
+  assert not _violations(lambda name, m: _ours(m) and _layer(m) > _layer(name))
+
+
+def test_package_is_lazy_and_generate_stays_the_function():
+  """``import jaxtune`` loads nothing; importing the CLI module jaxtune.generate (which Python
+  binds on the package) leaves ``jaxtune.generate`` the public function."""
+  code = """
+import sys
+import jaxtune
+assert "jax" not in sys.modules and "converters" not in sys.modules, sorted(sys.modules)
+assert set(jaxtune.__all__) <= set(dir(jaxtune))
+import jaxtune.generate
+from jaxtune.decoding import generate
+from jaxtune.generate import main
+assert jaxtune.generate is generate, jaxtune.generate
+assert main.__module__ == "jaxtune.generate"
+from jaxtune import CheckpointError, from_pretrained, nf4
+assert nf4.__name__ == "jaxtune.nf4" and callable(from_pretrained)
+"""
+  child = subprocess.run(
+    [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+  )
+  assert child.returncode == 0, child.stderr
