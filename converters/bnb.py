@@ -90,7 +90,9 @@ class Assembler:
   def __init__(self):
     self.pending: dict[str, dict[str, np.ndarray]] = {}  # base name -> the parts read so far
 
-  def add(self, name: str, file: Path, tensor: np.ndarray):
+  def add(
+    self, name: str, file: Path, tensor: np.ndarray
+  ) -> tuple[str, np.ndarray | None, tuple[nf4.NF4Quantized, tuple[int, int]] | None] | None:
     """-> (name, tensor, None) for a tensor that is no part of a quantized Linear; None while
     a Linear's parts are still arriving; ("X.weight", None, (flat NF4, [out, in])) with its
     last part."""

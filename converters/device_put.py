@@ -10,6 +10,7 @@ devices (``sharding.incoming``) and is gathered into its variable's own layout o
 
 import collections
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,9 @@ from converters import bnb
 from converters.safetensors_read import CheckpointError
 from jaxtune import nf4, sharding
 
+if TYPE_CHECKING:
+  from flax import nnx
+
 # A tensor over twice this size goes to the device in row pieces of about this size, two at a
 # time: the runtime stages each host-to-device copy in pinned host memory that it keeps, so a
 # 1 GiB embedding sent whole would hold 1 GiB of host memory beyond the file's own buffer
@@ -27,7 +31,9 @@ from jaxtune import nf4, sharding
 PUT_PIECE_BYTES = 128 << 20
 
 
-def put_in_pieces(tensor: np.ndarray, device, piece_bytes: int = PUT_PIECE_BYTES) -> jax.Array:
+def put_in_pieces(
+  tensor: np.ndarray, device: jax.Device, piece_bytes: int = PUT_PIECE_BYTES
+) -> jax.Array:
   """``jax.device_put(tensor, device)``; a tensor over two pieces goes a few rows at a time,
   at most two pieces in flight, joined on the device."""
   if tensor.nbytes <= 2 * piece_bytes or tensor.ndim == 0 or tensor.shape[0] < 2:
@@ -104,13 +110,27 @@ class DeviceBuffers:
       self.buffers[path] = jax.device_put(value.astype(abstract.dtype), self._sharding(path))
     self.filled[path].add(layer if stacked else None)
 
-  def put(self, hf_name, target, layer, tensor):
+  def put(
+    self,
+    hf_name: str,
+    target: tuple[str, ...],
+    layer: int | None,
+    tensor: np.ndarray | jax.Array,
+  ) -> None:
     path = tuple(target)
     if path not in self.variables:
       raise CheckpointError(f"tensor {hf_name} has no place in this model's configuration.")
     self._write(path, layer, tensor, hf_name)
 
-  def put_linear(self, hf_name, target, layer, tensor, quantized, prequantized=None):
+  def put_linear(
+    self,
+    hf_name: str,
+    target: tuple[str, ...],
+    layer: int | None,
+    tensor: np.ndarray | jax.Array | None,
+    quantized: bool,
+    prequantized: tuple[nf4.NF4Quantized, tuple[int, int]] | None = None,
+  ) -> None:
     """A Linear's weight: dense ``tensor``, or ``prequantized`` = (flat NF4, [out, in]) from a
     bnb-4bit file, whose bytes are kept as they are when the model is NF4 too."""
     if not quantized or target == ("lm_head",):
@@ -166,7 +186,7 @@ class DeviceBuffers:
       self.buffers[path] = buffer
       self.filled[path].add(layer)
 
-  def finish(self):
+  def finish(self) -> None:
     """Complete every quantization still waiting for its host mean."""
     while self.pending:
       self._double_quantize(*self.pending.popleft())
@@ -179,7 +199,7 @@ class DeviceBuffers:
         out.append(".".join(path))
     return out
 
-  def state(self):
+  def state(self) -> list[tuple[tuple, "nnx.Variable"]]:
     return [(path, var.replace(self.buffers[path])) for path, var in self.variables.items()]
 
 

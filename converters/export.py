@@ -8,9 +8,13 @@ non-empty ``out`` is replaced only with ``overwrite``.
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from converters.hf_out import export_bnb4, export_merged, export_peft
 from jaxtune.errors import ExportError
+
+if TYPE_CHECKING:
+  from flax import nnx
 
 FORMATS = ("merged", "peft", "bnb4")
 
@@ -26,7 +30,9 @@ def check_destination(out: Path, overwrite: bool) -> None:
     )
 
 
-def write(model, fmt: str, out: str | Path, dtype: str = "bfloat16", overwrite: bool = False):
+def write(
+  model: "nnx.Module", fmt: str, out: str | Path, dtype: str = "bfloat16", overwrite: bool = False
+) -> Path:
   """Export ``model`` as ``fmt`` (one of FORMATS) into ``out``, atomically; returns ``out``."""
   out = Path(out)
   check_destination(out, overwrite)

@@ -7,6 +7,7 @@ table the loader reads, as sharded safetensors with the original config and toke
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,9 @@ from converters import bnb
 from converters import table as tables
 from jaxtune import nf4
 from jaxtune.errors import ExportError
+
+if TYPE_CHECKING:
+  from jaxtune.layers import Linear
 
 _NP = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}
 _JNP = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
@@ -45,7 +49,7 @@ def _layer(x, layer):
   return x if layer is None else x[layer]
 
 
-def merged_weight(linear, layer) -> jax.Array:
+def merged_weight(linear: "Linear", layer: int | None) -> jax.Array:
   """float32 [out, in]: frozen weight plus the LoRA update, of one layer if stacked."""
   w = linear.dense_weight(jnp.float32, layer)
   if linear.lora_a is not None:

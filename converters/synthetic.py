@@ -7,6 +7,7 @@ Gemma 2's and 3's sandwich norms.
 """
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import ml_dtypes
@@ -16,7 +17,7 @@ from safetensors.numpy import save_file
 _NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}
 
 
-def tensor_shapes(cfg: dict):
+def tensor_shapes(cfg: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
   """(name, PyTorch shape) of every tensor of a checkpoint with this config.json."""
   model_type = cfg.get("model_type", "llama")
   d, f = cfg["hidden_size"], cfg["intermediate_size"]

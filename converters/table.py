@@ -10,6 +10,7 @@ Layouts are identical on both sides (weights stay [out, in]), so no transform is
 
 import dataclasses
 import re
+from collections.abc import Iterator
 
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -84,7 +85,9 @@ def match(table: tuple[Entry, ...], name: str) -> Match | None:
   return None
 
 
-def hf_names(table: tuple[Entry, ...], num_layers: int):
+def hf_names(
+  table: tuple[Entry, ...], num_layers: int
+) -> Iterator[tuple[str, tuple[str, ...], int | None, Entry]]:
   """Every (hf name, target path, layer, entry) the table can produce, for export."""
   for entry in table:
     layers = range(num_layers) if "{layer}" in entry.hf else [None]

@@ -89,7 +89,14 @@ def window_mask(mask: jax.Array, window: jax.Array) -> jax.Array:
   return mask & ((window == 0) | (distance < window))
 
 
-def masked_attention(q, k, v, mask, scale, softcap=None):
+def masked_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  mask: jax.Array,
+  scale: float,
+  softcap: float | None = None,
+) -> jax.Array:
   """Attention under an explicit boolean ``mask`` [B, 1, 1, T, S] (the KV-cache path)."""
   b, t, n, h = q.shape
   kv = k.shape[2]

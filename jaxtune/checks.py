@@ -5,9 +5,13 @@ refusals (mesh, attention, pipeline, sequence parallelism) are in ``runtime.reso
 """
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jaxtune.errors import RunConfigError, UserError
 from jaxtune.run_config import RunConfig
+
+if TYPE_CHECKING:
+  from jaxtune.config import ModelConfig
 
 
 def has_checkpoints(ckpt_dir: Path) -> bool:
@@ -51,7 +55,7 @@ def check_resume(run: RunConfig, out: Path, model_path: Path | None, resume: boo
       )
 
 
-def check_targets(run: RunConfig, cfg) -> None:
+def check_targets(run: RunConfig, cfg: "ModelConfig") -> None:
   known = (*cfg.linear_shapes(), "lm_head")
   unknown = [t for t in run.lora_targets if t not in known]
   if unknown:

@@ -16,6 +16,7 @@ import bisect
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -77,8 +78,8 @@ class Dataset:
 
 
 def load_jsonl(
-  path: str | Path, tokenizer, seq_len: int, train_on_prompt: bool = False, pack: bool = True
-):
+  path: str | Path, tokenizer: Any, seq_len: int, train_on_prompt: bool = False, pack: bool = True
+) -> Dataset:
   if seq_len < 2:
     raise DataError(f"--seq-len {seq_len} is too short; a sequence needs at least 2 tokens.")
   path = Path(path)

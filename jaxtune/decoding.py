@@ -7,6 +7,7 @@ line is jaxtune/generate.py.
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,14 @@ def init_cache(model: Decoder, batch: int, length: int) -> dict:
   return {"global": zeros(n_global, length), "local": zeros(n_local, ring)}
 
 
-def forward_cached(model: Decoder, input_ids, positions, cache: dict, start, key_valid):
+def forward_cached(
+  model: Decoder,
+  input_ids: jax.Array,
+  positions: jax.Array,
+  cache: dict,
+  start: int | jax.Array,
+  key_valid: jax.Array,
+) -> tuple[jax.Array, dict]:
   """Logits of the last position [B, V] (float32) and the cache with this chunk stored.
 
   input_ids/positions [B, T] take cache slots start .. start + T - 1; key_valid [B, S]
@@ -110,7 +118,9 @@ def forward_cached(model: Decoder, input_ids, positions, cache: dict, start, key
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p"))
-def sample(logits, key, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):
+def sample(
+  logits: jax.Array, key: jax.Array, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0
+) -> jax.Array:
   """Next tokens [B] from logits [B, V]: greedy at temperature 0, else top-k / top-p sampling."""
   if temperature == 0.0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -177,7 +187,7 @@ def _decode(
 
 
 def generate_ids(
-  model,
+  model: Decoder,
   prompts: Sequence[Sequence[int]],
   max_new_tokens: int = 64,
   eos_token_ids: Sequence[int] = (),
@@ -233,8 +243,8 @@ def generate_ids(
 
 
 def generate(
-  model,
-  tokenizer,
+  model: Decoder,
+  tokenizer: Any,
   prompts: str | Sequence[str],
   max_new_tokens: int = 128,
   chat: bool = False,

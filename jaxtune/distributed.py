@@ -17,6 +17,7 @@ the batch its own devices hold, and process 0 alone writes metrics and exports.
 import dataclasses
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -146,11 +147,11 @@ def global_batch(host: np.ndarray, sharding: NamedSharding | None) -> jax.Array:
   return jax.make_array_from_process_local_data(sharding, host[block], host.shape)
 
 
-def replicated(mesh: Mesh | None):
+def replicated(mesh: Mesh | None) -> NamedSharding | None:
   return None if mesh is None else NamedSharding(mesh, PartitionSpec())
 
 
-def local_copy(tree, mesh: Mesh | None):
+def local_copy(tree: Any, mesh: Mesh | None) -> Any:
   """Every array of ``tree`` whole on this process's first device (for writing files).
 
   With several processes an array spans devices this process cannot read; it is first
@@ -162,7 +163,7 @@ def local_copy(tree, mesh: Mesh | None):
   return jax.tree.map(lambda x: x.addressable_data(0), tree)
 
 
-def local_model(model, mesh: Mesh | None):
+def local_model(model: nnx.Module, mesh: Mesh | None) -> nnx.Module:
   """The model with every array whole on this process (a no-op with one process)."""
   graphdef, state = nnx.split(model)
   return nnx.merge(graphdef, local_copy(state, mesh))

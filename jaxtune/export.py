@@ -8,6 +8,7 @@ non-empty ``--out`` is replaced only with ``--overwrite``.
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from converters import export
@@ -20,7 +21,7 @@ class _Parser(argparse.ArgumentParser):
     self.exit(2, f"error: {message}; see {self.prog} --help.\n")
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
   p = _Parser(prog="python -m jaxtune.export", description=__doc__)
   p.add_argument("--checkpoint", required=True, help="run directory of jaxtune.train (its --out)")
   p.add_argument("--format", required=True, choices=export.FORMATS, help="what to write")

@@ -8,13 +8,14 @@ one batch, each generating what it would alone.
 
 import argparse
 import sys
+from collections.abc import Sequence
 
 from jaxtune.decoding import generate, generate_ids
 from jaxtune.errors import UserError
 from jaxtune.session import load_run_model, load_tokenizer
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
   p = argparse.ArgumentParser(
     prog="python -m jaxtune.generate",
     description=__doc__,

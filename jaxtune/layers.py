@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.typing import DTypeLike
 
 from jaxtune import nf4
 from jaxtune.errors import ConfigError
@@ -38,7 +39,7 @@ class Linear(nnx.Module):
     quantized: bool,
     use_bias: bool = False,
     layers: int | None = None,
-    param_dtype=jnp.float32,
+    param_dtype: DTypeLike = jnp.float32,
     rngs: nnx.Rngs,
   ):
     self.in_features = in_features
@@ -80,7 +81,7 @@ class Linear(nnx.Module):
     self.lora_scale = 0.0
     self.lora_dropout = 0.0
 
-  def dense_weight(self, dtype, layer: int | None = None) -> jax.Array:
+  def dense_weight(self, dtype: DTypeLike, layer: int | None = None) -> jax.Array:
     """The frozen weight [out, in] in ``dtype`` (dequantized if NF4); one layer if stacked."""
     pick = (lambda v: v[...]) if layer is None else (lambda v: v[layer])
     if self.quantized:
@@ -141,7 +142,7 @@ class RMSNorm(nnx.Module):
     eps: float,
     layers: int | None = None,
     plus_one: bool = False,
-    param_dtype=jnp.float32,
+    param_dtype: DTypeLike = jnp.float32,
   ):
     shape, axes = _stacked(layers, (dim,), ("embed",))
     init = jnp.zeros if plus_one else jnp.ones  # both start as the identity scale
@@ -159,14 +160,16 @@ class RMSNorm(nnx.Module):
 
 
 class Embed(nnx.Module):
-  def __init__(self, vocab: int, dim: int, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
+  def __init__(self, vocab: int, dim: int, *, param_dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs):
     table = jax.random.normal(rngs.params(), (vocab, dim), jnp.float32) * 0.02
     self.embedding = nnx.Param(table.astype(param_dtype), axes=("vocab", "embed"))
 
-  def __call__(self, ids: jax.Array, dtype) -> jax.Array:
+  def __call__(self, ids: jax.Array, dtype: DTypeLike) -> jax.Array:
     return jnp.take(self.embedding[...], ids, axis=0).astype(dtype)
 
-  def attend(self, x: jax.Array, start=None, size: int | None = None) -> jax.Array:
+  def attend(
+    self, x: jax.Array, start: int | jax.Array | None = None, size: int | None = None
+  ) -> jax.Array:
     """Logits through the tied embedding: [..., D] -> [..., V], or only entries
     ``start .. start + size - 1`` of the vocabulary."""
     table = self.embedding[...]

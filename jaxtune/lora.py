@@ -8,7 +8,7 @@ alpha / sqrt(r) with rsLoRA. The adapters are the only ``LoRAParam``s of a model
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,7 @@ class LoraConfig:
     return dict(self.rank_pattern).get(name, self.rank)
 
 
-def iter_linears(model: nnx.Module):
+def iter_linears(model: nnx.Module) -> Iterator[tuple[tuple[str, ...], Linear]]:
   """(path, Linear) for every linear layer of the model, path as a tuple of names."""
   for path, node in nnx.iter_graph(model):
     if isinstance(node, Linear):

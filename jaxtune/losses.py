@@ -4,6 +4,9 @@ Each returns (sum of token losses, number of loss tokens), so that the step can 
 every token of the accumulated batch (DESIGN.md, Numerics).
 """
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -13,7 +16,14 @@ from jaxtune.data import IGNORE
 from jaxtune.runtime import DEFAULT, Runtime
 
 
-def loss_sums(graphdef, lora, frozen, batch, key, runtime: Runtime = DEFAULT):
+def loss_sums(
+  graphdef: Any,
+  lora: nnx.State,
+  frozen: nnx.State,
+  batch: dict[str, jax.Array],
+  key: jax.Array | None,
+  runtime: Runtime = DEFAULT,
+) -> tuple[jax.Array, jax.Array]:
   """(sum of token losses, number of loss tokens) of one micro-batch.
 
   ``runtime.loss_chunk`` > 0: the float32 logits exist that many tokens per row at a time
@@ -46,7 +56,13 @@ LARGE_VOCAB = 200_000
 VOCAB_PIECE = 32768
 
 
-def chunked_loss_sums(head, h, labels, chunk: int, vocab=None):
+def chunked_loss_sums(
+  head: Callable[[jax.Array], jax.Array],
+  h: jax.Array,
+  labels: jax.Array,
+  chunk: int,
+  vocab: tuple[Callable[[jax.Array, jax.Array, int], jax.Array], int, int] | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """Cross-entropy sums over hidden states [B, T, D] without the full [B, T, V] float32 logits.
 
   The sequence is cut into pieces of ``chunk`` tokens per row (the largest divisor of T not

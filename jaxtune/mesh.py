@@ -7,6 +7,7 @@
 """
 
 import math
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -46,7 +47,7 @@ def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
   return sizes
 
 
-def make_mesh(spec: str | None, devices=None) -> Mesh:
+def make_mesh(spec: str | None, devices: Sequence[jax.Device] | None = None) -> Mesh:
   devices = list(devices if devices is not None else jax.devices())
   sizes = parse_mesh(spec, len(devices))
   product = math.prod(sizes.values())

@@ -32,6 +32,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 from jaxtune.nf4_maps import DYNAMIC_MAP, NF4_CODE
 
@@ -123,7 +124,7 @@ def _dynamic_lut() -> np.ndarray:
   return np.sum(value[:, None] > _DYNAMIC_MIDPOINTS[None, :], axis=1).astype(np.uint8)
 
 
-def host_mean(absmax) -> np.float32:
+def host_mean(absmax: ArrayLike) -> np.float32:
   """The double-quantization offset, computed on the host: the float32 mean of absmax,
   correctly rounded (float64 accumulation). Takes a numpy or jax array of any shape."""
   host = np.asarray(absmax, dtype=np.float64).reshape(-1)
@@ -135,7 +136,9 @@ def mean_offset(absmax: jax.Array) -> jax.Array:
   return jnp.asarray(host_mean(jax.device_get(absmax)))
 
 
-def double_quantize(absmax: jax.Array, offset: jax.Array | None = None):
+def double_quantize(
+  absmax: jax.Array, offset: ArrayLike | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Second stage: (absmax_u8, nested_absmax, offset) from float32 absmax."""
   if offset is None:
     offset = mean_offset(absmax)
@@ -151,7 +154,9 @@ def quantize(w: jax.Array) -> NF4Quantized:
   return NF4Quantized(codes, absmax_q, nested, offset)
 
 
-def dequantize_absmax(absmax_q: jax.Array, nested_absmax: jax.Array, offset: jax.Array):
+def dequantize_absmax(
+  absmax_q: jax.Array, nested_absmax: jax.Array, offset: jax.Array
+) -> jax.Array:
   """float32 absmax from its 8-bit codes; works on any shape whose flattening is bnb's order."""
   flat_index = _flat_iota(absmax_q.shape)
   scale = jnp.asarray(nested_absmax)[flat_index // NESTED_BLOCKSIZE]
@@ -174,7 +179,9 @@ def _unpack(codes: jax.Array) -> jax.Array:
   return pair.reshape(*codes.shape[:-1], codes.shape[-1] * 2)
 
 
-def dequantize(q: NF4Quantized, shape: tuple[int, ...], dtype=jnp.float32) -> jax.Array:
+def dequantize(
+  q: NF4Quantized, shape: tuple[int, ...], dtype: DTypeLike = jnp.float32
+) -> jax.Array:
   """Inverse of :func:`quantize` in bitsandbytes' flat layout, for any ``shape``."""
   n = int(np.prod(shape))
   values = jnp.asarray(NF4_CODE)[_unpack(q.codes)[:n]]
@@ -225,7 +232,9 @@ def quantize_linear_4bit(w: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 @jax.jit
-def double_quantize_linear(absmax: jax.Array, offset) -> tuple[jax.Array, jax.Array, jax.Array]:
+def double_quantize_linear(
+  absmax: jax.Array, offset: ArrayLike
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Second stage in the 2-D layout: (absmax uint8 [out, in / 64], nested_absmax, offset)
   from the float32 absmax [out, in / 64] and the offset (:func:`host_mean`)."""
   absmax_q, nested, offset = double_quantize(absmax.reshape(-1), offset)
@@ -233,7 +242,7 @@ def double_quantize_linear(absmax: jax.Array, offset) -> tuple[jax.Array, jax.Ar
 
 
 def dequantize_linear(
-  codes: jax.Array, absmax: jax.Array, nested_absmax: jax.Array, offset: jax.Array, dtype
+  codes: jax.Array, absmax: jax.Array, nested_absmax: jax.Array, offset: jax.Array, dtype: DTypeLike
 ) -> jax.Array:
   """[out, in] weight from the 2-D layout, bit-identical to bitsandbytes' dequantize_4bit."""
   out_features, half = codes.shape

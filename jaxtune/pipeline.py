@@ -15,7 +15,7 @@ is the reverse ``ppermute``), so the backward pass is the mirrored schedule.
 """
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -81,9 +81,9 @@ def _merge(a: jax.Array) -> jax.Array:
 
 def gpipe(
   stage_fn: Callable,
-  layer_xs,
+  layer_xs: Any,
   x: jax.Array,
-  batch_xs,
+  batch_xs: Any,
   *,
   mesh: Mesh,
   microbatches: int,

@@ -5,6 +5,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from jaxtune.config import RopeConfig
 
@@ -30,7 +31,9 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
   return inv
 
 
-def cos_sin(positions: jax.Array, inv_freq: np.ndarray, dtype) -> tuple[jax.Array, jax.Array]:
+def cos_sin(
+  positions: jax.Array, inv_freq: np.ndarray, dtype: DTypeLike
+) -> tuple[jax.Array, jax.Array]:
   """[B, T] integer positions -> cos, sin of shape [B, T, head_dim] in ``dtype``."""
   freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
   emb = jnp.concatenate([freqs, freqs], axis=-1)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -74,7 +74,7 @@ class Runtime:
     if self.nf4_matmul not in NF4_MATMUL:
       raise ValueError(f"nf4_matmul must be one of {NF4_MATMUL}, got {self.nf4_matmul!r}")
 
-  def replace(self, **changes) -> Runtime:
+  def replace(self, **changes: Any) -> Runtime:
     return dataclasses.replace(self, **changes)
 
   def size(self, axis: str) -> int:
@@ -164,7 +164,7 @@ def resolve_attention(
   dtype: str,
   packed: bool,
   pipelined: bool = False,
-  device=None,
+  device: jax.Device | None = None,
 ) -> tuple[str, str | None]:
   """(the attention implementation that runs, a note when it is not what was asked).
 

@@ -6,10 +6,14 @@ directory until the model has loaded, so a bad input leaves no half-made run beh
 """
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import EllipsisType
+from typing import Any
 
 import jax
 from flax import nnx
+from jax.sharding import Mesh
 
 from converters import export
 from converters.hf_in import from_pretrained, resolve_checkpoint
@@ -27,7 +31,7 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
-def load_tokenizer(ckpt: Path):
+def load_tokenizer(ckpt: Path) -> Any:
   try:
     from transformers import AutoTokenizer  # optional: the hf extra
   except ImportError as e:
@@ -43,7 +47,9 @@ def load_tokenizer(ckpt: Path):
     ) from e
 
 
-def build_model(run: RunConfig, model_path, mesh=None, dtype: str | None = None):
+def build_model(
+  run: RunConfig, model_path: Path | str, mesh: Mesh | None = None, dtype: str | None = None
+) -> nnx.Module:
   """The run's model: the checkpoint loaded as the run asks (in ``dtype``, default the run's),
   with its LoRA adapters added."""
   model = from_pretrained(
@@ -60,7 +66,9 @@ def build_model(run: RunConfig, model_path, mesh=None, dtype: str | None = None)
   )
 
 
-def load_trained(run_dir: Path, quantization=..., dtype: str | None = None):
+def load_trained(
+  run_dir: Path, quantization: str | None | EllipsisType = ..., dtype: str | None = None
+) -> tuple[nnx.Module, int]:
   """A training run's model with its latest adapters restored; returns (model, step).
 
   ``quantization`` and ``dtype`` default to what the run trained with.
@@ -93,7 +101,12 @@ def load_trained(run_dir: Path, quantization=..., dtype: str | None = None):
   return nnx.merge(graphdef, state["lora"], frozen), at
 
 
-def load_run_model(run_dir, model_path, quantization, dtype):
+def load_run_model(
+  run_dir: Path | str | None,
+  model_path: Path | str | None,
+  quantization: str | None,
+  dtype: str,
+) -> tuple[nnx.Module, Path]:
   """(model, checkpoint dir) for generation: a trained run's model, or a plain checkpoint."""
   if run_dir:
     model, _ = load_trained(Path(run_dir), quantization, dtype)
@@ -102,7 +115,9 @@ def load_run_model(run_dir, model_path, quantization, dtype):
   return from_pretrained(ckpt, quantization=quantization, dtype=dtype), ckpt
 
 
-def make_sample_fn(prompts: list[str], tokenizer):
+def make_sample_fn(
+  prompts: list[str], tokenizer: Any
+) -> Callable[[nnx.Module], list[tuple[str, str]]] | None:
   """model -> [(prompt, greedy completion)] for --eval-prompts, or None."""
   if not prompts:
     return None

@@ -13,10 +13,12 @@ With ``shard_frozen`` the frozen NF4 weights are split over ``data`` as well (FS
 a time inside its scan (``gathered``), trading an all-gather per layer for memory.
 """
 
+from collections.abc import Sequence
+
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
 from jaxtune import pipeline
 from jaxtune.nf4_storage import NF4Storage
@@ -42,7 +44,9 @@ RULES: dict[str, str | None] = {
 FROZEN_RULES: dict[str, str] = {"embed": "data"}
 
 
-def logical_spec(names, rules: dict[str, str | None], mesh: Mesh | None) -> PartitionSpec:
+def logical_spec(
+  names: Sequence[str | None], rules: dict[str, str | None], mesh: Mesh | None
+) -> PartitionSpec:
   """PartitionSpec for dimensions with logical ``names`` (None: replicated) under ``rules``;
   mesh axes of size 1 (or absent from ``mesh``) are left out."""
   spec = []
@@ -55,7 +59,7 @@ def logical_spec(names, rules: dict[str, str | None], mesh: Mesh | None) -> Part
 
 
 def spec_for(
-  axes: tuple, shape: tuple[int, ...], mesh, *, shard_frozen: bool = False
+  axes: tuple, shape: tuple[int, ...], mesh: Mesh | AbstractMesh, *, shard_frozen: bool = False
 ) -> PartitionSpec:
   """PartitionSpec of an array with logical ``axes``; an axis that does not divide stays whole.
 
@@ -77,7 +81,9 @@ def spec_for(
   return PartitionSpec(*spec)
 
 
-def sharding_for(axes: tuple, shape: tuple[int, ...], mesh: Mesh | None, shard_frozen=False):
+def sharding_for(
+  axes: tuple, shape: tuple[int, ...], mesh: Mesh | None, shard_frozen: bool = False
+) -> Sharding:
   if mesh is None:
     return jax.sharding.SingleDeviceSharding(jax.devices()[0])
   return NamedSharding(mesh, spec_for(axes, shape, mesh, shard_frozen=shard_frozen))
@@ -87,7 +93,7 @@ def _axes(variable, value) -> tuple:
   return tuple(variable.get_metadata().get("axes") or (None,) * value.ndim)
 
 
-def state_shardings(state, mesh: Mesh | None, shard_frozen: bool = False):
+def state_shardings(state: nnx.State, mesh: Mesh | None, shard_frozen: bool = False) -> nnx.State:
   """A pytree of shardings matching an ``nnx.State`` whose Variables carry ``axes``.
 
   ``shard_frozen``: also split NF4 storage over ``data`` (see FROZEN_RULES).
@@ -101,7 +107,7 @@ def state_shardings(state, mesh: Mesh | None, shard_frozen: bool = False):
   return jax.tree.map(one, state, is_leaf=lambda x: hasattr(x, "get_metadata"))
 
 
-def gathered(layer_state, mesh):
+def gathered(layer_state: nnx.State, mesh: Mesh | AbstractMesh) -> nnx.State:
   """One layer's state (a slice inside the layer scan) with its NF4 storage constrained to
   the layout it has without ``shard_frozen``: the per-layer all-gather of FSDP.
 
@@ -133,7 +139,7 @@ def can_split_sequence(mesh: Mesh, seq_len: int) -> bool:
   return tp > 1 and seq_len % tp == 0 and mesh.shape.get("pipe", 1) == 1
 
 
-def incoming(target: NamedSharding, shape: tuple[int, ...]):
+def incoming(target: NamedSharding, shape: tuple[int, ...]) -> Sharding:
   """Where a host array bound for ``target`` is first put: ``target`` with one more dimension
   split over ``data`` (the first it divides). Each byte then crosses from the host once, not
   once per data replica, and the compiled update that writes it into its buffer all-gathers

@@ -9,6 +9,8 @@ down.
 """
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -70,8 +72,12 @@ class LossScale:
 
 
 def make_train_step(
-  graphdef, tx, runtime: Runtime, loss_scale: LossScale | None = None, out_shardings=None
-):
+  graphdef: Any,
+  tx: optax.GradientTransformation,
+  runtime: Runtime,
+  loss_scale: LossScale | None = None,
+  out_shardings: Any = None,
+) -> Callable[..., tuple[nnx.State, optax.OptState, dict[str, jax.Array]]]:
   """The jitted step, computed as ``runtime`` says. ``loss_scale``: dynamic loss scaling
   (float16); None: no scaling.
 
@@ -130,20 +136,22 @@ def make_train_step(
   return jax.jit(train_step, donate_argnums=(0, 1), out_shardings=out_shardings)
 
 
-def init_opt_state(tx, lora, loss_scale: LossScale | None = None):
+def init_opt_state(
+  tx: optax.GradientTransformation, lora: nnx.State, loss_scale: LossScale | None = None
+) -> optax.OptState:
   """The optimizer state the step takes: tx's, plus the loss scale when there is one."""
   state = tx.init(lora)
   return state if loss_scale is None else {"tx": state, "loss_scale": loss_scale.init()}
 
 
-def fp32_master(lora):
+def fp32_master(lora: nnx.State) -> nnx.State:
   """The adapters as float32 (the optimizer's master copy), whatever they were built in."""
   return jax.tree.map(
     lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, lora
   )
 
 
-def place(model, runtime: Runtime):
+def place(model: nnx.Module, runtime: Runtime) -> tuple[Any, nnx.State, nnx.State]:
   """Split the model and put every piece on its sharding; returns (graphdef, lora, frozen).
 
   ``runtime.shard_frozen`` also splits the NF4 storage over ``data`` (gathered per layer in
@@ -158,7 +166,7 @@ def place(model, runtime: Runtime):
   return graphdef, lora, frozen
 
 
-def placements(tree, runtime: Runtime):
+def placements(tree: Any, runtime: Runtime) -> Any:
   """Where the step expects ``tree``: scalars replicated, the rest on their own sharding.
 
   Every call then sees the placement the previous one returned, so the step compiles once.
@@ -169,14 +177,23 @@ def placements(tree, runtime: Runtime):
   return jax.tree.map(lambda x: replicated if x.ndim == 0 else x.sharding, tree)
 
 
-def make_eval_step(graphdef, runtime: Runtime = DEFAULT):
+def make_eval_step(
+  graphdef: Any, runtime: Runtime = DEFAULT
+) -> Callable[..., tuple[jax.Array, jax.Array]]:
   """jitted (loss sum, token count) of one [B, T] batch, no gradient."""
   return jax.jit(
     lambda lora, frozen, batch: loss_sums(graphdef, lora, frozen, batch, None, runtime)
   )
 
 
-def evaluate(eval_step, lora, frozen, dataset: Dataset, batch_size: int, shard=None) -> dict:
+def evaluate(
+  eval_step: Callable[..., tuple[jax.Array, jax.Array]],
+  lora: nnx.State,
+  frozen: nnx.State,
+  dataset: Dataset,
+  batch_size: int,
+  shard: NamedSharding | None = None,
+) -> dict:
   """Held-out loss and perplexity over every example of ``dataset`` (token-weighted)."""
   total, count = 0.0, 0
   n = len(dataset)

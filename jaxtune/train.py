@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import os
 import sys
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 
 from jaxtune import distributed
@@ -108,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
-def resolve_config(argv=None) -> tuple[RunConfig, bool]:
+def resolve_config(argv: Sequence[str] | None = None) -> tuple[RunConfig, bool]:
   """The run's settings (YAML, then flags) and whether to resume; RunConfigError if wrong."""
   args = build_parser().parse_args(argv)
   run = RunConfig.from_yaml(args.config) if args.config else RunConfig()
@@ -123,7 +124,9 @@ def resolve_config(argv=None) -> tuple[RunConfig, bool]:
 HOST_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 
 
-def allow_host_memory_for_offload(run: RunConfig, environ=os.environ) -> None:
+def allow_host_memory_for_offload(
+  run: RunConfig, environ: MutableMapping[str, str] = os.environ
+) -> None:
   """--remat offload keeps every layer's input in pinned host memory, a pool that PJRT caps at
   64 GB unless told otherwise (long contexts need more: 32 layers x 409,600 tokens x 4,096 x
   2 bytes is 100 GiB): let it use 90% of the machine's memory. Set before the GPU client
@@ -134,7 +137,7 @@ def allow_host_memory_for_offload(run: RunConfig, environ=os.environ) -> None:
   environ[HOST_LIMIT_VAR] = str(max(64, int(0.9 * total / 2**30)))
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
   try:
     run, resume = resolve_config(argv)
     allow_host_memory_for_offload(run)  # before the GPU client starts

@@ -9,7 +9,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -21,6 +23,9 @@ from jaxtune.data import Dataset
 from jaxtune.errors import TrainingError
 from jaxtune.run_config import RunConfig
 from jaxtune.runtime import Runtime
+
+if TYPE_CHECKING:
+  from jaxtune.checkpoint import Checkpoints
 
 
 class Stopped(Exception):
@@ -113,16 +118,16 @@ def _start(lora, tx, runtime: Runtime, loss_scale, checkpoints, seed: int):
 
 
 def train(
-  model,
+  model: nnx.Module,
   dataset: Dataset,
   run: RunConfig,
   runtime: Runtime,
-  checkpoints=None,
+  checkpoints: "Checkpoints | None" = None,
   eval_dataset: Dataset | None = None,
-  sample_fn=None,
+  sample_fn: Callable[[nnx.Module], list[tuple[str, str]]] | None = None,
   stop: StopSignals | None = None,
   loss_scale: step.LossScale | None = None,
-):
+) -> tuple[nnx.Module, list[dict]]:
   """Run the loop under ``runtime``; returns (trained model, list of per-step metrics).
 
   With ``eval_dataset``, held-out loss every ``run.eval_every`` steps and at the end;

@@ -6,8 +6,12 @@ mode, whose parameters class is private in jax 0.11.2: it is imported here and n
 """
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
+
+if TYPE_CHECKING:
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
 
 @functools.cache
@@ -19,7 +23,7 @@ def on_hopper() -> bool:
   return str(getattr(device, "compute_capability", "")) == "9.0"
 
 
-def interpret_params():
+def interpret_params() -> "InterpretGPUParams":
   """Mosaic GPU's CPU interpreter settings, for tests (runs TMA copies and wgmma on CPU)."""
   from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415
 

@@ -10,12 +10,15 @@ converter table and LoRA targets read the same as a PEFT config.
 """
 
 import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.typing import DTypeLike
 
 from jaxtune import attention, pipeline, rope, sharding
 from jaxtune.config import SLIDING, ModelConfig
@@ -97,7 +100,7 @@ def _linear(cfg: ModelConfig, name: str, *, quantized, param_dtype, rngs, bias=F
 
 
 class Attention(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, quantized: bool, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, quantized: bool, param_dtype: DTypeLike, rngs: nnx.Rngs):
     kw = dict(quantized=quantized, param_dtype=param_dtype, rngs=rngs)
     self.q_proj = _linear(cfg, "q_proj", bias=cfg.qkv_bias, **kw)
     self.k_proj = _linear(cfg, "k_proj", bias=cfg.qkv_bias, **kw)
@@ -115,7 +118,17 @@ class Attention(nnx.Module):
     self.scale = cfg.attention_scale
     self.softcap = cfg.attn_logit_softcap
 
-  def __call__(self, x, cos, sin, segment_ids, window, keys, runtime: Runtime, cache=None):
+  def __call__(
+    self,
+    x: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    segment_ids: jax.Array | None,
+    window: jax.Array | None,
+    keys: Sequence[jax.Array | None],
+    runtime: Runtime,
+    cache: Callable[..., tuple[jax.Array, Any]] | None = None,
+  ) -> jax.Array | tuple[jax.Array, Any]:
     """With ``cache``, a function (q, k, v, scale, softcap) -> (out, new cache) that stores
     this chunk's keys and attends over the cached ones, returns (out, new cache)."""
     b, t, _ = x.shape
@@ -147,14 +160,14 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, quantized: bool, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, quantized: bool, param_dtype: DTypeLike, rngs: nnx.Rngs):
     kw = dict(quantized=quantized, param_dtype=param_dtype, rngs=rngs, bias=cfg.mlp_bias)
     self.gate_proj = _linear(cfg, "gate_proj", **kw)
     self.up_proj = _linear(cfg, "up_proj", **kw)
     self.down_proj = _linear(cfg, "down_proj", **kw)
     self.activation = cfg.hidden_act
 
-  def __call__(self, x, keys, runtime: Runtime):
+  def __call__(self, x: jax.Array, keys: Sequence[jax.Array | None], runtime: Runtime) -> jax.Array:
     """down(act(gate(x)) * up(x)); with ``runtime.mlp_chunk``, a rematerialised scan over
     pieces of that many tokens (the last one zero-padded; the MLP is per token), so the
     [B, T, intermediate] temporaries exist for one piece at a time (long contexts, where they
@@ -194,7 +207,7 @@ class Block(nnx.Module):
   + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x))).
   """
 
-  def __init__(self, cfg: ModelConfig, *, quantized: bool, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, quantized: bool, param_dtype: DTypeLike, rngs: nnx.Rngs):
     norm = dict(
       eps=cfg.rms_norm_eps,
       layers=cfg.num_layers,
@@ -219,7 +232,17 @@ class Block(nnx.Module):
       return x
     return runtime.constrain(x, "batch", "norm_length", "embed")
 
-  def __call__(self, x, cos, sin, segment_ids, window, key, runtime: Runtime, cache=None):
+  def __call__(
+    self,
+    x: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    segment_ids: jax.Array | None,
+    window: jax.Array | None,
+    key: jax.Array | None,
+    runtime: Runtime,
+    cache: Callable[..., tuple[jax.Array, Any]] | None = None,
+  ) -> jax.Array | tuple[jax.Array, Any]:
     """The layer's output; with a KV ``cache`` (see Attention), (output, new cache)."""
     keys = [None] * len(PROJECTIONS)
     if key is not None:
@@ -247,8 +270,8 @@ class Decoder(nnx.Module):
     cfg: ModelConfig,
     *,
     quantized: bool = False,
-    dtype=jnp.float32,
-    param_dtype=None,
+    dtype: DTypeLike = jnp.float32,
+    param_dtype: DTypeLike | None = None,
     rngs: nnx.Rngs,
   ):
     param_dtype = param_dtype or dtype
@@ -279,7 +302,9 @@ class Decoder(nnx.Module):
     window = np.where(sliding, cfg.sliding_window or 0, 0).astype(np.int32)
     return window, sliding & (cfg.rope_local is not None)
 
-  def embed(self, input_ids, positions):
+  def embed(
+    self, input_ids: jax.Array, positions: jax.Array
+  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
     """(embedded tokens [B, T, D], global rope (cos, sin), local rope (cos, sin))."""
     cfg = self.config
     x = self.embed_tokens(input_ids, self.dtype)
@@ -337,8 +362,13 @@ class Decoder(nnx.Module):
     return jax.lax.with_sharding_constraint(x, sharding.after_pipeline(mesh, x.shape[0]))
 
   def hidden_states(
-    self, input_ids, positions=None, segment_ids=None, dropout_key=None, runtime=DEFAULT
-  ):
+    self,
+    input_ids: jax.Array,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    dropout_key: jax.Array | None = None,
+    runtime: Runtime = DEFAULT,
+  ) -> jax.Array:
     """Final-norm hidden states [B, T, D] in the compute dtype, computed as ``runtime`` says."""
     b, t = input_ids.shape
     if positions is None:
@@ -367,8 +397,13 @@ class Decoder(nnx.Module):
     return cap * jnp.tanh(logits / cap) if cap else logits
 
   def __call__(
-    self, input_ids, positions=None, segment_ids=None, dropout_key=None, runtime=DEFAULT
-  ):
+    self,
+    input_ids: jax.Array,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    dropout_key: jax.Array | None = None,
+    runtime: Runtime = DEFAULT,
+  ) -> jax.Array:
     """Logits [B, T, V] in float32."""
     h = self.hidden_states(input_ids, positions, segment_ids, dropout_key, runtime)
     return self.logits_from_hidden(h).astype(jnp.float32)

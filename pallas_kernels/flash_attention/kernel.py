@@ -22,6 +22,7 @@ key arrives.
 """
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -240,7 +241,17 @@ def _read_window(o: Options, window_ref):
 # ---------------------------------------------------------------------------------------------
 
 
-def forward(q, k, v, segment_ids, uniform, window, o: Options, blocks: Blocks, interpret=None):
+def forward(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  segment_ids: jax.Array,
+  uniform: jax.Array,
+  window: jax.Array,
+  o: Options,
+  blocks: Blocks,
+  interpret: Any = None,
+) -> tuple[jax.Array, jax.Array]:
   """-> out [B, T, N, H] (q's dtype), lse [B, N, T] float32 (log2 units)."""
   batch, t, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]

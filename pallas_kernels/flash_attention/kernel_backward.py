@@ -9,6 +9,8 @@ at seq 8192), and FlashAttention-3's dQ accumulated inside the dK/dV kernel, wit
 (fwd+bwd 4.36 -> 5.88 ms).
 """
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -39,8 +41,19 @@ from pallas_kernels.flash_attention.kernel import (
 
 
 def backward_dq(
-  q, k, v, do, lse, delta, segment_ids, uniform, window, o: Options, blocks: Blocks, interpret=None
-):
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  do: jax.Array,
+  lse: jax.Array,
+  delta: jax.Array,
+  segment_ids: jax.Array,
+  uniform: jax.Array,
+  window: jax.Array,
+  o: Options,
+  blocks: Blocks,
+  interpret: Any = None,
+) -> jax.Array:
   """-> dq [B, T, N, H] in q's dtype."""
   batch, t, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
@@ -177,8 +190,19 @@ def backward_dq(
 
 
 def backward_dkv(
-  q, k, v, do, lse, delta, segment_ids, uniform, window, o: Options, blocks: Blocks, interpret=None
-):
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  do: jax.Array,
+  lse: jax.Array,
+  delta: jax.Array,
+  segment_ids: jax.Array,
+  uniform: jax.Array,
+  window: jax.Array,
+  o: Options,
+  blocks: Blocks,
+  interpret: Any = None,
+) -> tuple[jax.Array, jax.Array]:
   """-> dk, dv [B, T, K, H] in k's dtype.
 
   Head dim <= 128: each compute warpgroup owns its own ``dkv_kv`` keys and accumulates both

@@ -19,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.typing import DTypeLike
 
 from pallas_kernels import _gpu
 from pallas_kernels.flash_attention import reference
@@ -96,7 +97,7 @@ def flash_attention(
   return _flash(q, k, v, seg, uniform, win, opts, blocks, interpret)[:, :t]
 
 
-def mosaic_supports(dtype, head_dim: int) -> bool:
+def mosaic_supports(dtype: DTypeLike, head_dim: int) -> bool:
   """Whether the Mosaic kernels take q, k, v of this dtype and head dim (on a Hopper GPU:
   ``pallas_kernels._gpu.on_hopper``)."""
   return jnp.dtype(dtype) in _KERNEL_DTYPES and head_dim % 64 == 0 and head_dim <= 256

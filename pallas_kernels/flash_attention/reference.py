@@ -5,7 +5,12 @@ import jax.numpy as jnp
 
 
 def visible(
-  t: int, *, segment_ids=None, causal: bool = True, window=0, batch: int = 1
+  t: int,
+  *,
+  segment_ids: jax.Array | None = None,
+  causal: bool = True,
+  window: int | jax.Array = 0,
+  batch: int = 1,
 ) -> jax.Array:
   """[B, T, T] boolean: may query i see key j.
 
@@ -27,16 +32,16 @@ def visible(
 
 
 def attention(
-  q,
-  k,
-  v,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
   *,
-  segment_ids=None,
+  segment_ids: jax.Array | None = None,
   causal: bool = True,
-  window=0,
+  window: int | jax.Array = 0,
   softcap: float | None = None,
   scale: float | None = None,
-):
+) -> jax.Array:
   """q [B, T, N, H], k/v [B, T, K, H] (N a multiple of K) -> [B, T, N, H] in q's dtype.
 
   Scores, softmax and the weighted sum in float32.

@@ -29,6 +29,7 @@ path keeps bitsandbytes' exact values.
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +63,14 @@ class Config:
   k_sub: int = 1
 
 
-def kernel_operands(codes, absmax, nested_absmax, offset, *, swap_nibbles: bool):
+def kernel_operands(
+  codes: jax.Array,
+  absmax: jax.Array,
+  nested_absmax: jax.Array,
+  offset: jax.Array,
+  *,
+  swap_nibbles: bool,
+) -> tuple[jax.Array, jax.Array]:
   """(w4 int4 [N, K], scales bf16 [K/64, N]) from the 2-D layout of ``jaxtune.nf4``."""
   if swap_nibbles:
     codes = (codes << 4) | (codes >> 4)
@@ -165,7 +173,15 @@ def _transforms(minor: int, dtype) -> tuple:
 _CODE_TRANSFORMS = _transforms(BLOCK_K, jnp.int4)
 
 
-def forward(x, w4, scales, *, config: Config, lookup: str = "prmt", interpret=None):
+def forward(
+  x: jax.Array,
+  w4: jax.Array,
+  scales: jax.Array,
+  *,
+  config: Config,
+  lookup: str = "prmt",
+  interpret: Any = None,
+) -> jax.Array:
   """y [M, N] = x [M, K] @ dequant(w4, scales)^T; M a multiple of block_m, N of 64 * wgs,
   K of 64 * split_k."""
   m, k = x.shape
@@ -252,7 +268,15 @@ def forward(x, w4, scales, *, config: Config, lookup: str = "prmt", interpret=No
   return jnp.sum(out, axis=0).T.astype(x.dtype)
 
 
-def backward(dy, w4, scales, *, config: Config, lookup: str = "prmt", interpret=None):
+def backward(
+  dy: jax.Array,
+  w4: jax.Array,
+  scales: jax.Array,
+  *,
+  config: Config,
+  lookup: str = "prmt",
+  interpret: Any = None,
+) -> jax.Array:
   """dx [M, K] = dy [M, N] @ dequant(w4, scales); M a multiple of block_m (x64), N of block_n,
   K of block_k_out * wgs."""
   m, n = dy.shape

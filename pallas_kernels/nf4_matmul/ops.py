@@ -128,7 +128,15 @@ def _vjp_bwd(impl, weights, dy2):
 _nf4_matmul.defvjp(_vjp_fwd, _vjp_bwd)
 
 
-def nf4_matmul(x, codes, absmax, nested_absmax, offset, *, impl: str | None = None):
+def nf4_matmul(
+  x: jax.Array,
+  codes: jax.Array,
+  absmax: jax.Array,
+  nested_absmax: jax.Array,
+  offset: jax.Array,
+  *,
+  impl: str | None = None,
+) -> jax.Array:
   """x [..., K] @ dequant(W)^T -> [..., N]; W [N, K] in the 2-D layout of ``jaxtune.nf4``."""
   lead = x.shape[:-1]
   tokens = math.prod(lead)
