@@ -1,16 +1,51 @@
 """Shared helpers: tiny, seeded transformers checkpoints written to disk as users have them."""
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 # Tests fake 8 CPU devices for the mesh tests; must be set before jax initialises.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# JAX's persistent compilation cache, one per test session (removed at its end), so that a
+# program compiled once is loaded, not compiled again: by the command lines tests start
+# (`python -m jaxtune.train ...` of the same settings; every run's loading and export) and by
+# this process. jax 0.11.2 writes a cache entry in place (not atomically), so processes that
+# run at the same time get cache directories of their own ("lanes"): this process one, the
+# command lines it waits for another (inherited through the environment), and each process
+# of a group started together its own (compile_cache_env). JAXTUNE_TEST_COMPILE_CACHE=0 turns
+# it off.
+COMPILE_CACHE = None
+if os.environ.get("JAXTUNE_TEST_COMPILE_CACHE", "1") != "0":
+  COMPILE_CACHE = Path(tempfile.mkdtemp(prefix="jaxtune-tests-compile-cache-"))
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = str(COMPILE_CACHE / "command-lines")
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # CPU compiles are short
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if COMPILE_CACHE is not None:
+  jax.config.update("jax_compilation_cache_dir", str(COMPILE_CACHE / "pytest"))
+
+
+def compile_cache_env(env: dict, lane: str) -> dict:
+  """``env`` for a process that runs at the same time as others: its compilation cache in a
+  directory of its own (lane), shared only with processes of the same lane that run later."""
+  if COMPILE_CACHE is not None:
+    env = {**env, "JAX_COMPILATION_CACHE_DIR": str(COMPILE_CACHE / lane)}
+  return env
+
+
+def pytest_unconfigure(config):
+  if COMPILE_CACHE is not None:
+    shutil.rmtree(COMPILE_CACHE, ignore_errors=True)
 
 
 def tiny_llama_config(**overrides):

@@ -4,6 +4,7 @@ On CPU each process fakes its own devices (XLA_FLAGS) and the processes talk thr
 GPU processes would through NCCL.
 """
 
+import itertools
 import json
 import os
 import re
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import compile_cache_env
 
 from jaxtune import distributed
 from jaxtune.run_config import RunConfig
@@ -22,12 +24,16 @@ from jaxtune.session import run_training
 REPO = Path(__file__).resolve().parents[1]
 
 
+_LANES = itertools.count()
+
+
 def _env(devices: int, **extra) -> dict:
+  """The environment of a process started beside others: its compilation cache of its own."""
   env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXTUNE_", "SLURM_", "OMPI_"))}
   env.update(
     XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", **extra
   )
-  return env
+  return compile_cache_env(env, f"multihost-{next(_LANES)}")
 
 
 def _free_port() -> int:
