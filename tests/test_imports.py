@@ -80,6 +80,7 @@ def test_modules_are_discovered():
   assert some <= MODULES.keys()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODULES))
 def test_imports_alone_in_a_fresh_interpreter(imported, name):
   child = imported[name]

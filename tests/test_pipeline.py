@@ -104,6 +104,7 @@ def _assert_same(got, want, what):
     np.testing.assert_allclose(g, g0, rtol=1e-4, atol=1e-5 * np.abs(g0).max(), err_msg=what)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["2x2x2", "1x1x8", "1x2x4"])
 def test_pipeline_meshes_equal_single_device(host_model, single, spec):
   got = loss_and_grads(host_model, spec)
@@ -114,6 +115,7 @@ def test_pipeline_meshes_equal_single_device(host_model, single, spec):
   assert codes.sharding.spec[0] == "pipe"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["2x2x2", "4x2"])
 def test_shard_frozen_equals_single_device(host_model, single, spec):
   got = loss_and_grads(host_model, spec, shard_frozen=True)
@@ -130,6 +132,7 @@ def test_remat_policies_give_the_same_loss(host_model, single, policy):
   _assert_same(loss_and_grads(host_model, "1", remat=policy), single, policy)
 
 
+@pytest.mark.slow
 def test_offload_keeps_layer_inputs_on_the_host_under_a_pipeline(host_model, single):
   _assert_same(loss_and_grads(host_model, "2x2x2", remat="offload"), single, "offload 2x2x2")
   graphdef, lora, frozen = host_model
@@ -140,6 +143,7 @@ def test_offload_keeps_layer_inputs_on_the_host_under_a_pipeline(host_model, sin
   assert "f32<host>[8,8,16,128]" in jaxpr
 
 
+@pytest.mark.slow
 def test_fewer_microbatches_than_sequences(host_model, single):
   _assert_same(loss_and_grads(host_model, "2x2x2", microbatches=2), single, "M=2")
 
@@ -168,6 +172,7 @@ def test_bubble_fraction_and_plan():
   assert pipeline.plan(meshlib.make_mesh("2x4"), 8, 16).bubble == 0.0
 
 
+@pytest.mark.slow
 def test_sliding_window_layers_keep_their_windows_across_stages():
   """Gemma 3's per-layer windows and local rope are scanned arrays; the stages get theirs."""
   from transformers import Gemma3TextConfig
@@ -199,6 +204,7 @@ def test_sliding_window_layers_keep_their_windows_across_stages():
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.slow
 def test_trainer_trains_pipelined_as_on_one_device(ckpt, tmp_path):
   """trainer.train, unchanged, under data x tensor x pipe: same losses step by step."""
   ids = np.random.default_rng(1).integers(0, 256, (8, 16)).astype(np.int32)  # one batch
