@@ -11,28 +11,38 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
 # JAX's persistent compilation cache, one per test session (removed at its end), so that a
 # program compiled once is loaded, not compiled again: by the command lines tests start
 # (`python -m jaxtune.train ...` of the same settings; every run's loading and export) and by
 # this process. jax 0.11.2 writes a cache entry in place (not atomically), so processes that
 # run at the same time get cache directories of their own ("lanes"): this process one, the
 # command lines it waits for another (inherited through the environment), and each process
-# of a group started together its own (compile_cache_env). JAXTUNE_TEST_COMPILE_CACHE=0 turns
-# it off.
-COMPILE_CACHE = None
-if os.environ.get("JAXTUNE_TEST_COMPILE_CACHE", "1") != "0":
+# of a group started together its own (compile_cache_env). Set up by pytest_configure, not on
+# import: a script that imports a test module (test_faults) is no session.
+# JAXTUNE_TEST_COMPILE_CACHE=0 turns it off.
+COMPILE_CACHE: Path | None = None
+
+
+def pytest_configure(config):
+  global COMPILE_CACHE
+  if os.environ.get("JAXTUNE_TEST_COMPILE_CACHE", "1") == "0":
+    return
   COMPILE_CACHE = Path(tempfile.mkdtemp(prefix="jaxtune-tests-compile-cache-"))
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = str(COMPILE_CACHE / "command-lines")
-  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # CPU compiles are short
-  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+  settings = {
+    "jax_compilation_cache_dir": str(COMPILE_CACHE / "command-lines"),
+    "jax_persistent_cache_min_compile_time_secs": 0,  # CPU compiles are short, and add up
+    "jax_persistent_cache_min_entry_size_bytes": -1,
+  }
+  os.environ.update({k.upper(): str(v) for k, v in settings.items()})  # for command lines
+  settings["jax_compilation_cache_dir"] = str(COMPILE_CACHE / "pytest")
+  import jax
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-if COMPILE_CACHE is not None:
-  jax.config.update("jax_compilation_cache_dir", str(COMPILE_CACHE / "pytest"))
+  for k, v in settings.items():
+    jax.config.update(k, v)
 
 
 def compile_cache_env(env: dict, lane: str) -> dict:
