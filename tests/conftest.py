@@ -1,11 +1,16 @@
 """Shared helpers: tiny, seeded transformers checkpoints written to disk as users have them."""
 
+import functools
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 # Tests fake 8 CPU devices for the mesh tests; must be set before jax initialises.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -92,19 +97,139 @@ def build_hf_llama(seed=0, **overrides):
   return model
 
 
-@pytest.fixture(scope="session")
-def default_run(tmp_path_factory):
+# Command-line runs in the background. Tests that start `python -m jaxtune.train` (or .export,
+# .generate) and then only inspect what it wrote or said get the finished processes from a
+# fixture. The runs start with the session, one job at a time in a background thread, in the
+# order the tests need them: on CI's two cores this process keeps about one core busy (tracing,
+# compiling, interpreting kernels), so a command line beside it costs little wall time. Only
+# the jobs of the selected tests run. Their processes have a compilation cache lane of their
+# own ("background"), as they run beside this process and the command lines it waits for.
+
+_JOBS: dict[str, Callable] = {}
+_RUNNING: set[subprocess.Popen] = set()
+
+
+def background_run(name: str):
+  """Decorator: ``job(directory, runs) -> result`` becomes the fixture ``name``, whose value is
+  ``result``. ``directory`` is the job's own temporary directory; ``runs.result(other)`` waits
+  for another job (one that a test needing this job also asks for, so it runs first). Jobs
+  start their processes with ``start_cli`` or ``run_cli``."""
+
+  def register(job):
+    _JOBS[name] = job
+
+    @pytest.fixture(name=name)
+    def fixture(_background_runs):
+      return _background_runs.result(name)
+
+    return fixture
+
+  return register
+
+
+def start_cli(argv: list[str], **kwargs) -> subprocess.Popen:
+  """Popen, by default with text pipes for stdout and stderr and the background compilation
+  cache lane; killed if the session ends first."""
+  kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **kwargs}
+  kwargs.setdefault("env", compile_cache_env(dict(os.environ), "background"))
+  proc = subprocess.Popen(argv, **kwargs)
+  _RUNNING.add(proc)
+  return proc
+
+
+def finish(proc: subprocess.Popen, timeout: float = 900) -> subprocess.CompletedProcess:
+  try:
+    out, err = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    proc.communicate()
+    raise
+  finally:
+    _RUNNING.discard(proc)
+  return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_cli(argv: list[str], timeout: float = 900, **kwargs) -> subprocess.CompletedProcess:
+  """subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kwargs)."""
+  return finish(start_cli(argv, **kwargs), timeout)
+
+
+class _Runs:
+  def __init__(self, jobs: dict[str, Callable[["_Runs"], Any]]):
+    self._done = {name: threading.Event() for name in jobs}
+    self._results: dict[str, tuple[Any, BaseException | None]] = {}
+    self._stopping = False
+    self.ran_s = 0.0  # the jobs' time
+    self.waited_s = 0.0  # the tests' time waiting for them
+    self._thread = threading.Thread(target=self._run, args=(jobs,), name="background-runs")
+    self._thread.daemon = True
+    self._thread.start()
+
+  def _run(self, jobs):
+    for name, job in jobs.items():
+      if self._stopping:
+        break
+      start = time.perf_counter()
+      try:
+        self._results[name] = (job(self), None)
+      except BaseException as e:  # handed to the test that asks for the result
+        self._results[name] = (None, e)
+      self.ran_s += time.perf_counter() - start
+      self._done[name].set()
+
+  def result(self, name: str):
+    if threading.current_thread() is self._thread and not self._done[name].is_set():
+      raise RuntimeError(f"background job {name} has not run; ask for it in the test too.")
+    start = time.perf_counter()
+    self._done[name].wait()
+    if threading.current_thread() is not self._thread:
+      self.waited_s += time.perf_counter() - start
+    value, error = self._results[name]
+    if error is not None:
+      raise error
+    return value
+
+  def stop(self):
+    self._stopping = True
+    for proc in list(_RUNNING):
+      proc.kill()
+    self._thread.join(timeout=60)
+
+
+_SUMMARY: list[str] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _background_runs(request, tmp_path_factory):
+  first_use = {}
+  for i, item in enumerate(request.session.items):
+    for name in item.fixturenames:
+      if name in _JOBS:
+        first_use.setdefault(name, i)
+  order = sorted(first_use, key=lambda n: (first_use[n], list(_JOBS).index(n)))
+  jobs = {name: functools.partial(_JOBS[name], tmp_path_factory.mktemp(name)) for name in order}
+  runs = _Runs(jobs)
+  yield runs
+  runs.stop()
+  if jobs:
+    _SUMMARY.append(
+      f"background command lines: {len(jobs)} job(s) ran {runs.ran_s:.0f}s beside the tests, "
+      f"which waited {runs.waited_s:.0f}s for them"
+    )
+
+
+def pytest_terminal_summary(terminalreporter):
+  for line in _SUMMARY:
+    terminalreporter.write_line(line)
+
+
+@background_run("default_run")
+def _default_run(directory, runs):
   """The default run from the command line (``--steps 40``, every other setting its default),
   made once: test_train checks that it learns and exports, test_generate generates from it.
   Returns (run directory, the finished process)."""
-  out = tmp_path_factory.mktemp("default_run") / "run"
-  proc = subprocess.run(
-    [sys.executable, "-m", "jaxtune.train", "--out", str(out), "--steps", "40"],
-    capture_output=True,
-    text=True,
-    timeout=900,
-  )
-  return out, proc
+  out = directory / "run"
+  return out, run_cli([sys.executable, "-m", "jaxtune.train", "--out", str(out), "--steps", "40"])
 
 
 @pytest.fixture
