@@ -1,15 +1,24 @@
 """Shared helpers: tiny, seeded transformers checkpoints written to disk as users have them."""
 
+import functools
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 # Tests fake 8 CPU devices for the mesh tests; must be set before jax initialises.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # JAX's persistent compilation cache, one per test session (removed at its end), so that a
 # program compiled once is loaded, not compiled again: by the command lines tests start
@@ -17,22 +26,28 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # this process. jax 0.11.2 writes a cache entry in place (not atomically), so processes that
 # run at the same time get cache directories of their own ("lanes"): this process one, the
 # command lines it waits for another (inherited through the environment), and each process
-# of a group started together its own (compile_cache_env). JAXTUNE_TEST_COMPILE_CACHE=0 turns
-# it off.
-COMPILE_CACHE = None
-if os.environ.get("JAXTUNE_TEST_COMPILE_CACHE", "1") != "0":
+# of a group started together its own (compile_cache_env). Set up by pytest_configure, not on
+# import: a script that imports a test module (test_faults) is no session.
+# JAXTUNE_TEST_COMPILE_CACHE=0 turns it off.
+COMPILE_CACHE: Path | None = None
+
+
+def pytest_configure(config):
+  global COMPILE_CACHE
+  if os.environ.get("JAXTUNE_TEST_COMPILE_CACHE", "1") == "0":
+    return
   COMPILE_CACHE = Path(tempfile.mkdtemp(prefix="jaxtune-tests-compile-cache-"))
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = str(COMPILE_CACHE / "command-lines")
-  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # CPU compiles are short
-  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+  settings = {
+    "jax_compilation_cache_dir": str(COMPILE_CACHE / "command-lines"),
+    "jax_persistent_cache_min_compile_time_secs": 0,  # CPU compiles are short, and add up
+    "jax_persistent_cache_min_entry_size_bytes": -1,
+  }
+  os.environ.update({k.upper(): str(v) for k, v in settings.items()})  # for command lines
+  settings["jax_compilation_cache_dir"] = str(COMPILE_CACHE / "pytest")
+  import jax
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-if COMPILE_CACHE is not None:
-  jax.config.update("jax_compilation_cache_dir", str(COMPILE_CACHE / "pytest"))
+  for k, v in settings.items():
+    jax.config.update(k, v)
 
 
 def compile_cache_env(env: dict, lane: str) -> dict:
@@ -82,19 +97,139 @@ def build_hf_llama(seed=0, **overrides):
   return model
 
 
-@pytest.fixture(scope="session")
-def default_run(tmp_path_factory):
+# Command-line runs in the background. Tests that start `python -m jaxtune.train` (or .export,
+# .generate) and then only inspect what it wrote or said get the finished processes from a
+# fixture. The runs start with the session, one job at a time in a background thread, in the
+# order the tests need them: on CI's two cores this process keeps about one core busy (tracing,
+# compiling, interpreting kernels), so a command line beside it costs little wall time. Only
+# the jobs of the selected tests run. Their processes have a compilation cache lane of their
+# own ("background"), as they run beside this process and the command lines it waits for.
+
+_JOBS: dict[str, Callable] = {}
+_RUNNING: set[subprocess.Popen] = set()
+
+
+def background_run(name: str):
+  """Decorator: ``job(directory, runs) -> result`` becomes the fixture ``name``, whose value is
+  ``result``. ``directory`` is the job's own temporary directory; ``runs.result(other)`` waits
+  for another job (one that a test needing this job also asks for, so it runs first). Jobs
+  start their processes with ``start_cli`` or ``run_cli``."""
+
+  def register(job):
+    _JOBS[name] = job
+
+    @pytest.fixture(name=name)
+    def fixture(_background_runs):
+      return _background_runs.result(name)
+
+    return fixture
+
+  return register
+
+
+def start_cli(argv: list[str], **kwargs) -> subprocess.Popen:
+  """Popen, by default with text pipes for stdout and stderr and the background compilation
+  cache lane; killed if the session ends first."""
+  kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **kwargs}
+  kwargs.setdefault("env", compile_cache_env(dict(os.environ), "background"))
+  proc = subprocess.Popen(argv, **kwargs)
+  _RUNNING.add(proc)
+  return proc
+
+
+def finish(proc: subprocess.Popen, timeout: float = 900) -> subprocess.CompletedProcess:
+  try:
+    out, err = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    proc.communicate()
+    raise
+  finally:
+    _RUNNING.discard(proc)
+  return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_cli(argv: list[str], timeout: float = 900, **kwargs) -> subprocess.CompletedProcess:
+  """subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kwargs)."""
+  return finish(start_cli(argv, **kwargs), timeout)
+
+
+class _Runs:
+  def __init__(self, jobs: dict[str, Callable[["_Runs"], Any]]):
+    self._done = {name: threading.Event() for name in jobs}
+    self._results: dict[str, tuple[Any, BaseException | None]] = {}
+    self._stopping = False
+    self.ran_s = 0.0  # the jobs' time
+    self.waited_s = 0.0  # the tests' time waiting for them
+    self._thread = threading.Thread(target=self._run, args=(jobs,), name="background-runs")
+    self._thread.daemon = True
+    self._thread.start()
+
+  def _run(self, jobs):
+    for name, job in jobs.items():
+      if self._stopping:
+        break
+      start = time.perf_counter()
+      try:
+        self._results[name] = (job(self), None)
+      except BaseException as e:  # handed to the test that asks for the result
+        self._results[name] = (None, e)
+      self.ran_s += time.perf_counter() - start
+      self._done[name].set()
+
+  def result(self, name: str):
+    if threading.current_thread() is self._thread and not self._done[name].is_set():
+      raise RuntimeError(f"background job {name} has not run; ask for it in the test too.")
+    start = time.perf_counter()
+    self._done[name].wait()
+    if threading.current_thread() is not self._thread:
+      self.waited_s += time.perf_counter() - start
+    value, error = self._results[name]
+    if error is not None:
+      raise error
+    return value
+
+  def stop(self):
+    self._stopping = True
+    for proc in list(_RUNNING):
+      proc.kill()
+    self._thread.join(timeout=60)
+
+
+_SUMMARY: list[str] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _background_runs(request, tmp_path_factory):
+  first_use = {}
+  for i, item in enumerate(request.session.items):
+    for name in item.fixturenames:
+      if name in _JOBS:
+        first_use.setdefault(name, i)
+  order = sorted(first_use, key=lambda n: (first_use[n], list(_JOBS).index(n)))
+  jobs = {name: functools.partial(_JOBS[name], tmp_path_factory.mktemp(name)) for name in order}
+  runs = _Runs(jobs)
+  yield runs
+  runs.stop()
+  if jobs:
+    _SUMMARY.append(
+      f"background command lines: {len(jobs)} job(s) ran {runs.ran_s:.0f}s beside the tests, "
+      f"which waited {runs.waited_s:.0f}s for them"
+    )
+
+
+def pytest_terminal_summary(terminalreporter):
+  for line in _SUMMARY:
+    terminalreporter.write_line(line)
+
+
+@background_run("default_run")
+def _default_run(directory, runs):
   """The default run from the command line (``--steps 40``, every other setting its default),
   made once: test_train checks that it learns and exports, test_generate generates from it.
   Returns (run directory, the finished process)."""
-  out = tmp_path_factory.mktemp("default_run") / "run"
-  proc = subprocess.run(
-    [sys.executable, "-m", "jaxtune.train", "--out", str(out), "--steps", "40"],
-    capture_output=True,
-    text=True,
-    timeout=900,
-  )
-  return out, proc
+  out = directory / "run"
+  return out, run_cli([sys.executable, "-m", "jaxtune.train", "--out", str(out), "--steps", "40"])
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import hashlib
 import json
 import re
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import background_run, run_cli
 from safetensors.numpy import load_file, save_file
 
 from converters.synthetic import write_random_checkpoint
@@ -43,14 +43,17 @@ TINY = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
+def _write_tiny_model(out: Path) -> Path:
   src = default_model.ensure_default_checkpoint()
-  out = tmp_path_factory.mktemp("catalogue") / "model"
   write_random_checkpoint(out, TINY, seed=0, dtype="float32")
   for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
     shutil.copy2(src / name, out / name)
   return out
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+  return _write_tiny_model(tmp_path_factory.mktemp("catalogue") / "model")
 
 
 class Work:
@@ -534,29 +537,37 @@ def test_bad_input(case, tiny_model, tmp_path, capsys, monkeypatch):
   assert _snapshot(tmp_path) == before
 
 
-@pytest.mark.parametrize(
-  "case_id",
-  [
-    "learning-rate-not-a-number",
-    "mesh-product-not-device-count",
-    "data-not-json",
-    "export-into-non-empty-dir",
-  ],
-)
-def test_bad_input_from_a_real_command_line(case_id, tiny_model, tmp_path):
+REAL_COMMAND_LINES = [
+  "learning-rate-not-a-number",
+  "mesh-product-not-device-count",
+  "data-not-json",
+  "export-into-non-empty-dir",
+]
+
+
+@background_run("real_command_lines")
+def _real_command_lines(directory, runs) -> dict:
+  """Each case of REAL_COMMAND_LINES run as a user runs it, a new process in a workspace of its
+  own: {case id: (the finished process, the workspace's snapshot before, and after)}."""
+  model = _write_tiny_model(directory / "tiny")
+  results = {}
+  for case_id in REAL_COMMAND_LINES:
+    case = BY_ID[case_id]
+    root = directory / case_id
+    root.mkdir()
+    argv = case.setup(Work(root, model))
+    before = _snapshot(root)
+    proc = run_cli([sys.executable, "-m", f"jaxtune.{case.entry}", *argv], timeout=300, cwd=REPO)
+    results[case_id] = proc, before, _snapshot(root)
+  return results
+
+
+@pytest.mark.parametrize("case_id", REAL_COMMAND_LINES)
+def test_bad_input_from_a_real_command_line(case_id, real_command_lines):
   """The same, as a user runs it: a new process, whose stderr holds the one sentence only."""
   case = BY_ID[case_id]
-  work = Work(tmp_path, tiny_model)
-  argv = case.setup(work)
-  before = _snapshot(tmp_path)
-  proc = subprocess.run(
-    [sys.executable, "-m", f"jaxtune.{case.entry}", *argv],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    cwd=REPO,
-  )
+  proc, before, after = real_command_lines[case_id]
   assert proc.returncode == 2, proc.stderr
   _assert_one_sentence(proc.stderr, case.match)
   assert proc.stderr.strip().startswith("error:")  # nothing but the sentence
-  assert _snapshot(tmp_path) == before
+  assert after == before

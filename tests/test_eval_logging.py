@@ -2,11 +2,11 @@
 
 import json
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+from conftest import background_run, run_cli
 
 from jaxtune.default_model import DATASET
 
@@ -27,35 +27,30 @@ def _events(path: Path):
   return events
 
 
-def test_eval_metrics_tensorboard_and_plot(tmp_path):
+@background_run("eval_run")
+def _eval_run(directory, runs):
+  """A run with held-out data and prompts evaluated every 6 of 12 steps, then the plot script
+  on it: (run directory, the run's process, the plot, the plot script's process)."""
   lines = DATASET.read_text().splitlines()
-  held_out = tmp_path / "eval.jsonl"
+  held_out = directory / "eval.jsonl"
   held_out.write_text("\n".join(lines[-40:]) + "\n")
-  prompts = tmp_path / "prompts.txt"
+  prompts = directory / "prompts.txt"
   prompts.write_text("What is 3 plus 4?\nCount to 3.\n")
-  out = tmp_path / "run"
-  proc = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "jaxtune.train",
-      "--out",
-      str(out),
-      "--steps",
-      "12",
-      "--export",
-      "none",
-      "--eval-data",
-      str(held_out),
-      "--eval-every",
-      "6",
-      "--eval-prompts",
-      str(prompts),
-    ],
-    capture_output=True,
-    text=True,
-    timeout=900,
+  out = directory / "run"
+  flags = ["--out", str(out), "--steps", "12", "--export", "none", "--eval-data", str(held_out)]
+  flags += ["--eval-every", "6", "--eval-prompts", str(prompts)]
+  proc = run_cli([sys.executable, "-m", "jaxtune.train", *flags])
+  png = directory / "runs.png"
+  plot = run_cli(
+    [sys.executable, "experiments/plot_runs.py", str(out), "--out", str(png)],
+    timeout=300,
+    cwd=Path(__file__).resolve().parents[1],
   )
+  return out, proc, png, plot
+
+
+def test_eval_metrics_tensorboard_and_plot(eval_run):
+  out, proc, png, plot = eval_run
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
   evals = [r for r in rows if "eval_loss" in r]
@@ -76,14 +71,7 @@ def test_eval_metrics_tensorboard_and_plot(tmp_path):
   assert "train/lr" in tags and "train/tokens_per_s" in tags
   assert any(t.startswith("eval/generations") for t in tags)
 
-  png = tmp_path / "runs.png"
-  subprocess.run(
-    [sys.executable, "experiments/plot_runs.py", str(out), "--out", str(png)],
-    check=True,
-    capture_output=True,
-    timeout=300,
-    cwd=Path(__file__).resolve().parents[1],
-  )
+  assert plot.returncode == 0, plot.stderr[-3000:]
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 

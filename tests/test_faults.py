@@ -10,14 +10,13 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import background_run, run_cli
 
 from jaxtune import checkpoint
 from jaxtune.run_config import RunConfig
@@ -34,60 +33,65 @@ def _metrics(out):
   return [by_step[s] for s in sorted(by_step)]
 
 
-def test_sigterm_saves_then_resume_reproduces_the_run(tmp_path):
+# The run the SIGTERM test interrupts and resumes, and the same run uninterrupted.
+_SIGTERM_FLAGS = ["--steps", "12", "--save-every", "5", "--export", "none", "--lora-dropout", "0.1"]
+_SIGTERM_FLAGS += ["--seq-len", "64", "--lora-rank", "4"]
+_SIGTERM_RUN = RunConfig(
+  steps=12, save_every=5, export=None, lora_dropout=0.1, seq_len=64, lora_rank=4
+)
+
+
+# Runs the command line given after the metrics file as its child and sends it SIGTERM once
+# step 6 is logged (so the stop lands between save points); exits as the child did. A process
+# of its own, not a thread of this one: a thread here may wait on the GIL (tests tracing and
+# compiling beside it) past the next save point, the steps being ~0.1 s apart.
+_INTERRUPT_AT_STEP_6 = textwrap.dedent(
+  """
+  import os, signal, subprocess, sys, time
+  metrics, argv = sys.argv[1], sys.argv[2:]
+  proc = subprocess.Popen(argv)
+  deadline = time.time() + 600
+  while time.time() < deadline and proc.poll() is None:
+    if os.path.isfile(metrics) and len(open(metrics).read().splitlines()) >= 6:
+      proc.send_signal(signal.SIGTERM)
+      break
+    time.sleep(0.02)
+  code = proc.wait()
+  if code < 0:  # killed by a signal: die of it too
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+  sys.exit(code)
+  """
+)
+
+
+@background_run("sigterm_and_resume")
+def _sigterm_and_resume(directory, runs):
+  """The command-line run, sent SIGTERM once step 6 is logged, then again with --resume: (its
+  --out, the stopped process, the checkpoints it left, the resumed process)."""
+  cut = directory / "cut"
+  train = [sys.executable, "-m", "jaxtune.train", "--out", str(cut), *_SIGTERM_FLAGS]
+  interrupt = [sys.executable, "-c", _INTERRUPT_AT_STEP_6, str(cut / "metrics.jsonl")]
+  stopped = run_cli([*interrupt, *train], timeout=600, cwd=REPO)
+  left = os.listdir(cut / "checkpoints") if (cut / "checkpoints").is_dir() else []
+  return cut, stopped, left, run_cli([*train, "--resume"], timeout=600, cwd=REPO)
+
+
+def test_sigterm_saves_then_resume_reproduces_the_run(sigterm_and_resume, tmp_path):
   """Preemption: SIGTERM mid-run saves a checkpoint at the step it reached (not a --save-every
   multiple) and exits; --resume then gives exactly the losses of an uninterrupted run."""
-  common = ["--steps", "12", "--save-every", "5", "--export", "none", "--lora-dropout", "0.1"]
-  common += ["--seq-len", "64", "--lora-rank", "4"]
-  cut = tmp_path / "cut"
-  proc = subprocess.Popen(
-    [sys.executable, "-m", "jaxtune.train", "--out", str(cut), *common],
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-    text=True,
-    cwd=REPO,
-  )
-
-  def interrupt():  # once step 6 is logged, so the stop lands between save points
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-      metrics = cut / "metrics.jsonl"
-      if metrics.is_file() and len(metrics.read_text().splitlines()) >= 6:
-        proc.send_signal(signal.SIGTERM)
-        return
-      time.sleep(0.05)
-
-  watcher = threading.Thread(target=interrupt)
-  watcher.start()
-  # Meanwhile the uninterrupted run, in this process (same 8 fake devices).
+  # The uninterrupted run, in this process (same 8 fake devices).
   full = tmp_path / "full"
-  run_training(
-    RunConfig(
-      out=str(full),
-      steps=12,
-      save_every=5,
-      export=None,
-      lora_dropout=0.1,
-      seq_len=64,
-      lora_rank=4,
-    )
-  )
-  watcher.join()
-  _, err = proc.communicate(timeout=600)
+  run_training(_SIGTERM_RUN.replace(out=str(full)))
+  cut, proc, checkpoints_after_the_stop, resumed = sigterm_and_resume  # before the resume
+  err = proc.stderr
   assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
   assert "Traceback" not in err
   stopped = int(err.split("stopped by SIGTERM after step ")[1].split(";")[0])
   assert 6 <= stopped < 12 and stopped != 10
   assert f"checkpoint {stopped} is in" in err and "continue with --resume" in err
-  assert str(stopped) in os.listdir(cut / "checkpoints")
+  assert str(stopped) in checkpoints_after_the_stop
 
-  resumed = subprocess.run(
-    [sys.executable, "-m", "jaxtune.train", "--out", str(cut), *common, "--resume"],
-    capture_output=True,
-    text=True,
-    timeout=600,
-    cwd=REPO,
-  )
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert len(_metrics(full)) == 12
   np.testing.assert_allclose(_metrics(cut), _metrics(full), rtol=1e-6)

@@ -1,6 +1,5 @@
 """Greedy generation with the KV cache equals transformers' generate, token for token."""
 
-import subprocess
 import sys
 
 import jax
@@ -8,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import background_run, run_cli
 
 import jaxtune
 from jaxtune.decoding import generate_ids, init_cache, sample
@@ -123,34 +123,22 @@ def test_eos_stops_only_its_row(hf_llama_dir):
   assert stopped[0] == free[0][: free[0].index(eos) + 1] and stopped[1] == free[1]
 
 
-def test_cli_generates_from_a_trained_run(default_run):
+@background_run("cli_generation")
+def _cli_generation(directory, runs):
+  """The generate command line on the default run (conftest.py), and without any model."""
+  out, _ = runs.result("default_run")
+  prompt = ["--prompt", "What is 2 plus 3?", "--chat", "--max-new-tokens", "5"]
+  generate = [sys.executable, "-m", "jaxtune.generate"]
+  proc = run_cli([*generate, "--adapter", str(out), *prompt], timeout=600)
+  return proc, run_cli([*generate, "--prompt", "hi"], timeout=300)
+
+
+def test_cli_generates_from_a_trained_run(default_run, cli_generation):
   out, train = default_run  # the default run (40 steps), shared with test_train.py
   assert train.returncode == 0, train.stderr[-2000:]
-  proc = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "jaxtune.generate",
-      "--adapter",
-      str(out),
-      "--prompt",
-      "What is 2 plus 3?",
-      "--chat",
-      "--max-new-tokens",
-      "5",
-    ],
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
+  proc, bad = cli_generation
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "### What is 2 plus 3?" in proc.stdout
-  bad = subprocess.run(
-    [sys.executable, "-m", "jaxtune.generate", "--prompt", "hi"],
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
   assert bad.returncode == 2 and "pass --model" in bad.stderr
 
 

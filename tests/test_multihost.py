@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import compile_cache_env
+from conftest import background_run, compile_cache_env, finish, start_cli
 
 from jaxtune import distributed
 from jaxtune.run_config import RunConfig
@@ -43,14 +43,8 @@ def _free_port() -> int:
 
 
 def _train(out: Path, env: dict, *flags: str) -> subprocess.Popen:
-  return subprocess.Popen(
-    [sys.executable, "-m", "jaxtune.train", "--out", str(out), *flags],
-    env=env,
-    cwd=REPO,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT,
-    text=True,
-  )
+  argv = [sys.executable, "-m", "jaxtune.train", "--out", str(out), *flags]
+  return start_cli(argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def _losses(out: Path) -> list[float]:
@@ -115,13 +109,13 @@ def test_incomplete_launch_is_one_sentence(env, match):
     distributed.launch_from_env(env)
 
 
-def test_two_processes_train_like_one(tmp_path):
-  """2 processes x 4 devices under --mesh 2x4 give the losses, checkpoints and export of one
-  process with 8 devices; only process 0 writes metrics and the export."""
+@background_run("two_processes")
+def _two_processes(directory, runs):
+  """The run of the test below as 2 processes x 4 devices: (its --out, the finished processes)."""
   flags = ["--mesh", "2x4", "--steps", "3", "--seq-len", "64", "--save-every", "2"]
   flags += ["--export", "peft", "--lora-rank", "4"]
   port = _free_port()
-  multi = tmp_path / "multi"
+  multi = directory / "multi"
   procs = [
     _train(
       multi,
@@ -135,13 +129,20 @@ def test_two_processes_train_like_one(tmp_path):
     )
     for i in range(2)
   ]
-  # Meanwhile the same run in this process (8 fake devices, see conftest.py).
+  return multi, [finish(p, timeout=600) for p in procs]
+
+
+def test_two_processes_train_like_one(two_processes, tmp_path):
+  """2 processes x 4 devices under --mesh 2x4 give the losses, checkpoints and export of one
+  process with 8 devices; only process 0 writes metrics and the export."""
+  # The same run in this process (8 fake devices, see conftest.py).
   one = tmp_path / "one"
   run = RunConfig(
     out=str(one), mesh="2x4", steps=3, seq_len=64, save_every=2, export="peft", lora_rank=4
   )
   run_training(run)
-  outputs = [p.communicate(timeout=600)[0] for p in procs]
+  multi, procs = two_processes
+  outputs = [p.stdout for p in procs]
   for i, (p, text) in enumerate(zip(procs, outputs, strict=True)):
     assert p.returncode == 0, f"process {i}:\n{text[-3000:]}"
   assert "on 8 cpu device(s) in 2 processes" in outputs[0]
@@ -159,18 +160,26 @@ def test_two_processes_train_like_one(tmp_path):
     np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-7, err_msg=k)
 
 
-def test_concurrent_runs_see_only_their_own_devices(tmp_path):
+@background_run("concurrent_runs")
+def _concurrent_runs(directory, runs):
+  """Two runs at once, on 2 and on 3 devices: (their --out directories, finished processes)."""
+  flags = ["--steps", "2", "--seq-len", "32", "--export", "none", "--lora-rank", "4"]
+  outs = directory / "a", directory / "b"
+  a = _train(outs[0], _env(2), *flags, "--batch-size", "4")
+  b = _train(outs[1], _env(3), *flags, "--batch-size", "6")
+  return outs, (finish(a, timeout=600), finish(b, timeout=600))
+
+
+def test_concurrent_runs_see_only_their_own_devices(concurrent_runs):
   """Two jobs at once, each limited to its devices (CUDA_VISIBLE_DEVICES on a GPU machine; a
   device count here): each trains on exactly what it was given, and the mesh defaults to it."""
-  flags = ["--steps", "2", "--seq-len", "32", "--export", "none", "--lora-rank", "4"]
-  a = _train(tmp_path / "a", _env(2), *flags, "--batch-size", "4")
-  b = _train(tmp_path / "b", _env(3), *flags, "--batch-size", "6")
-  out_a, out_b = a.communicate(timeout=600)[0], b.communicate(timeout=600)[0]
+  (dir_a, dir_b), (a, b) = concurrent_runs
+  out_a, out_b = a.stdout, b.stdout
   assert a.returncode == 0, out_a[-3000:]
   assert b.returncode == 0, out_b[-3000:]
   assert re.search(r"mesh \{'data': 2, .*\} on 2 cpu device\(s\);", out_a)
   assert re.search(r"mesh \{'data': 3, .*\} on 3 cpu device\(s\);", out_b)
-  assert len(_losses(tmp_path / "a")) == len(_losses(tmp_path / "b")) == 2
+  assert len(_losses(dir_a)) == len(_losses(dir_b)) == 2
 
 
 def test_no_nvidia_smi():

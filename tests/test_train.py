@@ -2,7 +2,6 @@
 
 import json
 import math
-import subprocess
 import sys
 
 import jax
@@ -11,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 import torch
-from conftest import build_hf_llama, max_rel_err
+from conftest import background_run, build_hf_llama, max_rel_err, run_cli
 from flax import nnx
 
 import jaxtune
@@ -327,7 +326,16 @@ def test_chat_loss_covers_assistant_turns_only(tmp_path):
   assert tok.decode(labelled) == "yo<|eos|>"
 
 
-def test_default_run_learns_and_exports(default_run, tmp_path):
+@background_run("default_run_export")
+def _default_run_export(directory, runs):
+  """The export command line on the default run: (its --out, the finished process)."""
+  out, _ = runs.result("default_run")
+  again = directory / "again"
+  argv = [sys.executable, "-m", "jaxtune.export", "--checkpoint", str(out), "--format", "merged"]
+  return again, run_cli([*argv, "--out", str(again)], timeout=600)
+
+
+def test_default_run_learns_and_exports(default_run, default_run_export):
   out, proc = default_run  # `python -m jaxtune.train --out OUT --steps 40`, see conftest.py
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "outputs in" in proc.stdout
@@ -338,23 +346,7 @@ def test_default_run_learns_and_exports(default_run, tmp_path):
   assert (out / "export" / "model.safetensors").is_file() and (out / "config.yaml").is_file()
 
   # The export CLI rebuilds the model from the run directory and writes the same weights.
-  again = tmp_path / "again"
-  cli = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "jaxtune.export",
-      "--checkpoint",
-      str(out),
-      "--format",
-      "merged",
-      "--out",
-      str(again),
-    ],
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
+  again, cli = default_run_export
   assert cli.returncode == 0, cli.stderr[-2000:]
   from safetensors.numpy import load_file
 
@@ -409,31 +401,17 @@ def test_overflow_stops_or_is_skipped(tiny, tmp_path):
   )
 
 
-def test_overflow_from_the_cli_is_one_sentence(tmp_path):
-  proc = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "jaxtune.train",
-      "--out",
-      str(tmp_path / "r"),
-      "--steps",
-      "6",
-      "--learning-rate",
-      "1e30",
-      "--warmup-steps",
-      "0",
-      "--schedule",
-      "constant",
-      "--max-grad-norm",
-      "1e30",
-      "--export",
-      "none",
-    ],
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
+@background_run("overflow_cli")
+def _overflow_cli(directory, runs):
+  """A command-line run whose first step overflows."""
+  flags = ["--steps", "6", "--learning-rate", "1e30", "--warmup-steps", "0"]
+  flags += ["--schedule", "constant", "--max-grad-norm", "1e30", "--export", "none"]
+  out = directory / "r"
+  return run_cli([sys.executable, "-m", "jaxtune.train", "--out", str(out), *flags], timeout=600)
+
+
+def test_overflow_from_the_cli_is_one_sentence(overflow_cli):
+  proc = overflow_cli
   assert proc.returncode == 2
   assert "pass --skip-nonfinite" in proc.stderr and "Traceback" not in proc.stderr
 
