@@ -124,6 +124,7 @@ def test_nf4_matches_transformers_on_dequantized_weights(family_dir, family):
   assert max_rel_err(model(jnp.asarray(ids)), torch_logits(hf, ids)) <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lora_training_and_merged_export(family_dir, family, tmp_path):
   from transformers import AutoModelForCausalLM

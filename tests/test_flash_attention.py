@@ -83,6 +83,7 @@ def _errors(f, q, k, v, do):
   return [_rel(a, b) for a, b in zip(got, want, strict=True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernels_match_reference(name):
   t, n, kv, h, opts = CASES[name]
@@ -102,6 +103,7 @@ def test_kernels_match_reference(name):
   assert max(errs) < TOL, dict(zip(("out", "dq", "dk", "dv"), errs, strict=True))
 
 
+@pytest.mark.slow
 def test_traced_window_in_a_layer_scan():
   """The window is a per-layer int32 inside lax.scan (0 = full attention), as in the decoder."""
   q, k, v, do, seg = _inputs(200, 2, 1, 64, seed=3)

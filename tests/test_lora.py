@@ -50,6 +50,7 @@ def test_b_zero_leaves_output_unchanged(hf_llama_dir):
   assert not np.allclose(np.asarray(lora(ids)), np.asarray(before))
 
 
+@pytest.mark.slow
 def test_gradient_touches_only_adapters(hf_llama_dir):
   path, _ = hf_llama_dir(seed=2)
   model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float32"), rank=4)

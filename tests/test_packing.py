@@ -79,7 +79,9 @@ def _use_kernels(model, on: bool):
     model.layers.self_attn.attention_impl = attention.PALLAS_INTERPRET
 
 
-@pytest.mark.parametrize("kernels", [False, True], ids=["xla", "interpret-kernels"])
+@pytest.mark.parametrize(
+  "kernels", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["xla", "interpret-kernels"]
+)
 def test_packed_rows_give_each_example_its_own_loss(tmp_path, kernels):
   """Three examples packed into one row (segment ids, positions restarting) have the per-token
   losses they have alone; the sliding window, softcaps and rope all see the restart."""
@@ -108,6 +110,7 @@ def test_packed_rows_give_each_example_its_own_loss(tmp_path, kernels):
   assert np.abs(mixed[second] - got[second]).max() > 10 * tol["atol"]
 
 
+@pytest.mark.slow
 def test_kernel_path_computes_the_xla_loss_and_gradients(hf_llama_dir):
   """A training micro-batch of packed rows: loss and LoRA gradients of the Mosaic GPU kernels
   (NF4 matmul forward and backward, flash attention forward and backward, interpreted)
@@ -181,6 +184,7 @@ def test_pallas_attention_runs_per_shard_of_a_data_tensor_mesh():
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_chunked_loss_equals_the_full_loss_under_the_final_logit_softcap(tmp_path):
   """Gemma 2's final-logit softcap (3.0 here) inside the chunked cross-entropy, by token pieces
   and by token and vocabulary pieces (online log-sum-exp): loss sums and

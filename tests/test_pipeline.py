@@ -99,6 +99,7 @@ def _assert_same(got, want, what):
     np.testing.assert_allclose(g, g0, rtol=1e-4, atol=1e-5 * np.abs(g0).max(), err_msg=what)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["2x2x2", "1x1x8", "1x2x4"])
 def test_pipeline_meshes_equal_single_device(host_model, single, spec):
   got = loss_and_grads(host_model, spec)
@@ -109,6 +110,7 @@ def test_pipeline_meshes_equal_single_device(host_model, single, spec):
   assert codes.sharding.spec[0] == "pipe"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["2x2x2", "4x2"])
 def test_shard_frozen_equals_single_device(host_model, single, spec):
   got = loss_and_grads(host_model, spec, shard_frozen=True)
@@ -125,6 +127,7 @@ def test_remat_policies_give_the_same_loss(host_model, single, policy):
   _assert_same(loss_and_grads(host_model, "1", remat=policy), single, policy)
 
 
+@pytest.mark.slow
 def test_offload_keeps_layer_inputs_on_the_host_under_a_pipeline(host_model, single):
   _assert_same(loss_and_grads(host_model, "2x2x2", remat="offload"), single, "offload 2x2x2")
   graphdef, lora, frozen = host_model
@@ -196,6 +199,7 @@ def test_sliding_window_layers_keep_their_windows_across_stages():
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.slow
 def test_trainer_trains_pipelined_as_on_one_device(ckpt, tmp_path):
   """trainer.train, unchanged, under data x tensor x pipe: same losses step by step."""
   ids = np.random.default_rng(1).integers(0, 256, (8, 16)).astype(np.int32)  # one batch

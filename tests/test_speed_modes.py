@@ -91,12 +91,14 @@ def _assert_same(got, want, label, atol=1e-6):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=atol, err_msg=label)
 
 
+@pytest.mark.slow
 def test_activations_remat_trains_like_full_remat(checkpoint):
   ref = _loss_and_grads(checkpoint, "full")
   # Saved and recomputed values fuse differently in float32: a few 1e-6 absolute apart.
   _assert_same(_loss_and_grads(checkpoint, "activations"), ref, "activations", atol=1e-5)
 
 
+@pytest.mark.slow
 def test_activations_remat_under_a_mesh_trains_like_one_device(tiny_checkpoint):
   ref = _loss_and_grads(tiny_checkpoint, "full")
   # The all-reduces sum in another order: gradients agree to a few 1e-6 absolute.
