@@ -58,6 +58,25 @@ def compile_cache_env(env: dict, lane: str) -> dict:
   return env
 
 
+def pytest_collection_modifyitems(config, items):
+  """Tests marked ``gpu`` are skipped where JAX sees no GPU (CPU machines, CI; and a GPU machine
+  unless JAX_PLATFORMS lets JAX use it: this file defaults it to cpu)."""
+  gpu = [item for item in items if item.get_closest_marker("gpu")]
+  if gpu and not _has_gpu():
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU; JAX sees none")
+    for item in gpu:
+      item.add_marker(skip)
+
+
+def _has_gpu() -> bool:
+  import jax
+
+  try:
+    return bool(jax.devices("gpu"))
+  except RuntimeError:  # no GPU backend, or none allowed by JAX_PLATFORMS
+    return False
+
+
 def pytest_unconfigure(config):
   if COMPILE_CACHE is not None:
     shutil.rmtree(COMPILE_CACHE, ignore_errors=True)

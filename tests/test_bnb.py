@@ -38,6 +38,7 @@ def _torch_name(path_, layer):
   return "model." + ".".join(path_).replace("layers.", f"layers.{layer}.", 1)
 
 
+@pytest.mark.slow
 def test_loads_bytes_as_stored_and_dequantizes_identically(bnb_dir):
   path, hf = bnb_dir
   stored = load_file(path / "model.safetensors")

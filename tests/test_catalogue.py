@@ -562,6 +562,7 @@ def _real_command_lines(directory, runs) -> dict:
   return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case_id", REAL_COMMAND_LINES)
 def test_bad_input_from_a_real_command_line(case_id, real_command_lines):
   """The same, as a user runs it: a new process, whose stderr holds the one sentence only."""

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import background_run, run_cli
 
 from jaxtune.default_model import DATASET
@@ -49,6 +50,7 @@ def _eval_run(directory, runs):
   return out, proc, png, plot
 
 
+@pytest.mark.slow
 def test_eval_metrics_tensorboard_and_plot(eval_run):
   out, proc, png, plot = eval_run
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -77,6 +77,7 @@ def _sigterm_and_resume(directory, runs):
   return cut, stopped, left, run_cli([*train, "--resume"], timeout=600, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_then_resume_reproduces_the_run(sigterm_and_resume, tmp_path):
   """Preemption: SIGTERM mid-run saves a checkpoint at the step it reached (not a --save-every
   multiple) and exits; --resume then gives exactly the losses of an uninterrupted run."""
@@ -192,6 +193,7 @@ def test_disk_full_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypat
   _assert_state(state, 1.0)
 
 
+@pytest.mark.slow
 def test_disk_full_during_training_stops_with_one_sentence(tmp_path, monkeypatch, capsys):
   """Through the command line: the run stops at the failed save, the earlier checkpoint
   resumes, and the run then finishes."""
@@ -262,6 +264,7 @@ def test_checkpoint_of_other_shapes_is_refused(tmp_path):
     checkpoint.Checkpoints(directory).restore_latest(other)
 
 
+@pytest.mark.slow
 def test_signals_ask_the_loop_to_stop_after_saving(hf_llama_dir, tmp_path):
   """SIGINT (Ctrl-C) as SIGTERM: the handler only records it; the loop saves and raises."""
   from test_train import _dataset, _tiny_dir

@@ -54,6 +54,7 @@ def test_greedy_with_adapter_matches_transformers_on_merged(hf_llama_dir, tmp_pa
   assert generate_ids(base, [prompt], max_new_tokens=10)[0] != ours  # the adapter matters
 
 
+@pytest.mark.slow
 def test_sliding_window_model_past_its_window(tmp_path):
   import transformers as tf
 
@@ -133,6 +134,7 @@ def _cli_generation(directory, runs):
   return proc, run_cli([*generate, "--prompt", "hi"], timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_generates_from_a_trained_run(default_run, cli_generation):
   out, train = default_run  # the default run (40 steps), shared with test_train.py
   assert train.returncode == 0, train.stderr[-2000:]

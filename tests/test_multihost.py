@@ -132,6 +132,7 @@ def _two_processes(directory, runs):
   return multi, [finish(p, timeout=600) for p in procs]
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one(two_processes, tmp_path):
   """2 processes x 4 devices under --mesh 2x4 give the losses, checkpoints and export of one
   process with 8 devices; only process 0 writes metrics and the export."""
@@ -170,6 +171,7 @@ def _concurrent_runs(directory, runs):
   return outs, (finish(a, timeout=600), finish(b, timeout=600))
 
 
+@pytest.mark.slow
 def test_concurrent_runs_see_only_their_own_devices(concurrent_runs):
   """Two jobs at once, each limited to its devices (CUDA_VISIBLE_DEVICES on a GPU machine; a
   device count here): each trains on exactly what it was given, and the mesh defaults to it."""

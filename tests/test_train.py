@@ -104,6 +104,7 @@ def single(tiny, tmp_path_factory):
   return losses, seen
 
 
+@pytest.mark.slow
 def test_mesh_losses_equal_single_device(tiny, single, tmp_path):
   assert jax.device_count() == 8
   single, _ = single
@@ -115,6 +116,7 @@ def test_mesh_losses_equal_single_device(tiny, single, tmp_path):
     np.testing.assert_allclose(_losses(tiny, spec, tmp_path), single, rtol=2e-5, err_msg=spec)
 
 
+@pytest.mark.slow
 def test_pallas_attention_under_a_mesh_trains_like_one_device(tiny, single, tmp_path):
   """--attention pallas under --mesh 2x4 runs the flash op per (data, tensor) shard in a
   shard_map (on CPU its jnp fallback inside): the losses of one device with XLA attention."""
@@ -122,6 +124,7 @@ def test_pallas_attention_under_a_mesh_trains_like_one_device(tiny, single, tmp_
   np.testing.assert_allclose(sharded, single[0], rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_sequence_parallel_trains_like_one_device(tiny, single, tmp_path, monkeypatch):
   """--sequence-parallel keeps the residual stream's tokens split over tensor after every
   residual add (checked while tracing) and trains exactly like one device: 2x4 with XLA
@@ -159,6 +162,7 @@ def test_default_attention_separates_packed_held_out_rows():
   assert chosen == ["cudnn", "xla"]
 
 
+@pytest.mark.slow
 def test_pipeline_run_settings_train_like_one_device(tiny, single, tmp_path):
   """--mesh 2x2x2 with --shard-frozen, --microbatches, --remat offload and --loss-chunk, via the
   trainer's own placement: the same losses as one device."""
@@ -167,6 +171,7 @@ def test_pipeline_run_settings_train_like_one_device(tiny, single, tmp_path):
   np.testing.assert_allclose(piped, single[0], rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_chunked_loss_equals_the_full_logits_loss(tiny):
   """Loss sums and LoRA gradients of the chunked cross-entropy (pieces of 4 tokens, 4 being
   the largest divisor of 24 not above 5) equal those of the full [B, T, V] logits."""
@@ -201,6 +206,7 @@ def test_chunked_loss_equals_the_full_logits_loss(tiny):
       np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_chunked_mlp_trains_like_the_whole_mlp_in_less_memory(tiny, hf_llama_dir):
   """--mlp-chunk: the MLP over pieces of 10 tokens (24 = 10 + 10 + 4, zero-padded) under
   remat gives the loss and LoRA gradients of the whole-sequence MLP; and XLA's plan for a long
@@ -243,6 +249,7 @@ def test_chunked_mlp_trains_like_the_whole_mlp_in_less_memory(tiny, hf_llama_dir
   assert pieces < 0.5 * whole, (pieces, whole)
 
 
+@pytest.mark.slow
 def test_grad_accumulation_normalises_over_all_micro_batches(tiny, tmp_path):
   path = tiny
   one = _losses(path, "1", tmp_path / "a", steps=2, accum=1)
@@ -250,6 +257,7 @@ def test_grad_accumulation_normalises_over_all_micro_batches(tiny, tmp_path):
   np.testing.assert_allclose(four, one, rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_export_round_trips_to_transformers_and_peft(tiny, tmp_path):
   from peft import PeftModel
   from transformers import LlamaForCausalLM
@@ -335,6 +343,7 @@ def _default_run_export(directory, runs):
   return again, run_cli([*argv, "--out", str(again)], timeout=600)
 
 
+@pytest.mark.slow
 def test_default_run_learns_and_exports(default_run, default_run_export):
   out, proc = default_run  # `python -m jaxtune.train --out OUT --steps 40`, see conftest.py
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -410,6 +419,7 @@ def _overflow_cli(directory, runs):
   return run_cli([sys.executable, "-m", "jaxtune.train", "--out", str(out), *flags], timeout=600)
 
 
+@pytest.mark.slow
 def test_overflow_from_the_cli_is_one_sentence(overflow_cli):
   proc = overflow_cli
   assert proc.returncode == 2
