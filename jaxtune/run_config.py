@@ -7,8 +7,12 @@ from typing import Any
 
 import yaml
 
-from jaxtune import runtime
 from jaxtune.errors import RunConfigError
+
+# Activation checkpointing per layer (models/decoder.py REMAT_POLICIES holds what each keeps).
+REMAT = ("none", "full", "activations", "dots", "dots_no_batch", "offload")
+# What --attention may ask for; None lets runtime.resolve pick the fastest exact one.
+ATTENTION_CHOICES = ("xla", "fused", "pallas")
 
 CHOICES = {
   "schedule": ("cosine", "linear", "constant"),
@@ -16,8 +20,8 @@ CHOICES = {
   "dtype": ("bfloat16", "float32", "float16"),
   "export": ("merged", "peft", "bnb4", None),
   "nf4_matmul": ("kernel", "xla", None),
-  "remat": runtime.REMAT,
-  "attention": (*runtime.ATTENTION_CHOICES, None),
+  "remat": REMAT,
+  "attention": (*ATTENTION_CHOICES, None),
 }
 # Smallest allowed value of numeric settings (None: any value).
 MINIMUM = {
@@ -84,7 +88,7 @@ class RunConfig:
   )
   rslora: bool = False
   skip_nonfinite: bool = False  # skip (count) steps with NaN/inf/zero loss instead of stopping
-  remat: str = "full"  # runtime.REMAT (what each keeps: models/decoder.py); "activations": speed
+  remat: str = "full"  # REMAT (what each keeps: models/decoder.py); "activations": speed
   microbatches: int = 0  # pipeline micro-batches per step (mesh pipe > 1); 0: automatic
   shard_frozen: bool = False  # also split the frozen NF4 weights over data (FSDP-style)
   sequence_parallel: bool = False  # residual stream's tokens split over tensor between matmuls

@@ -20,7 +20,6 @@ Attention, as resolved (``Runtime.attention``), names exactly the code that runs
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -30,16 +29,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtune import mesh as meshlib
 from jaxtune import pipeline, sharding
 from jaxtune.errors import MeshError, UserError
+from jaxtune.run_config import REMAT, RunConfig
 from pallas_kernels.flash_attention import mosaic_supports
 
 if TYPE_CHECKING:
   from jaxtune.config import ModelConfig
-  from jaxtune.run_config import RunConfig
 
-# Activation checkpointing per layer (models/decoder.py REMAT_POLICIES holds what each keeps).
-REMAT = ("none", "full", "activations", "dots", "dots_no_batch", "offload")
-# What --attention may ask for; None lets resolve pick the fastest exact one.
-ATTENTION_CHOICES = ("xla", "fused", "pallas")
 ATTENTION = ("xla", "cudnn", "mosaic", "interpret", "flash_xla")
 NF4_MATMUL = ("auto", "kernel", "xla", "interpret")  # interpret: the kernel on CPU (tests)
 FLASH = ("mosaic", "interpret", "flash_xla")  # run per shard through the flash op
@@ -249,7 +244,7 @@ def resolve(
     run.attention, cfg, dtype=dtype, packed=packed, pipelined=pp > 1, device=devices[0]
   )
   return Runtime(
-    mesh=mesh if math.prod(mesh.shape.values()) > 1 else None,
+    mesh=mesh if mesh.size > 1 else None,
     dtype=dtype,
     remat=run.remat,
     attention=attention,
