@@ -268,10 +268,10 @@ def main():
   ap.add_argument("--trial-seq", type=int, default=None, help=argparse.SUPPRESS)  # a trial
   args = ap.parse_args()
   if "offload" in args.remat.split(","):  # as the CLI does: trials inherit the environment
-    from jaxtune import train
     from jaxtune.run_config import RunConfig
+    from jaxtune.train import allow_host_memory_for_offload
 
-    train.allow_host_memory_for_offload(RunConfig(remat="offload"))
+    allow_host_memory_for_offload(RunConfig(remat="offload"))
   if args.tiny:
     args.shape = args.shape or "tiny-llama"
     args.start, args.cap, args.granularity, args.loss_chunk = 64, 256, 32, 16

@@ -9,7 +9,7 @@ import importlib
 import sys
 import types
 
-# Public name -> "module:attribute". ``train`` and ``load_adapter`` join here when they exist.
+# Public name -> "module:attribute". ``load_adapter`` joins here when it exists.
 _PUBLIC = {
   "CheckpointError": "jaxtune.errors:CheckpointError",
   "ConfigError": "jaxtune.errors:ConfigError",
@@ -21,6 +21,9 @@ _PUBLIC = {
   "export_peft": "converters.hf_out:export_peft",
   "from_pretrained": "converters.hf_in:from_pretrained",
   "generate": "jaxtune.decoding:generate",
+  "DataError": "jaxtune.errors:DataError",
+  "RunConfig": "jaxtune.run_config:RunConfig",
+  "train": "jaxtune.session:train",
 }
 
 __all__ = sorted(_PUBLIC)
@@ -41,8 +44,8 @@ def __dir__() -> list[str]:
 
 class _Package(types.ModuleType):
   def __setattr__(self, name: str, value) -> None:
-    # Importing the submodule jaxtune.generate (the command line) binds it here; the public
-    # function jaxtune.generate must keep the name.
+    # Importing the submodules jaxtune.generate and jaxtune.train (the command lines) binds
+    # them here; the public functions of those names must keep them.
     if name in _PUBLIC and isinstance(value, types.ModuleType):
       return
     super().__setattr__(name, value)

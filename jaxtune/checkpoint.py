@@ -54,11 +54,13 @@ class Checkpoints:
       ),
     )
 
-  def save(self, step: int, state: dict) -> None:
-    """Write ``state`` (a dict of pytrees; ``state["key"]`` a typed PRNG key) as ``step``."""
+  def save(self, step: int, state: dict, data: dict | None = None) -> None:
+    """Write ``state`` (a dict of pytrees; ``state["key"]`` a typed PRNG key) as ``step``;
+    ``data``: a streamed dataset's position (data.StreamingDataset.state)."""
     state = {**state, "key": jax.random.key_data(state["key"])}
-    # The data position is the step: batches are a pure function of it (data.Dataset.batch).
-    meta = {"step": step, "data_position": step}
+    # The data position is the step (batches are a pure function of it: data.Dataset.batch),
+    # and for a stream where it stands in the source.
+    meta = {"step": step, "data_position": step, "data": data}
     previous = self.manager.latest_step()
     try:
       self.manager.save(
@@ -117,6 +119,7 @@ class Checkpoints:
         continue
       state = dict(restored["state"])
       state["key"] = jax.random.wrap_key_data(state["key"])
+      state["data"] = restored["meta"].get("data")
       return state, int(restored["meta"]["step"])
     raise RestoreError(
       f"none of the checkpoints in {self.directory} (steps {', '.join(map(str, steps))}) can be "

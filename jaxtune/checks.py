@@ -66,12 +66,36 @@ def check_targets(run: RunConfig, cfg: "ModelConfig") -> None:
     )
 
 
-def read_eval_prompts(run: RunConfig) -> list[str]:
+def check_data_settings(run: RunConfig, given: bool = False) -> None:
+  """Data settings that cannot go together (``given``: the examples came as an object)."""
+  if run.steps is not None and run.epochs is not None:
+    raise UserError(f"pass --steps or --epochs, not both (got {run.steps} and {run.epochs}).")
+  if run.eval_split and run.eval_data:
+    raise UserError("pass --eval-data or --eval-split, not both.")
+  if run.data_streaming:
+    if run.epochs is not None:
+      raise UserError(
+        "--data-streaming cannot count --epochs (a stream's length is unknown); pass --steps."
+      )
+    if run.steps is None:
+      raise UserError("--data-streaming needs --steps (a stream's length is unknown).")
+    if run.eval_split:
+      raise UserError(
+        "--eval-split needs the whole dataset, which --data-streaming does not read; pass "
+        "--eval-data instead."
+      )
+  if run.data_columns and given is False and run.data is None:
+    raise UserError("--data-columns maps the columns of --data; pass --data too.")
+
+
+def read_eval_prompts(run: RunConfig, has_eval: bool = False) -> list[str]:
   """--eval-prompts' prompts, one per line ([] when not asked for)."""
   if not run.eval_prompts:
     return []
-  if not run.eval_data:
-    raise UserError("--eval-prompts runs at each evaluation; pass --eval-data FILE too.")
+  if not (run.eval_data or has_eval):
+    raise UserError(
+      "--eval-prompts runs at each evaluation; pass --eval-data FILE or --eval-split too."
+    )
   path = Path(run.eval_prompts)
   if not path.is_file():
     raise UserError(f"eval prompts file {path} does not exist.")

@@ -1,154 +1,169 @@
-"""JSONL datasets -> fixed-length token batches with a loss mask.
+"""A run's examples -> token rows of ``seq_len`` with a loss mask, in a seeded order.
 
-Each line is either ``{"text": ...}`` (continued pretraining: loss on every token) or
-``{"messages": [{"role": ..., "content": ...}, ...]}`` rendered with the tokenizer's own chat
-template, loss on the assistant turns only (unless ``train_on_prompt``). Everything is read
-and checked before any compute, so a bad line fails in a second, not after compiling.
+``load`` reads any source ``sources.open_source`` takes, recognises its format
+(formats.py), tokenizes it once through ``datasets.map`` (worker processes; the result is kept
+in the datasets cache, so a second run on the same data and tokenizer skips it), then decides
+what to do with long examples, holds out an eval fraction, and packs rows. What it did is in
+the returned ``Report`` (the start line).
+
+Tokens stay in two flat int32 arrays (ids, labels; memory-mapped from the cache) with each
+example's start and length; a batch is assembled from them when asked for, so host memory
+holds the row layout, not a copy of every row.
 
 Packing (the default): several examples share one row of ``seq_len`` tokens, each with its own
 segment id (1, 2, ...; 0 is padding) and positions restarting at 0, so attention never crosses
 documents (attention.py masks by segment) and little compute goes to padding. Rows are filled
-best-fit, longest example first. Labels are shifted inside each example before packing, so no
-token learns to predict the next document's first token.
+best-fit, longest example first. Labels are shifted inside each example, so no token learns
+to predict the next document's first token.
+
+Streaming (``--data-streaming``, ``StreamingDataset``): for data larger than host memory;
+examples are read in order, tokenized and packed a buffer at a time, and the position (how
+many examples came before the buffer, how many of its rows were served) is saved with each
+checkpoint, so a resumed run continues at the same example.
 """
 
 import bisect
-import json
-from dataclasses import dataclass
+import dataclasses
+import hashlib
+import math
+import os
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from jaxtune import formats, sources
 from jaxtune.errors import DataError
+from jaxtune.formats import IGNORE
 
-IGNORE = -100
+__all__ = ["IGNORE", "Dataset", "Report", "StreamingDataset", "load", "pack_rows", "to_rows"]
+
+# Bumped when tokenization changes what it writes, so old cache entries are not reused.
+TOKENIZATION_VERSION = "1"
+LONG_EXAMPLES = ("truncate", "drop")
+AUTO_SEQ_MULTIPLE, AUTO_SEQ_MAX, AUTO_SEQ_QUANTILE = 256, 4096, 99.0
+# Examples at or above which tokenization runs in worker processes.
+PARALLEL_FROM = 8192
 
 
-@dataclass
 class Dataset:
-  input_ids: np.ndarray  # int32 [N, T]
-  labels: np.ndarray  # int32 [N, T], IGNORE where no loss
-  segment_ids: np.ndarray  # int32 [N, T], example number within its row (1, 2, ...), 0: padding
-  positions: np.ndarray | None = None  # int32 [N, T], position in its example; None: 0..T-1
-  examples: int = 0  # examples read (several per row when packed); 0: one per row
+  """Examples laid out in rows of ``seq_len`` tokens; ``batch(step, ...)`` is a pure function.
 
-  def __post_init__(self):
-    if self.positions is None:
-      self.positions = np.broadcast_to(
-        np.arange(self.input_ids.shape[1], dtype=np.int32), self.input_ids.shape
-      )
-    self.examples = self.examples or len(self)
+  ``tokens``/``labels`` are flat (not shifted); example e's inputs are
+  ``tokens[starts[e] : starts[e] + lengths[e]]`` and its targets the labels one further on.
+  """
+
+  def __init__(
+    self,
+    tokens: np.ndarray,
+    labels: np.ndarray,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    seq_len: int,
+    pack: bool = True,
+  ):
+    self.seq_len = seq_len
+    self._tokens, self._labels = tokens, labels
+    self._starts = np.asarray(starts, np.int64)
+    self._lengths = np.asarray(lengths, np.int64)
+    if np.any(self._lengths > seq_len):
+      raise ValueError("an example is longer than seq_len; truncate or drop it first")
+    rows = (
+      pack_rows(self._lengths.tolist(), seq_len)
+      if pack
+      else [[i] for i in range(len(self._lengths)) if self._lengths[i] > 0]
+    )
+    self._members = np.fromiter((i for r in rows for i in r), np.int64)
+    self._ptr = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum([len(r) for r in rows], out=self._ptr[1:])
+    self.examples = int(np.count_nonzero(self._lengths))
+    self._orders: dict[tuple[int, int], np.ndarray] = {}
+    self._all: dict[str, np.ndarray] | None = None
 
   def __len__(self) -> int:
-    """Rows (sequences of T tokens)."""
-    return self.input_ids.shape[0]
+    """Rows (sequences of seq_len tokens)."""
+    return len(self._ptr) - 1
 
   @property
   def packed(self) -> bool:
     """Whether some row holds more than one example."""
-    return bool(np.any(self.segment_ids > 1))
+    return bool(np.any(np.diff(self._ptr) > 1))
 
   @property
   def packing_efficiency(self) -> float:
     """Fraction of the rows' token slots that hold real tokens (not padding)."""
-    return float(np.count_nonzero(self.segment_ids)) / self.segment_ids.size
+    return float(self._lengths.sum()) / max(1, len(self) * self.seq_len)
+
+  def rows(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+    """Rows ``idx`` as int32 arrays [len(idx), seq_len]: input_ids, labels, segment_ids
+    (example number within its row, 0: padding), positions (within its example)."""
+    n, t = len(idx), self.seq_len
+    ids = np.zeros((n, t), np.int32)
+    labels = np.full((n, t), IGNORE, np.int32)
+    segments = np.zeros((n, t), np.int32)
+    positions = np.zeros((n, t), np.int32)
+    for b, r in enumerate(np.asarray(idx)):
+      at = 0
+      for seg, e in enumerate(self._members[self._ptr[r] : self._ptr[r + 1]], 1):
+        s, k = self._starts[e], self._lengths[e]
+        ids[b, at : at + k] = self._tokens[s : s + k]
+        labels[b, at : at + k] = self._labels[s + 1 : s + 1 + k]
+        segments[b, at : at + k] = seg
+        positions[b, at : at + k] = np.arange(k)
+        at += k
+    return {"input_ids": ids, "labels": labels, "segment_ids": segments, "positions": positions}
+
+  def order(self, seed: int, epoch: int) -> np.ndarray:
+    """The rows of an epoch in the order they are visited: one seeded permutation per epoch,
+    kept while the run is in it (the last two are kept)."""
+    key = (seed, epoch)
+    if key not in self._orders:
+      if len(self._orders) >= 2:
+        self._orders.pop(next(iter(self._orders)))
+      self._orders[key] = np.random.default_rng([seed, epoch]).permutation(len(self))
+    return self._orders[key]
 
   def batch(self, step: int, global_batch: int, accum: int, seed: int) -> dict[str, np.ndarray]:
     """The batch of a step: [accum, global_batch // accum, T], a pure function of step.
 
-    Examples are visited in a seeded order, reshuffled every epoch, so resuming at a step
-    gives exactly the batches an uninterrupted run would have seen.
+    Rows are visited in a seeded order, reshuffled every epoch, so resuming at a step gives
+    exactly the batches an uninterrupted run would have seen.
     """
     n = len(self)
-    per_step = global_batch
-    start = step * per_step
-    idx = []
-    for i in range(start, start + per_step):
-      epoch, pos = divmod(i, n)
-      idx.append(np.random.default_rng([seed, epoch]).permutation(n)[pos])
-    idx = np.asarray(idx)
+    epoch, within = np.divmod(np.arange(step * global_batch, (step + 1) * global_batch), n)
+    idx = np.empty_like(within)
+    for e in np.unique(epoch):
+      here = epoch == e
+      idx[here] = self.order(seed, int(e))[within[here]]
     shape = (accum, global_batch // accum, -1)
-    return {
-      "input_ids": self.input_ids[idx].reshape(shape),
-      "labels": self.labels[idx].reshape(shape),
-      "segment_ids": self.segment_ids[idx].reshape(shape),
-      "positions": self.positions[idx].reshape(shape),
-    }
+    return {k: v.reshape(shape) for k, v in self.rows(idx).items()}
 
+  def _rows_all(self) -> dict[str, np.ndarray]:
+    if self._all is None:
+      self._all = self.rows(np.arange(len(self)))
+    return self._all
 
-def load_jsonl(
-  path: str | Path, tokenizer: Any, seq_len: int, train_on_prompt: bool = False, pack: bool = True
-) -> Dataset:
-  if seq_len < 2:
-    raise DataError(f"--seq-len {seq_len} is too short; a sequence needs at least 2 tokens.")
-  path = Path(path)
-  if path.is_dir():
-    raise DataError(f"data file {path} is a directory; pass a .jsonl file.")
-  if not path.is_file():
-    raise DataError(f"data file {path} does not exist; pass --data FILE.jsonl.")
-  rows, labels = [], []
-  with open(path, "rb") as f:
-    for lineno, raw in enumerate(f, 1):
-      try:
-        line = raw.decode("utf-8")
-      except UnicodeDecodeError:
-        raise DataError(f"{path}:{lineno} is not UTF-8 text; save the file as UTF-8.") from None
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{lineno} is not valid JSON ({e.msg}).") from e
-      if isinstance(record, dict) and isinstance(record.get("text"), str):
-        ids = _encode_text(tokenizer, record["text"])
-        lab = list(ids)
-      elif isinstance(record, dict) and isinstance(record.get("messages"), list):
-        _check_messages(record["messages"], path, lineno)
-        ids, lab = _encode_chat(tokenizer, record["messages"], train_on_prompt, path, lineno)
-      else:
-        raise DataError(
-          f'{path}:{lineno} has neither a "text" string nor a "messages" list; '
-          'each line must be {"text": ...} or {"messages": [...]}.'
-        )
-      # Next-token prediction: the label at t is the token at t + 1.
-      ids, lab = ids[: seq_len + 1], lab[: seq_len + 1]
-      rows.append(ids[:-1])
-      labels.append(lab[1:])
-  if not rows:
-    raise DataError(f"{path} holds no examples; it is empty.")
-  dataset = to_rows(rows, labels, seq_len, pack)
-  if not np.any(dataset.labels != IGNORE):
-    raise DataError(
-      f"every label in {path} is masked (no assistant tokens within --seq-len {seq_len}); "
-      "raise --seq-len, check the chat roles, or use --train-on-prompt."
-    )
-  return dataset
+  # Every row at once (small datasets: tests, evaluation).
+  input_ids = property(lambda self: self._rows_all()["input_ids"])
+  labels = property(lambda self: self._rows_all()["labels"])
+  segment_ids = property(lambda self: self._rows_all()["segment_ids"])
+  positions = property(lambda self: self._rows_all()["positions"])
 
 
 def to_rows(examples: list, labels: list, seq_len: int, pack: bool = True) -> Dataset:
-  """Token lists of at most ``seq_len`` each -> rows of ``seq_len`` (see the module docstring).
+  """Shifted token lists (inputs and their targets, at most ``seq_len`` each) -> a Dataset.
 
   Unpacked, each example gets a row of its own.
   """
-  rows = (
-    pack_rows([len(e) for e in examples], seq_len) if pack else [[i] for i in range(len(examples))]
-  )
-  n = len(rows)
-  input_ids = np.zeros((n, seq_len), np.int32)
-  label_arr = np.full((n, seq_len), IGNORE, np.int32)
-  segments = np.zeros((n, seq_len), np.int32)
-  positions = np.zeros((n, seq_len), np.int32)
-  for r, members in enumerate(rows):
-    at = 0
-    for seg, i in enumerate(members, 1):
-      ids, lab = examples[i], labels[i]
-      input_ids[r, at : at + len(ids)] = ids
-      label_arr[r, at : at + len(lab)] = lab
-      segments[r, at : at + len(ids)] = seg
-      positions[r, at : at + len(ids)] = np.arange(len(ids))
-      at += len(ids)
-  return Dataset(input_ids, label_arr, segments, positions, len(examples))
+  lengths = np.array([len(e) for e in examples], np.int64)
+  starts = np.concatenate([[0], np.cumsum(lengths + 1)[:-1]]).astype(np.int64)
+  tokens = np.zeros(int((lengths + 1).sum()), np.int32)
+  flat_labels = np.full_like(tokens, IGNORE)
+  for s, ids, lab in zip(starts, examples, labels, strict=True):
+    tokens[s : s + len(ids)] = ids
+    flat_labels[s + 1 : s + 1 + len(lab)] = lab
+  return Dataset(tokens, flat_labels, starts, lengths, seq_len, pack)
 
 
 def pack_rows(lengths: list[int], seq_len: int) -> list[list[int]]:
@@ -175,66 +190,398 @@ def pack_rows(lengths: list[int], seq_len: int) -> list[list[int]]:
   return [sorted(members) for members in rows]
 
 
-ROLES = ("system", "user", "assistant", "tool")
+# ---------------------------------------------------------------- loading
 
 
-def _check_messages(messages: list, path: Path, lineno: int) -> None:
-  if not messages:
-    raise DataError(f'{path}:{lineno} has an empty "messages" list.')
-  for i, m in enumerate(messages, 1):
-    if not isinstance(m, dict) or "role" not in m or "content" not in m:
+@dataclasses.dataclass
+class Report:
+  """What ``load`` read and did, for the start line."""
+
+  name: str
+  format: str
+  examples: int  # read from the source
+  seq_len: int
+  seq_len_auto: bool = False
+  tokenized: str = ""  # "cached" / "tokenized in 3.1s (8 processes)" / "streamed"
+  long: int = 0  # examples longer than seq_len
+  long_action: str = "truncate"
+  no_labels: int = 0  # dropped: no trained token (left after truncation, or none at all)
+  eval_examples: int = 0  # held out by --eval-split
+
+  def line(self) -> str:
+    count = f"{self.examples} examples, " if self.examples else ""
+    parts = [f"data {self.name}: {self.format}, {count}{self.tokenized}"]
+    how = "chosen: 99% of examples fit" if self.seq_len_auto else "set"
+    parts.append(f"seq-len {self.seq_len} ({how})")
+    if self.long:
+      done = "truncated" if self.long_action == "truncate" else "dropped"
+      parts.append(f"{self.long} longer than seq-len {done} (--long-examples)")
+    if self.no_labels:
+      parts.append(f"{self.no_labels} without a trained token dropped")
+    if self.eval_examples:
+      parts.append(f"{self.eval_examples} held out for eval")
+    return "; ".join(parts)
+
+
+@dataclasses.dataclass
+class Tokenized:
+  """Every example's tokens, flat: ids and unshifted labels, each example's start and length."""
+
+  tokens: np.ndarray
+  labels: np.ndarray
+  starts: np.ndarray
+  lengths: np.ndarray
+  format: str
+  how: str
+
+
+def load(
+  data: Any,
+  tokenizer: Any,
+  *,
+  seq_len: int | None,
+  data_format: str | None = None,
+  columns: str | None = None,
+  config: str | None = None,
+  split: str = "train",
+  train_on_prompt: bool = False,
+  pack: bool = True,
+  long_examples: str = "truncate",
+  max_positions: int | None = None,
+  eval_split: float = 0.0,
+  seed: int = 0,
+  num_proc: int | None = None,
+) -> tuple[Dataset, Dataset | None, Report]:
+  """(training rows, rows held out by ``eval_split`` or None, report).
+
+  ``seq_len`` None: the smallest multiple of 256 that holds 99% of the examples, at most
+  ``max_positions`` and 4096.
+  """
+  if eval_split and not 0 < eval_split < 0.5:
+    raise DataError(f"--eval-split must be a fraction between 0 and 0.5, got {eval_split}.")
+  tok = tokenize(data, tokenizer, data_format, columns, config, split, train_on_prompt, num_proc)
+  name = _name(data)
+  pairs = np.maximum(tok.lengths - 1, 0)
+  auto = seq_len is None
+  if auto:
+    seq_len = auto_seq_len(pairs, max_positions)
+  keep, lengths, report = _fit(tok, pairs, seq_len, long_examples, train_on_prompt, name)
+  report.seq_len_auto, report.tokenized = auto, tok.how
+  kept = np.flatnonzero(keep)
+  held = np.zeros(0, np.int64)
+  if eval_split:
+    k = max(1, round(eval_split * len(kept)))
+    if k >= len(kept):
       raise DataError(
-        f'{path}:{lineno}: message {i} must be an object with "role" and "content", got {m!r:.60}.'
+        f"--eval-split {eval_split} of {len(kept)} examples leaves none to train on; "
+        "use more data or a smaller fraction."
       )
-    if m["role"] not in ROLES:
-      raise DataError(
-        f"{path}:{lineno}: message {i} has the unknown role {m['role']!r}; "
-        f"use one of {', '.join(ROLES)}."
-      )
-    if not isinstance(m["content"], str):
-      raise DataError(f"{path}:{lineno}: message {i} has content that is not a string.")
+    # Seeded by the run's seed alone: the same examples are held out when the run resumes.
+    chosen = np.random.default_rng([seed, 0xE7A1]).permutation(len(kept))[:k]
+    held = np.sort(kept[chosen])
+    kept = np.setdiff1d(kept, held)
+    report.eval_examples = k
+
+  def subset(idx):
+    return Dataset(tok.tokens, tok.labels, tok.starts[idx], lengths[idx], seq_len, pack)
+
+  return subset(kept), (subset(held) if len(held) else None), report
 
 
-def _encode_text(tokenizer, text: str) -> list[int]:
-  ids = tokenizer(text, add_special_tokens=True)["input_ids"]
-  if tokenizer.eos_token_id is not None:
-    ids = ids + [tokenizer.eos_token_id]
-  return ids
+def auto_seq_len(pairs: np.ndarray, max_positions: int | None) -> int:
+  """The smallest multiple of 256 holding 99% of the examples, capped (module docstring)."""
+  need = float(np.percentile(pairs, AUTO_SEQ_QUANTILE, method="higher")) if len(pairs) else 1
+  seq = max(1, math.ceil(need / AUTO_SEQ_MULTIPLE)) * AUTO_SEQ_MULTIPLE
+  cap = min(AUTO_SEQ_MAX, max_positions or AUTO_SEQ_MAX)
+  return max(2, min(seq, cap))
 
 
-def _encode_chat(tokenizer, messages, train_on_prompt, path, lineno):
-  if getattr(tokenizer, "chat_template", None) is None:
+def _fit(tok: Tokenized, pairs, seq_len, long_examples, train_on_prompt, name):
+  """Which examples train and at what length; counts for the report."""
+  if long_examples not in LONG_EXAMPLES:
+    raise DataError(f"--long-examples must be truncate or drop, got {long_examples!r}.")
+  long = pairs > seq_len
+  lengths = np.minimum(pairs, seq_len)
+  keep = pairs > 0
+  if long_examples == "drop":
+    keep &= ~long
+  # Trained tokens among each example's targets (labels[start + 1 : start + 1 + length]).
+  trained = np.concatenate([[0], np.cumsum(tok.labels != IGNORE)])
+  first = tok.starts + 1
+  within = trained[first + lengths] - trained[first]
+  no_labels = keep & (within == 0)
+  keep &= ~no_labels
+  report = Report(name, tok.format, len(pairs), seq_len, long=int(long.sum()))
+  report.long_action, report.no_labels = long_examples, int(no_labels.sum())
+  if not keep.any():
     raise DataError(
-      f'{path}:{lineno} is a "messages" example, but the tokenizer has no chat template; '
-      'use {"text": ...} lines or a checkpoint whose tokenizer has one.'
+      f"no example of {name} has a trained token within seq-len {seq_len} (every label is "
+      "masked: no assistant/completion tokens fit); raise --seq-len, check the chat roles, or "
+      "use --train-on-prompt."
     )
-  try:
-    full = tokenizer.apply_chat_template(messages, tokenize=False)
-    # Character spans of the assistant turns: the text each turn adds after the prompt that
-    # precedes it (templates render prefixes stably, which this relies on and checks).
-    spans = []
-    for i, m in enumerate(messages):
-      if m.get("role") != "assistant":
-        continue
-      before = tokenizer.apply_chat_template(
-        messages[:i], tokenize=False, add_generation_prompt=True
-      )
-      upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-      if not full.startswith(upto) or not upto.startswith(before):
-        raise DataError(f"{path}:{lineno}: the chat template does not render prefixes stably.")
-      spans.append((len(before), len(upto)))
-  except DataError:
-    raise
-  except Exception as e:  # jinja errors from a template that rejects this conversation
+  return keep, lengths, report
+
+
+def _name(data: Any) -> str:
+  return str(data) if isinstance(data, str | Path) else "the given dataset"
+
+
+def tokenize(
+  data: Any,
+  tokenizer: Any,
+  data_format: str | None = None,
+  columns: str | None = None,
+  config: str | None = None,
+  split: str = "train",
+  train_on_prompt: bool = False,
+  num_proc: int | None = None,
+) -> Tokenized:
+  """Read ``data`` and tokenize every example (``datasets.map``; cached across runs)."""
+  table, name = sources.open_source(data, config, split)
+  table, fmt = _format(table, name, data_format, columns)
+  encoder = formats.Encoder(fmt, tokenizer, train_on_prompt, name)
+  import datasets
+
+  features = datasets.Features(
+    {
+      "input_ids": datasets.List(datasets.Value("int32")),
+      "labels": datasets.List(datasets.Value("int32")),
+    }
+  )
+  fingerprint = _fingerprint(table._fingerprint, fmt, train_on_prompt, tokenizer)
+  hit = _cached(table, fingerprint)
+  if num_proc is None and len(table) >= PARALLEL_FROM:
+    num_proc = min(8, os.cpu_count() or 1)
+  if num_proc and num_proc > 1:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the workers are the parallelism
+  t0 = time.perf_counter()
+  out = table.map(
+    _encode_batch,
+    fn_kwargs={"encoder": encoder},
+    batched=True,
+    with_indices=True,
+    remove_columns=table.column_names,
+    features=features,
+    num_proc=num_proc if num_proc and num_proc > 1 else None,
+    new_fingerprint=fingerprint,
+  )
+  seconds = time.perf_counter() - t0
+  if hit:
+    how = "tokenized earlier (datasets cache)"
+  else:
+    procs = f", {num_proc} processes" if num_proc and num_proc > 1 else ""
+    how = f"tokenized in {seconds:.1f}s{procs}" + ("" if table.cache_files else " (not cached)")
+  ids, labels = out.data.column("input_ids"), out.data.column("labels")
+  lengths = np.asarray(ids.combine_chunks().value_lengths(), np.int64) if len(out) else np.zeros(0)
+  starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+  flat = lambda col: np.asarray(col.combine_chunks().flatten(), np.int32)  # noqa: E731
+  # One slot past the end, so the last example's shifted labels stay in bounds.
+  tokens = np.append(flat(ids), np.int32(0))
+  flat_labels = np.append(flat(labels), np.int32(IGNORE))
+  return Tokenized(tokens, flat_labels, starts, lengths, fmt, how)
+
+
+def _encode_batch(batch: dict, indices: list[int], encoder: formats.Encoder) -> dict:
+  ids, labels = [], []
+  names = list(batch)
+  for index, values in zip(indices, zip(*(batch[n] for n in names), strict=True), strict=True):
+    i, lab = encoder(dict(zip(names, values, strict=True)), index)
+    ids.append(i)
+    labels.append(lab)
+  return {"input_ids": ids, "labels": labels}
+
+
+def _format(table, name: str, data_format: str | None, columns: str | None):
+  """(table with --data-columns applied, its format)."""
+  mapping = formats.parse_columns(columns)
+  have = list(table.column_names or [])
+  missing = [c for c in mapping if c not in have]
+  if missing:
     raise DataError(
-      f"{path}:{lineno}: the chat template cannot render these messages ({e})."
-    ) from e
-  enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-  ids = list(enc["input_ids"])
-  if train_on_prompt:
-    return ids, list(ids)
-  labels = []
-  for tok, (start, _) in zip(ids, enc["offset_mapping"], strict=True):
-    inside = any(a <= start < b for a, b in spans)
-    labels.append(tok if inside else IGNORE)
-  return ids, labels
+      f"--data-columns names {', '.join(missing)}, which {name} does not have; its columns "
+      f"are {', '.join(have)}."
+    )
+  if mapping:
+    clash = [c for c in mapping.values() if c in have and c not in mapping]
+    if clash:
+      table = table.remove_columns(clash)
+    table = table.rename_columns(mapping)
+    have = list(table.column_names)
+  if data_format is not None:
+    formats.check_forced(data_format, have, name)
+    return table, data_format
+  if hasattr(table, "data"):  # a Dataset: its arrow table counts the nulls
+    filled = lambda c: len(table) - table.data.column(c).null_count  # noqa: E731
+    return table, formats.detect(have, filled, len(table), name)
+  head = list(table.take(256))  # a stream: the first rows decide
+  filled = lambda c: sum(r.get(c) is not None for r in head)  # noqa: E731
+  return table, formats.detect(have, filled, len(head), name)
+
+
+def _fingerprint(source: str, fmt: str, train_on_prompt: bool, tokenizer: Any) -> str:
+  """The tokenized table's datasets fingerprint: the source's, the format and the tokenizer's
+  content (vocabulary, merges, template, specials), so an equal tokenizer hits the cache."""
+  h = hashlib.sha256()
+  backend = getattr(tokenizer, "backend_tokenizer", None)
+  vocab = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+  for part in (
+    TOKENIZATION_VERSION,
+    source,
+    fmt,
+    str(train_on_prompt),
+    type(tokenizer).__name__,
+    vocab,
+    str(getattr(tokenizer, "chat_template", None)),
+    str(tokenizer.eos_token_id),
+    str(tokenizer.bos_token_id),
+  ):
+    h.update(part.encode())
+    h.update(b"\0")
+  return "jaxtune-" + h.hexdigest()[:32]
+
+
+def _cached(table, fingerprint: str) -> bool:
+  """Whether datasets holds this map's result already (its cache files sit beside the
+  source's, named by the fingerprint)."""
+  if not table.cache_files:
+    return False
+  directory = Path(table.cache_files[0]["filename"]).parent
+  return any(directory.glob(f"cache-{fingerprint}*.arrow"))
+
+
+# ---------------------------------------------------------------- streaming
+
+
+class StreamingDataset:
+  """Rows from a stream too large for host memory, a buffer of examples at a time.
+
+  Each buffer of ``buffer`` examples (in the source's order) is tokenized, fitted to
+  ``seq_len`` and packed on its own; its rows are served in a seeded order. ``state()`` is
+  where the next batch starts (examples before the buffer, rows of it already served);
+  ``seek(state)`` resumes there. Batches must be asked for in step order.
+  """
+
+  def __init__(
+    self,
+    data: Any,
+    tokenizer: Any,
+    *,
+    seq_len: int | None,
+    data_format: str | None = None,
+    columns: str | None = None,
+    config: str | None = None,
+    split: str = "train",
+    train_on_prompt: bool = False,
+    pack: bool = True,
+    long_examples: str = "truncate",
+    max_positions: int | None = None,
+    seed: int = 0,
+    buffer: int = 4096,
+  ):
+    if long_examples not in LONG_EXAMPLES:
+      raise DataError(f"--long-examples must be truncate or drop, got {long_examples!r}.")
+    self.seq_len, self.pack, self.seed, self.buffer = seq_len, pack, seed, buffer
+    self.long_examples, self._max_positions = long_examples, max_positions
+    source, name = sources.open_source(data, config, split, streaming=True)
+    self._source, fmt = _format(source, name, data_format, columns)
+    self._encoder = formats.Encoder(fmt, tokenizer, train_on_prompt, name)
+    self.report = Report(name, fmt, 0, seq_len or 0, long_action=long_examples)
+    self.report.seq_len_auto = seq_len is None
+    self.report.tokenized = f"streamed ({buffer} examples at a time)"
+    self._before = 0  # examples of the source before the current buffer
+    self._epoch = 0
+    self._served = 0  # rows of the current buffer already in batches
+    self._iter = None
+    self._rows: Dataset | None = None
+    self._read = 0  # examples in the current buffer
+    self._next_chunk_start = 0
+    if self._fill() is None:
+      raise DataError(f"{name} holds no examples; it is empty.")
+
+  def state(self) -> dict:
+    return {"epoch": self._epoch, "examples": self._before, "rows": self._served}
+
+  def seek(self, state: dict) -> None:
+    """Continue where ``state()`` was taken: the same buffer, its next row."""
+    self._epoch, self._before = int(state["epoch"]), int(state["examples"])
+    self._iter = None
+    self._next_chunk_start = self._before
+    self._fill()
+    self._served = int(state["rows"])
+
+  def _fill(self) -> Dataset | None:
+    """Read, tokenize and pack the next buffer (from ``_next_chunk_start``); None at the end
+    of the source."""
+    if self._iter is None:
+      self._iter = iter(self._source.skip(self._next_chunk_start))
+    self._before = self._next_chunk_start
+    examples = []
+    for row in self._iter:
+      examples.append(self._encoder(row, self._before + len(examples)))
+      if len(examples) == self.buffer:
+        break
+    if not examples:
+      return None
+    self._read = len(examples)
+    self._next_chunk_start = self._before + len(examples)
+    ids = [e[0] for e in examples]
+    lengths = np.array([len(i) for i in ids], np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    tok = Tokenized(
+      np.append(np.concatenate(ids).astype(np.int32), np.int32(0)),
+      np.append(np.concatenate([e[1] for e in examples]).astype(np.int32), np.int32(IGNORE)),
+      starts,
+      lengths,
+      self._encoder.fmt,
+      "streamed",
+    )
+    pairs = np.maximum(lengths - 1, 0)
+    if self.seq_len is None:  # from the first buffer
+      self.seq_len = self.report.seq_len = auto_seq_len(pairs, self._max_positions)
+    try:
+      keep, fitted, report = _fit(
+        tok, pairs, self.seq_len, self.long_examples, False, self.report.name
+      )
+    except DataError:  # a buffer with nothing to train on: skip it
+      keep, fitted, report = np.zeros(len(pairs), bool), pairs, None
+    if report is not None:
+      self.report.long += report.long
+      self.report.no_labels += report.no_labels
+    kept = np.flatnonzero(keep)
+    self._rows = Dataset(
+      tok.tokens, tok.labels, starts[kept], fitted[kept], self.seq_len, self.pack
+    )
+    self._served = 0
+    return self._rows
+
+  def _next_rows(self, n: int) -> list[dict[str, np.ndarray]]:
+    out, need = [], n
+    while need:
+      rows = self._rows
+      left = len(rows) - self._served
+      if left <= 0:
+        if self._fill() is None:  # the end of the source: the next epoch from its start
+          self._epoch += 1
+          self._iter, self._next_chunk_start = None, 0
+          if self._fill() is None:
+            raise DataError(f"{self.report.name} ran out of examples.")
+        continue
+      take = min(left, need)
+      order = rows.order(self.seed + self._epoch, self._before)
+      out.append(rows.rows(order[self._served : self._served + take]))
+      self._served += take
+      need -= take
+    return out
+
+  def batch(self, step: int, global_batch: int, accum: int, seed: int) -> dict[str, np.ndarray]:
+    """The next batch (``step`` must follow the previous call's; ``seed`` is the dataset's)."""
+    parts = self._next_rows(global_batch)
+    shape = (accum, global_batch // accum, -1)
+    return {k: np.concatenate([p[k] for p in parts]).reshape(shape) for k in parts[0]}
+
+  # A stream has no length: these describe the current buffer.
+  packed = property(lambda self: self.pack)
+  packing_efficiency = property(lambda self: self._rows.packing_efficiency)
+
+  def __len__(self) -> int:
+    return len(self._rows)

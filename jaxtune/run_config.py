@@ -20,12 +20,15 @@ CHOICES = {
   "dtype": ("bfloat16", "float32", "float16"),
   "export": ("merged", "peft", "bnb4", None),
   "nf4_matmul": ("kernel", "xla", None),
+  "data_format": ("text", "messages", "conversations", "alpaca", "prompt_completion", None),
+  "long_examples": ("truncate", "drop"),
   "remat": REMAT,
   "attention": (*ATTENTION_CHOICES, None),
 }
 # Smallest allowed value of numeric settings (None: any value).
 MINIMUM = {
   "steps": 1,
+  "epochs": 0.0,  # exclusive
   "learning_rate": 0.0,  # exclusive: must be > 0
   "warmup_steps": 0,
   "weight_decay": 0.0,
@@ -44,19 +47,32 @@ MINIMUM = {
   "save_every": 1,
   "keep_checkpoints": 1,
 }
-EXCLUSIVE = {"learning_rate", "max_grad_norm", "lora_alpha"}
+EXCLUSIVE = {"learning_rate", "max_grad_norm", "lora_alpha", "epochs", "eval_split"}
+# Numeric settings whose default is None (unset: decided from the data or the other settings).
+OPTIONAL_NUMBERS = {"steps": int, "epochs": float, "seq_len": int, "eval_split": float}
+# The built-in default run (no --model): settings fit for its small model, under the user's.
+DEFAULT_RUN = Path(__file__).parent / "configs" / "default-run.yaml"
 
 
 @dataclasses.dataclass
 class RunConfig:
   model: str | None = None  # HF checkpoint dir or hub id; None: the built-in default
-  data: str | None = None  # JSONL file; None: the bundled default dataset
+  # Data: a file (.jsonl .json .parquet .csv .arrow), directory, glob, save_to_disk directory
+  # or Hub dataset id, read through HF datasets (data.py); None: the bundled default dataset
+  data: str | None = None
+  data_config: str | None = None  # the Hub dataset's config (subset)
+  data_split: str = "train"
+  data_format: str | None = None  # None: detected from the columns (formats.py)
+  data_columns: str | None = None  # e.g. "prompt=question,completion=answer"
+  data_streaming: bool = False  # read, tokenize and pack a buffer at a time (needs --steps)
+  long_examples: str = "truncate"  # examples longer than seq_len: truncate | drop
   out: str = "runs/default"
   mesh: str | None = None  # e.g. "2x4"; None: all visible devices data-parallel
-  steps: int = 60
+  steps: int | None = None  # None: from epochs
+  epochs: float | None = None  # None (and no steps): one epoch
   seed: int = 0
   # Optimisation
-  learning_rate: float = 2e-3
+  learning_rate: float = 2e-4
   schedule: str = "cosine"  # cosine | linear | constant
   warmup_steps: int = 5
   weight_decay: float = 0.0
@@ -64,11 +80,12 @@ class RunConfig:
   # Batch: batch_size sequences per optimizer step, in grad_accum micro-batches.
   batch_size: int = 8
   grad_accum: int = 1
-  seq_len: int = 128
+  seq_len: int | None = None  # None: the smallest multiple of 256 holding 99% of the examples
   train_on_prompt: bool = False
   packing: bool = True  # several examples per row (segment ids, positions restart)
   # Evaluation
-  eval_data: str | None = None  # held-out JSONL, same format as data
+  eval_data: str | None = None  # held-out examples, any source --data takes
+  eval_split: float | None = None  # hold out this fraction of data instead (seeded)
   eval_every: int = 0  # 0: only at the end (when eval_data is set)
   eval_prompts: str | None = None  # text file, one prompt per line, generated at each eval
   # Model and adapters
@@ -106,6 +123,11 @@ class RunConfig:
 
   @classmethod
   def from_yaml(cls, path: str | Path) -> "RunConfig":
+    return cls.from_settings(cls.read_yaml(path))
+
+  @staticmethod
+  def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The settings a YAML file holds (a mapping), or a RunConfigError."""
     path = Path(path)
     if not path.is_file():
       raise RunConfigError(f"config file {path} does not exist.")
@@ -119,7 +141,16 @@ class RunConfig:
       data = {}
     if not isinstance(data, dict):
       raise RunConfigError(f"{path} must hold a mapping of run settings (name: value lines).")
-    return cls().replace(**data)
+    return data
+
+  @classmethod
+  def from_settings(cls, settings: dict[str, Any]) -> "RunConfig":
+    """A run of these settings over the defaults; without a model, over the built-in default
+    run's own settings (configs/default-run.yaml) first."""
+    base = cls()
+    if settings.get("model") is None:
+      base = base.replace(**yaml.safe_load(DEFAULT_RUN.read_text()))
+    return base.replace(**settings)
 
   def replace(self, **changes: Any) -> "RunConfig":
     names = {f.name for f in dataclasses.fields(self)}
@@ -166,12 +197,16 @@ def _check(name: str, value: Any, default: Any) -> Any:
     if not isinstance(value, bool):
       raise RunConfigError(f"{name} must be true or false, got {value!r}.")
     return value
-  if isinstance(default, int | float):
-    kind = type(default)
+  if name in OPTIONAL_NUMBERS and value is None:
+    return None
+  if isinstance(default, int | float) or name in OPTIONAL_NUMBERS:
+    kind = OPTIONAL_NUMBERS.get(name) or type(default)
     number = _number(value, kind)
     if number is None:
       noun = "a whole number" if kind is int else "a number"
       raise RunConfigError(f"{flag} must be {noun}, got {value!r}.")
+    if name == "eval_split" and not 0 < number < 0.5:
+      raise RunConfigError(f"{flag} must be a fraction between 0 and 0.5, got {number}.")
     low = MINIMUM.get(name)
     if low is not None and (number < low or (name in EXCLUSIVE and number <= low)):
       bound = f"greater than {low}" if name in EXCLUSIVE else f"at least {low}"

@@ -223,13 +223,14 @@ def resolve(
   mesh = meshlib.make_mesh(run.mesh, devices)
   micro_batch = run.batch_size // run.grad_accum
   meshlib.check_model_fits(mesh, cfg.num_heads, cfg.num_kv_heads, micro_batch, cfg.num_layers)
-  if run.seq_len > cfg.max_position_embeddings:
+  if run.seq_len is not None and run.seq_len > cfg.max_position_embeddings:
     raise UserError(
       f"--seq-len {run.seq_len} is longer than the {cfg.max_position_embeddings} positions "
       f"this {cfg.model_type} was trained for (max_position_embeddings); lower --seq-len."
     )
   tp, pp = mesh.shape["tensor"], mesh.shape[pipeline.AXIS]
-  if run.sequence_parallel and not sharding.can_split_sequence(mesh, run.seq_len):
+  seq_len = run.seq_len if run.seq_len is not None else 256  # unset: a multiple of 256
+  if run.sequence_parallel and not sharding.can_split_sequence(mesh, seq_len):
     raise MeshError(
       f"--sequence-parallel splits each row's tokens over the tensor axis, but --mesh "
       f"{run.mesh or len(devices)} has tensor={tp}, pipe={pp} for --seq-len {run.seq_len}; "

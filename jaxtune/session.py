@@ -5,11 +5,12 @@ Every input is checked before the model is loaded, and nothing is written to the
 directory until the model has loaded, so a bad input leaves no half-made run behind.
 """
 
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 from types import EllipsisType
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from flax import nnx
@@ -17,7 +18,8 @@ from jax.sharding import Mesh
 
 from converters import export
 from converters.hf_in import from_pretrained, resolve_checkpoint
-from jaxtune import checkpoint, checks, data, default_model, distributed, runtime, step, trainer
+from jaxtune import checkpoint, checks, default_model, distributed, runtime, step, trainer
+from jaxtune import data as data_lib
 from jaxtune.config import ModelConfig
 from jaxtune.decoding import generate
 from jaxtune.errors import RunConfigError, TrainingError, UserError
@@ -130,12 +132,52 @@ def make_sample_fn(
   return sample
 
 
-def _load_data(run: RunConfig, tokenizer):
-  """(training rows, held-out rows or None)."""
-  load = lambda path: data.load_jsonl(  # noqa: E731
-    path, tokenizer, run.seq_len, run.train_on_prompt, run.packing
+def _load_data(run: RunConfig, tokenizer, cfg: ModelConfig, data: Any, eval_data: Any):
+  """(training rows, held-out rows or None, report); ``data``/``eval_data`` stand for
+  run.data/run.eval_data when given as objects (jaxtune.train)."""
+  data = run.data or default_model.DATASET if data is None else data
+  eval_data = run.eval_data if eval_data is None else eval_data
+  common = dict(
+    data_format=run.data_format,
+    columns=run.data_columns,
+    config=run.data_config,
+    split=run.data_split,
+    train_on_prompt=run.train_on_prompt,
+    pack=run.packing,
+    long_examples=run.long_examples,
+    max_positions=cfg.max_position_embeddings,
   )
-  return load(run.data or default_model.DATASET), load(run.eval_data) if run.eval_data else None
+  if run.data_streaming:
+    dataset = data_lib.StreamingDataset(
+      data, tokenizer, seq_len=run.seq_len, seed=run.seed, **common
+    )
+    held_out, report = None, dataset.report
+  else:
+    dataset, held_out, report = data_lib.load(
+      data,
+      tokenizer,
+      seq_len=run.seq_len,
+      eval_split=run.eval_split or 0.0,
+      seed=run.seed,
+      **common,
+    )
+  if eval_data is not None:
+    # Held-out data is read as the training data is, at its sequence length; its split is
+    # "train" unless it is the training source itself.
+    held_out, _, _ = data_lib.load(
+      eval_data,
+      tokenizer,
+      seq_len=dataset.seq_len,
+      **{**common, "split": run.data_split if eval_data == data else "train"},
+    )
+  return dataset, held_out, report
+
+
+def _steps(run: RunConfig, dataset) -> int:
+  """--steps, or the steps of --epochs (default one) over the dataset's rows."""
+  if run.steps is not None:
+    return run.steps
+  return max(1, math.ceil((run.epochs or 1.0) * len(dataset) / run.batch_size))
 
 
 def _write_config(run: RunConfig, out: Path) -> None:
@@ -148,9 +190,23 @@ def _write_config(run: RunConfig, out: Path) -> None:
   distributed.barrier("jaxtune run directory")
 
 
-def run_training(run: RunConfig, resume: bool = False) -> Path:
-  """Train as ``run`` says (``resume``: from OUT/checkpoints); returns OUT."""
+class Trained(NamedTuple):
+  """What a run leaves: its directory and the trained model (adapters applied, on this host)."""
+
+  run_dir: Path
+  model: nnx.Module
+
+
+def run_training(
+  run: RunConfig, resume: bool = False, data: Any = None, eval_data: Any = None
+) -> Trained:
+  """Train as ``run`` says (``resume``: from OUT/checkpoints); returns (OUT, model).
+
+  ``data``/``eval_data``: examples given as objects (a datasets.Dataset, an iterable of dicts)
+  in place of run.data/run.eval_data.
+  """
   run = run.checked()
+  checks.check_data_settings(run, given=data is not None)
   out = Path(run.out)
   model_path = (
     resolve_checkpoint(run.model) if run.model else default_model.ensure_default_checkpoint()
@@ -158,9 +214,11 @@ def run_training(run: RunConfig, resume: bool = False) -> Path:
   checks.check_resume(run, out, model_path, resume)
   cfg = ModelConfig.from_hf(model_path)
   checks.check_targets(run, cfg)
-  prompts = checks.read_eval_prompts(run)
+  prompts = checks.read_eval_prompts(run, has_eval=eval_data is not None or bool(run.eval_split))
+  runtime.resolve(run, cfg, packed=run.packing)  # its refusals before the data is read
   tokenizer = load_tokenizer(model_path)
-  dataset, eval_dataset = _load_data(run, tokenizer)
+  dataset, eval_dataset, report = _load_data(run, tokenizer, cfg, data, eval_data)
+  run = run.replace(seq_len=dataset.seq_len, steps=_steps(run, dataset))
   packed = dataset.packed or (eval_dataset is not None and eval_dataset.packed)
   rt = runtime.resolve(run, cfg, packed=packed)
   t_load = time.perf_counter()
@@ -168,10 +226,15 @@ def run_training(run: RunConfig, resume: bool = False) -> Path:
   jax.block_until_ready(nnx.state(model))
   load_s = time.perf_counter() - t_load
   _write_config(run.replace(model=str(model_path), dtype=rt.dtype), out)
+  say(f"jaxtune: {report.line()}")
+  rows = "" if run.data_streaming else f"{len(dataset)} rows of {run.seq_len} tokens, "
+  epochs = (
+    "" if run.data_streaming else f" ({run.steps * run.batch_size / len(dataset):.2g} epochs)"
+  )
   say(
-    f"jaxtune: {cfg.model_type} {cfg.num_layers} layers, {dataset.examples} examples in "
-    f"{len(dataset)} rows of {run.seq_len} tokens ({dataset.packing_efficiency:.0%} tokens, "
-    f"{'packed' if run.packing else 'not packed'}), "
+    f"jaxtune: {cfg.model_type} {cfg.num_layers} layers, {rows}"
+    f"{dataset.packing_efficiency:.0%} tokens ({'packed' if run.packing else 'not packed'}), "
+    f"{run.steps} steps{epochs}, "
     f"mesh {rt.mesh_shape} on {jax.device_count()} {jax.devices()[0].platform} device(s)"
     + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
     + f"; {rt.describe()}; loaded in {load_s:.1f}s"
@@ -187,10 +250,47 @@ def run_training(run: RunConfig, resume: bool = False) -> Path:
     raise TrainingError(f"{reason} (checkpoints saved before it are in {ckpt_dir}).") from e
   finally:
     ckpts.close()
+  model = distributed.local_model(model, rt.mesh)
   if run.export:
-    model = distributed.local_model(model, rt.mesh)
     if distributed.is_main():
       export.write(model, run.export, out / "export", overwrite=True)
       say(f"jaxtune: exported {run.export} model to {out / 'export'}")
     distributed.barrier("jaxtune export")
-  return out
+  return Trained(out, model)
+
+
+def train(
+  config: RunConfig | str | Path | dict[str, Any] | None = None,
+  data: Any = None,
+  *,
+  eval_data: Any = None,
+  resume: bool = False,
+  **settings: Any,
+) -> Trained:
+  """Fine-tune from Python (notebooks, scripts): the command line's run, in this process.
+
+  ``config``: a RunConfig, a YAML file or a dict of settings (the command line's names,
+  ``learning_rate=2e-4``); ``settings`` override it. ``data`` (and ``eval_data``): a path, a
+  Hub dataset id, a ``datasets.Dataset`` or an iterable of dicts. Returns ``(run_dir,
+  model)``; a mistake raises ``jaxtune.UserError`` (one sentence) before anything is written.
+  """
+  if isinstance(config, RunConfig):
+    run = config.replace(**settings)
+  else:
+    if isinstance(config, str | Path):
+      base = RunConfig.read_yaml(config)
+    elif isinstance(config, dict):
+      base = dict(config)
+    elif config is None:
+      base = {}
+    else:
+      raise RunConfigError(
+        "config must be a RunConfig, a YAML path or a dict of settings, got "
+        f"{type(config).__name__}."
+      )
+    run = RunConfig.from_settings({**base, **settings})
+  if isinstance(data, str | Path):
+    run, data = run.replace(data=str(data)), None
+  if isinstance(eval_data, str | Path):
+    run, eval_data = run.replace(eval_data=str(eval_data)), None
+  return run_training(run, resume=resume, data=data, eval_data=eval_data)

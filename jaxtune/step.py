@@ -28,6 +28,9 @@ from jaxtune.runtime import DEFAULT, Runtime
 
 
 def make_optimizer(run: RunConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """AdamW on the adapters with the run's schedule; ``run.steps`` resolved (session._steps)."""
+  if run.steps is None:
+    raise ValueError("run.steps is unset; resolve it from the data first (session._steps)")
   warmup = max(0, min(run.warmup_steps, run.steps - 1))
   decay_steps = max(1, run.steps - warmup)
   if run.schedule == "cosine":
@@ -199,14 +202,9 @@ def evaluate(
   n = len(dataset)
   for start in range(0, n, batch_size):
     idx = np.arange(start, start + batch_size) % n
-    batch = {
-      "input_ids": dataset.input_ids[idx],
-      "labels": np.where(
-        (np.arange(start, start + batch_size) < n)[:, None], dataset.labels[idx], IGNORE
-      ),  # wrapped-around fill rows count nothing
-      "segment_ids": dataset.segment_ids[idx],
-      "positions": dataset.positions[idx],
-    }
+    batch = dataset.rows(idx)
+    # Wrapped-around fill rows count nothing.
+    batch["labels"][np.arange(start, start + batch_size) >= n] = IGNORE
     batch = {k: distributed.global_batch(v, shard) for k, v in batch.items()}
     s, c = eval_step(lora, frozen, batch)
     total, count = total + float(s), count + int(c)

@@ -17,16 +17,27 @@ from pathlib import Path
 
 from jaxtune import distributed
 from jaxtune.errors import UserError
-from jaxtune.run_config import RunConfig
+from jaxtune.run_config import OPTIONAL_NUMBERS, RunConfig
 from jaxtune.session import run_training, say
 from jaxtune.trainer import Stopped
 
 _HELP = {
   "model": "HF checkpoint directory or Hub id (default: the built-in small Llama)",
-  "data": 'JSONL file of {"text": ...} or {"messages": [...]} lines (default: bundled dataset)',
+  "data": "examples: a .jsonl/.json/.parquet/.csv/.arrow file, a directory or glob of them, a "
+  "datasets.save_to_disk directory, or a Hub dataset id (org/name) (default: bundled dataset)",
+  "data_config": "the Hub dataset's config (subset), when it has several",
+  "data_split": "the split of --data to train on",
+  "data_format": "text, messages, conversations (ShareGPT), alpaca or prompt_completion "
+  "(default: detected from the columns)",
+  "data_columns": "map your column names onto a format's, e.g. prompt=question,completion=answer",
+  "data_streaming": "read, tokenize and pack the data a buffer at a time, for datasets larger "
+  "than memory (needs --steps; resumes at the same example)",
+  "long_examples": "examples longer than --seq-len: truncate or drop (counted on the start line)",
+  "epochs": "passes over the data, instead of --steps (default: 1 when neither is given)",
+  "eval_split": "hold out this fraction of --data (0 to 0.5, seeded) for eval loss",
   "out": "output directory: checkpoints/, metrics.jsonl, config.yaml, export/",
   "mesh": "device mesh: 8 (data), 2x4 (data x tensor), data=2,tensor=4 (default: all data)",
-  "steps": "optimizer steps",
+  "steps": "optimizer steps (default: one epoch)",
   "seed": "seed of adapter init, data order and dropout",
   "learning_rate": "peak learning rate",
   "schedule": "learning-rate decay after warmup: cosine, linear or constant",
@@ -35,11 +46,12 @@ _HELP = {
   "max_grad_norm": "clip the global gradient norm to this",
   "batch_size": "sequences per optimizer step (global, over all devices)",
   "grad_accum": "micro-batches per step (batch_size must divide by it)",
-  "seq_len": "tokens per sequence (longer examples are truncated)",
+  "seq_len": "tokens per sequence (default: the smallest multiple of 256 that holds 99%% of "
+  "the examples, at most 4096 and the model's positions)",
   "train_on_prompt": "also train on user/system tokens of chat data",
   "packing": "pack several examples into each row of --seq-len tokens, attention kept within "
   "each example (--no-packing: one example per row, padded)",
-  "eval_data": "held-out JSONL (same format as --data) for eval loss and perplexity",
+  "eval_data": "held-out examples (any source --data takes) for eval loss and perplexity",
   "eval_every": "evaluate every N steps (0: only at the end)",
   "eval_prompts": "text file, one prompt per line, whose generations are logged at each eval",
   "quantization": "frozen weights: nf4 or none",
@@ -104,21 +116,22 @@ def build_parser() -> argparse.ArgumentParser:
     elif f.name == "lora_targets":
       p.add_argument(flag, default=None, help=_HELP[f.name] + f" (default: {','.join(default)})")
     else:
-      kind = type(default) if default is not None else str
-      p.add_argument(flag, type=kind, default=None, help=_HELP[f.name] + f" (default: {default})")
+      kind = OPTIONAL_NUMBERS.get(f.name) or (type(default) if default is not None else str)
+      shown = "" if default is None else f" (default: {default})"
+      p.add_argument(flag, type=kind, default=None, help=_HELP[f.name] + shown)
   return p
 
 
 def resolve_config(argv: Sequence[str] | None = None) -> tuple[RunConfig, bool]:
   """The run's settings (YAML, then flags) and whether to resume; RunConfigError if wrong."""
   args = build_parser().parse_args(argv)
-  run = RunConfig.from_yaml(args.config) if args.config else RunConfig()
+  settings = RunConfig.read_yaml(args.config) if args.config else {}
   overrides = {
     f.name: getattr(args, f.name)
     for f in dataclasses.fields(RunConfig)
     if getattr(args, f.name) is not None
   }
-  return run.replace(**overrides).checked(), args.resume
+  return RunConfig.from_settings({**settings, **overrides}).checked(), args.resume
 
 
 HOST_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
@@ -142,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run, resume = resolve_config(argv)
     allow_host_memory_for_offload(run)  # before the GPU client starts
     distributed.initialize()  # before anything asks JAX for its devices
-    out = run_training(run, resume=resume)
+    out, _ = run_training(run, resume=resume)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtune import distributed, run_log, step
-from jaxtune.data import Dataset
+from jaxtune.data import Dataset, StreamingDataset
 from jaxtune.errors import TrainingError
 from jaxtune.run_config import RunConfig
 from jaxtune.runtime import Runtime
@@ -98,9 +98,10 @@ class StopSignals:
     )
 
 
-def _start(lora, tx, runtime: Runtime, loss_scale, checkpoints, seed: int):
-  """(lora, opt_state, key, first step): fresh, or restored from the latest checkpoint. A
-  fresh start and a resumed one give the step the same placement (no recompile)."""
+def _start(lora, tx, runtime: Runtime, loss_scale, checkpoints, seed: int, dataset):
+  """(lora, opt_state, key, first step): fresh, or restored from the latest checkpoint (a
+  streamed dataset then seeks to where it was). A fresh start and a resumed one give the step
+  the same placement (no recompile)."""
   state = {"lora": lora, "opt_state": step.init_opt_state(tx, lora, loss_scale)}
   key, start = jax.random.key(seed), 0
   where = step.placements(state, runtime)
@@ -109,6 +110,13 @@ def _start(lora, tx, runtime: Runtime, loss_scale, checkpoints, seed: int):
     if restored is not None:
       saved, start = restored
       state, key = {k: saved[k] for k in state}, saved["key"]
+      if hasattr(dataset, "seek"):
+        if not saved.get("data"):
+          raise TrainingError(
+            f"checkpoint {start} holds no stream position (written without --data-streaming); "
+            "resume without --data-streaming, or start a new --out."
+          )
+        dataset.seek(saved["data"])
   state = jax.device_put(state, where)
   if runtime.mesh is not None:
     # Typed keys cannot be device_put across processes; their raw data can.
@@ -119,7 +127,7 @@ def _start(lora, tx, runtime: Runtime, loss_scale, checkpoints, seed: int):
 
 def train(
   model: nnx.Module,
-  dataset: Dataset,
+  dataset: "Dataset | StreamingDataset",
   run: RunConfig,
   runtime: Runtime,
   checkpoints: "Checkpoints | None" = None,
@@ -140,7 +148,9 @@ def train(
   if loss_scale is None and runtime.dtype == "float16":
     loss_scale = step.LossScale()
   tx, schedule = step.make_optimizer(run)
-  lora, opt_state, key, start, where = _start(lora, tx, runtime, loss_scale, checkpoints, run.seed)
+  lora, opt_state, key, start, where = _start(
+    lora, tx, runtime, loss_scale, checkpoints, run.seed, dataset
+  )
   replicated = runtime.sharding()
   out_shardings = None if replicated is None else (where["lora"], where["opt_state"], replicated)
   step_fn = step.make_train_step(graphdef, tx, runtime, loss_scale, out_shardings)
@@ -153,7 +163,8 @@ def train(
   def save(n):
     nonlocal saved
     if checkpoints is not None and n != saved:
-      checkpoints.save(n, {"lora": lora, "opt_state": opt_state, "key": key})
+      data_state = dataset.state() if hasattr(dataset, "state") else None
+      checkpoints.save(n, {"lora": lora, "opt_state": opt_state, "key": key}, data_state)
       saved = n
 
   try:

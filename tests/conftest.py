@@ -30,10 +30,16 @@ import torch  # noqa: E402
 # import: a script that imports a test module (test_faults) is no session.
 # JAXTUNE_TEST_COMPILE_CACHE=0 turns it off.
 COMPILE_CACHE: Path | None = None
+# The datasets cache (tokenized data) of this session, for it and the command lines it starts:
+# tests see a cache miss on first use and a hit after, and nothing is left in ~/.cache.
+DATASETS_CACHE: Path | None = None
 
 
 def pytest_configure(config):
-  global COMPILE_CACHE
+  global COMPILE_CACHE, DATASETS_CACHE
+  DATASETS_CACHE = Path(tempfile.mkdtemp(prefix="jaxtune-tests-datasets-"))
+  os.environ["HF_DATASETS_CACHE"] = str(DATASETS_CACHE)
+  os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the Hub
   if os.environ.get("JAXTUNE_TEST_COMPILE_CACHE", "1") == "0":
     return
   COMPILE_CACHE = Path(tempfile.mkdtemp(prefix="jaxtune-tests-compile-cache-"))
@@ -78,6 +84,8 @@ def _has_gpu() -> bool:
 
 
 def pytest_unconfigure(config):
+  if DATASETS_CACHE is not None:
+    shutil.rmtree(DATASETS_CACHE, ignore_errors=True)
   if COMPILE_CACHE is not None:
     shutil.rmtree(COMPILE_CACHE, ignore_errors=True)
 

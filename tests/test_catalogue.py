@@ -25,9 +25,10 @@ from conftest import background_run, run_cli
 from safetensors.numpy import load_file, save_file
 
 from converters.synthetic import write_random_checkpoint
-from jaxtune import default_model, export, train
+from jaxtune import default_model, export
 from jaxtune.default_model import DATASET
 from jaxtune.run_config import RunConfig
+from jaxtune.train import main as train_main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -101,6 +102,45 @@ class Case:
 
 def _messages(*roles: str) -> str:
   return json.dumps({"messages": [{"role": r, "content": "hi there"} for r in roles]})
+
+
+def _mkdir(path: Path) -> Path:
+  path.mkdir()
+  return path
+
+
+def _roles_do_not_alternate(w: Work) -> list[str]:
+  """A template that, like Llama 2's and Mistral's, refuses turns that do not alternate."""
+  (w.model / "chat_template.jinja").write_text(
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+    "{% endif %}<|{{ m['role'] }}|>{{ m['content'] }}<|eos|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+  )
+  rows = _messages("user", "assistant") + "\n" + _messages("user", "user", "assistant") + "\n"
+  return w.train_args("--data", str(w.file("a.jsonl", rows)))
+
+
+def _splits(w: Work, empty: str = "") -> Path:
+  """A directory of data files named by split, as datasets reads them."""
+  d = _mkdir(w.root / "splits")
+  for split in ("train", "test"):
+    (d / f"{split}.jsonl").write_text(
+      "\n" if split == empty else _messages("user", "assistant") + "\n"
+    )
+  return d
+
+
+def _configs(w: Work) -> Path:
+  """A directory whose README names two configs (as a Hub dataset repository does)."""
+  d = _mkdir(w.root / "configs")
+  for name in ("first", "second"):
+    (d / f"{name}.jsonl").write_text(_messages("user", "assistant") + "\n")
+  (d / "README.md").write_text(
+    "---\nconfigs:\n- config_name: first\n  data_files: first.jsonl\n"
+    "- config_name: second\n  data_files: second.jsonl\n---\n"
+  )
+  return d
 
 
 def _retype_first_weight(w: Work) -> list[str]:
@@ -234,9 +274,9 @@ CASES = [
     r"empty\.jsonl holds no examples; it is empty",
   ),
   Case(
-    "data-is-a-directory",
-    lambda w: w.train_args("--data", str(w.root)),
-    r"is a directory; pass a \.jsonl file",
+    "data-directory-without-files",
+    lambda w: w.train_args("--data", str(_mkdir(w.root / "nothing"))),
+    r"the directory .*nothing holds no data files jaxtune reads",
   ),
   Case(
     "data-not-json",
@@ -253,24 +293,83 @@ CASES = [
     r"latin\.jsonl:1 is not UTF-8 text",
   ),
   Case(
-    "data-neither-text-nor-messages",
-    lambda w: w.train_args("--data", str(w.file("p.jsonl", '{"prompt": "hi"}\n'))),
-    r'p\.jsonl:1 has neither a "text" string nor a "messages" list',
+    "data-columns-match-no-format",
+    lambda w: w.train_args("--data", str(w.file("p.jsonl", '{"question": "hi"}\n'))),
+    r"p\.jsonl has the columns question, which match no format; jaxtune reads text \(text\); "
+    r"messages \(messages\);.*map other names with --data-columns",
+  ),
+  Case(
+    "data-mixed-formats",
+    lambda w: w.train_args(
+      "--data", str(w.file("mixed.jsonl", '{"text": "hi"}\n' + _messages("user", "assistant")))
+    ),
+    r"mixed\.jsonl mixes formats: of its 2 rows, 1 in format messages and 1 in format text",
+  ),
+  Case(
+    "data-columns-missing",
+    lambda w: w.train_args("--data-columns", "prompt=question"),
+    r"--data-columns names question, which .*data\.jsonl does not have; its columns are messages",
   ),
   Case(
     "data-unknown-role",
     lambda w: w.train_args("--data", str(w.file("r.jsonl", _messages("user", "bot") + "\n"))),
-    r"r\.jsonl:1: message 2 has the unknown role 'bot'; use one of system, user, assistant",
+    r"r\.jsonl row 1: message 2 has the unknown role 'bot'; use one of system, user, assistant",
   ),
   Case(
     "data-message-without-content",
     lambda w: w.train_args("--data", str(w.file("c.jsonl", '{"messages": [{"role": "user"}]}\n'))),
-    r'c\.jsonl:1: message 1 must be an object with "role" and "content"',
+    r'c\.jsonl row 1: message 1 must be an object with "role" and "content"',
+  ),
+  Case(
+    "data-roles-do-not-alternate",
+    _roles_do_not_alternate,
+    r"a\.jsonl row 2: the chat template rejects its messages \(roles user, user, assistant\): "
+    r"Conversation roles must alternate",
   ),
   Case(
     "data-every-label-masked",
     lambda w: w.train_args("--data", str(w.file("m.jsonl", _messages("system", "user") + "\n"))),
-    r"every label in .*m\.jsonl is masked",
+    r"no example of .*m\.jsonl has a trained token within seq-len 128",
+  ),
+  Case(
+    "data-hub-unreachable",
+    lambda w: w.train_args("--data", "jaxtune-tests/no-such-dataset"),
+    r"the Hub dataset jaxtune-tests/no-such-dataset cannot be reached",
+    env={"HF_HUB_OFFLINE": "1"},
+  ),
+  Case(
+    "data-split-missing",
+    lambda w: w.train_args("--data", str(_splits(w)), "--data-split", "validation"),
+    r"the directory .*splits has no split 'validation'; its splits are train, test; pass "
+    r"--data-split NAME",
+  ),
+  Case(
+    "data-config-missing",
+    lambda w: w.train_args("--data", str(_configs(w)), "--data-config", "third"),
+    r"the directory .*configs has no config 'third'; its configs are first, second; pass "
+    r"--data-config NAME",
+  ),
+  Case(
+    "data-split-empty",
+    lambda w: w.train_args("--data", str(_splits(w, empty="train"))),
+    r"the directory .*splits holds no examples in split 'train'",
+  ),
+  Case(
+    "data-streaming-with-epochs",
+    lambda w: [
+      a for a in w.train_args("--data-streaming", "--epochs", "2") if a not in ("--steps", "1")
+    ],
+    r"--data-streaming cannot count --epochs",
+  ),
+  Case(
+    "steps-and-epochs",
+    lambda w: w.train_args("--epochs", "2"),
+    r"pass --steps or --epochs, not both",
+  ),
+  Case(
+    "eval-split-out-of-range",
+    lambda w: w.train_args("--eval-split", "0.7"),
+    r"--eval-split must be a fraction between 0 and 0\.5, got 0\.7",
   ),
   Case(
     "eval-data-missing",
@@ -280,7 +379,7 @@ CASES = [
   Case(
     "eval-prompts-without-eval-data",
     lambda w: w.train_args("--eval-prompts", str(w.file("prompts.txt", "hi\n"))),
-    r"--eval-prompts runs at each evaluation; pass --eval-data FILE too",
+    r"--eval-prompts runs at each evaluation; pass --eval-data FILE or --eval-split too",
   ),
   # Sequence length, batch and mesh
   Case(
@@ -488,7 +587,7 @@ CASES = [
   ),
 ]
 BY_ID = {c.id: c for c in CASES}
-MAINS = {"train": train.main, "export": export.main}
+MAINS = {"train": train_main, "export": export.main}
 
 
 def _snapshot(root: Path) -> dict:

@@ -14,7 +14,12 @@ from jaxtune.errors import RunConfigError
 from jaxtune.run_config import RunConfig
 from jaxtune.train import build_parser, resolve_config
 
-CONFIGS = sorted((Path(jaxtune.__file__).parent / "configs").glob("*.yaml"))
+# Example run configs (the built-in default run's own settings, default-run.yaml, are apart).
+CONFIGS = sorted(
+  p
+  for p in (Path(jaxtune.__file__).parent / "configs").glob("*.yaml")
+  if p.name != "default-run.yaml"
+)
 
 
 def test_help_documents_every_setting():
@@ -29,6 +34,16 @@ def test_help_documents_every_setting():
 def test_shipped_configs_parse(path):
   run = RunConfig.from_yaml(path)
   assert run.model and run.steps > 0 and run.batch_size % run.grad_accum == 0
+
+
+def test_default_run_keeps_its_own_settings_and_real_models_get_real_defaults():
+  toy, _ = resolve_config([])
+  assert (toy.model, toy.steps, toy.learning_rate, toy.seq_len) == (None, 60, 2e-3, 128)
+  mine, _ = resolve_config(["--learning-rate", "1e-3", "--epochs", "2"])
+  assert (mine.learning_rate, mine.steps, mine.epochs, mine.seq_len) == (1e-3, 60, 2.0, 128)
+  real, _ = resolve_config(["--model", "meta-llama/Llama-3.2-1B"])
+  # LoRA's usual rate; seq-len and steps decided from the data (one epoch).
+  assert (real.learning_rate, real.seq_len, real.steps, real.epochs) == (2e-4, None, None, None)
 
 
 def test_flags_override_yaml(tmp_path):

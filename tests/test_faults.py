@@ -199,7 +199,7 @@ def test_disk_full_during_training_stops_with_one_sentence(tmp_path, monkeypatch
   resumes, and the run then finishes."""
   import orbax.checkpoint as ocp
 
-  from jaxtune import train
+  from jaxtune.train import main as train_main
 
   out = tmp_path / "run"
   flags = ["--out", str(out), "--steps", "4", "--save-every", "2", "--export", "none"]
@@ -215,11 +215,11 @@ def test_disk_full_during_training_stops_with_one_sentence(tmp_path, monkeypatch
 
   with monkeypatch.context() as m:
     m.setattr(ocp.JsonCheckpointHandler, "_save_fn", full_on_second)
-    assert train.main(flags) == 2
+    assert train_main(flags) == 2
   err = capsys.readouterr().err.strip().splitlines()[-1]
   assert err.startswith("error: the disk is full: checkpoint 4 could not be written")
   assert err.endswith("checkpoint 2 is intact; free some space, then continue with --resume.")
-  assert train.main([*flags, "--resume"]) == 0
+  assert train_main([*flags, "--resume"]) == 0
   steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
   assert steps == [1, 2, 3, 4, 3, 4]  # resumed after checkpoint 2
 

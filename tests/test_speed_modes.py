@@ -132,15 +132,15 @@ def test_activations_remat_keeps_what_the_backward_reads(checkpoint, capsys):
 
 
 def test_offload_lets_the_pinned_host_pool_use_most_of_the_machine():
-  from jaxtune import train
   from jaxtune.run_config import RunConfig
+  from jaxtune.train import HOST_LIMIT_VAR, allow_host_memory_for_offload
 
   env = {}
-  train.allow_host_memory_for_offload(RunConfig(remat="full"), env)
+  allow_host_memory_for_offload(RunConfig(remat="full"), env)
   assert env == {}  # nothing kept on the host: PJRT's default stays
-  train.allow_host_memory_for_offload(RunConfig(remat="offload"), env)
+  allow_host_memory_for_offload(RunConfig(remat="offload"), env)
   total_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-  assert int(env[train.HOST_LIMIT_VAR]) == max(64, int(0.9 * total_gib))
-  env = {train.HOST_LIMIT_VAR: "20"}
-  train.allow_host_memory_for_offload(RunConfig(remat="offload"), env)
-  assert env == {train.HOST_LIMIT_VAR: "20"}  # the user's own limit wins
+  assert int(env[HOST_LIMIT_VAR]) == max(64, int(0.9 * total_gib))
+  env = {HOST_LIMIT_VAR: "20"}
+  allow_host_memory_for_offload(RunConfig(remat="offload"), env)
+  assert env == {HOST_LIMIT_VAR: "20"}  # the user's own limit wins

@@ -1,0 +1,249 @@
+"""Where a run's examples come from, read through Hugging Face ``datasets``.
+
+``open_source`` takes what ``--data`` / ``jaxtune.train(data=...)`` may be: a local
+``.jsonl``/``.json``/``.parquet``/``.csv``/``.arrow`` file, a directory or glob of them, a
+directory written by ``datasets.save_to_disk``, a Hub dataset id (``org/name``), a
+``datasets.Dataset`` or an iterable of dicts, and returns a ``datasets.Dataset`` (or an
+``IterableDataset`` when streaming). Every way it can fail is a ``DataError`` sentence.
+"""
+
+import codecs
+import glob
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from jaxtune.errors import DataError
+
+# File suffix -> datasets' packaged builder.
+BUILDERS = {
+  ".jsonl": "json",
+  ".json": "json",
+  ".parquet": "parquet",
+  ".csv": "csv",
+  ".arrow": "arrow",
+}
+
+
+def _datasets():
+  try:
+    import datasets
+  except ImportError as e:
+    raise DataError("reading datasets needs the data extra: pip install 'jaxtune[data]'.") from e
+  datasets.disable_progress_bars()
+  datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # our errors say what failed
+  return datasets
+
+
+def open_source(
+  data: Any,
+  config: str | None = None,
+  split: str = "train",
+  streaming: bool = False,
+) -> tuple[Any, str]:
+  """(dataset, a short name for messages) for ``data`` (see the module docstring)."""
+  ds = _datasets()
+  if isinstance(data, ds.Dataset | ds.IterableDataset):
+    return data, "the given dataset"
+  if isinstance(data, ds.DatasetDict | ds.IterableDatasetDict):
+    return _pick_split(data, split, "the given dataset"), "the given dataset"
+  if isinstance(data, Path):
+    data = str(data)
+  if not isinstance(data, str):
+    if isinstance(data, Mapping) or not isinstance(data, Iterable):
+      raise DataError(
+        "data must be a path, a Hub dataset id, a datasets.Dataset or an iterable of dicts, "
+        f"got {type(data).__name__}."
+      )
+    rows = list(data)
+    if not all(isinstance(r, Mapping) for r in rows):
+      raise DataError("data given as an iterable must yield dicts (one example each).")
+    if not rows:
+      raise DataError("the given examples are empty.")
+    table = ds.Dataset.from_list([dict(r) for r in rows])
+    return (table.to_iterable_dataset() if streaming else table), "the given examples"
+  path = Path(data).expanduser()
+  name = str(data)
+  if any(c in data for c in "*?["):
+    files = sorted(glob.glob(str(path), recursive=True))
+    if not files:
+      raise DataError(f"--data {data} matches no file.")
+    return _load_files(ds, [Path(f) for f in files], name, streaming), name
+  if path.is_file():
+    return _load_files(ds, [path], name, streaming), name
+  if path.is_dir():
+    if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+      saved = ds.load_from_disk(str(path))
+      if isinstance(saved, ds.DatasetDict):
+        saved = _pick_split(saved, split, name)
+      _check_rows(saved, name)
+      return (saved.to_iterable_dataset() if streaming else saved), name
+    return _load_repo(ds, str(path), config, split, streaming, name, local=True), name
+  if data.endswith(tuple(BUILDERS)) or data.startswith((".", "/", "~")) or data.count("/") > 1:
+    raise DataError(f"data file {data} does not exist; pass --data FILE, a directory or a Hub id.")
+  return _load_repo(ds, data, config, split, streaming, name, local=False), name
+
+
+def _load_files(ds, files: list[Path], name: str, streaming: bool):
+  kinds = {BUILDERS.get(_suffix(f)) for f in files}
+  if None in kinds:
+    bad = next(f for f in files if BUILDERS.get(_suffix(f)) is None)
+    raise DataError(
+      f"{bad} is not a data file jaxtune reads; use {', '.join(BUILDERS)} (or a directory "
+      "written by datasets.save_to_disk)."
+    )
+  if len(kinds) > 1:
+    raise DataError(f"--data {name} mixes file types ({', '.join(sorted(kinds))}); use one.")
+  builder = kinds.pop()
+  for f in files:
+    _check_text_file(f, builder)
+  try:
+    table = ds.load_dataset(builder, data_files=[str(f) for f in files], split="train",
+                            streaming=streaming)  # fmt: skip
+  except ValueError as e:
+    if "corresponds to no data" in str(e) or "no data" in str(e).lower():
+      raise DataError(f"{name} holds no examples; it is empty.") from e
+    raise DataError(f"{name} cannot be read as {builder} ({_first_line(e)}).") from e
+  except ds.exceptions.DatasetGenerationError as e:
+    bad = _bad_line(files, builder)
+    if bad is None and _empty(e):
+      raise DataError(f"{name} holds no examples; it is empty.") from e
+    if bad is not None:
+      raise DataError(f"{bad}; fix that line (one JSON object per line).") from e
+    why = _first_line(e.__cause__ or e.__context__ or e)
+    raise DataError(f"{name} cannot be read as {builder} ({why}).") from e
+  if not streaming:
+    _check_rows(table, name)
+  return table
+
+
+def _check_text_file(path: Path, builder: str) -> None:
+  """UTF-8, and for JSON lines each line an object: checked here so that the error names the
+  line (arrow's reader names neither, and reads some invalid UTF-8 without a word)."""
+  if builder not in ("json", "csv"):
+    return
+  decoder = codecs.getincrementaldecoder("utf-8")()
+  line = 1
+  with open(path, "rb") as f:
+    while chunk := f.read(1 << 24):
+      try:
+        decoder.decode(chunk)
+      except UnicodeDecodeError as e:
+        line += chunk[: e.start].count(b"\n")
+        raise DataError(f"{path}:{line} is not UTF-8 text; save the file as UTF-8.") from None
+      line += chunk.count(b"\n")
+
+
+def _bad_line(files: list[Path], builder: str) -> str | None:
+  """Where the first line of a JSON-lines file that is not JSON is (None: none is)."""
+  import json
+
+  if builder == "json":
+    for f in files:
+      if _suffix(f) != ".jsonl":
+        continue
+      with open(f, encoding="utf-8") as lines:
+        for n, text in enumerate(lines, 1):
+          if not text.strip():
+            continue
+          try:
+            json.loads(text)
+          except json.JSONDecodeError as bad:
+            return f"{f}:{n} is not valid JSON ({bad.msg})"
+  return None
+
+
+def _load_repo(ds, path: str, config, split: str, streaming: bool, name: str, local: bool):
+  """A Hub dataset id, or a local directory of data files (its README may name configs)."""
+  where = "directory" if local else "Hub dataset"
+  try:
+    table = ds.load_dataset(path, config, split=split, streaming=streaming)
+  except ds.exceptions.DatasetNotFoundError as e:
+    raise DataError(
+      f"the Hub dataset {path} does not exist or is private (log in with `hf auth login`); "
+      "check the id, or pass a local file."
+    ) from e
+  except ConnectionError as e:
+    raise DataError(
+      f"the Hub dataset {path} cannot be reached ({_first_line(e)}); check the network "
+      "(HF_HUB_OFFLINE unset), or pass a local file."
+    ) from e
+  except FileNotFoundError as e:
+    raise DataError(
+      f"the {where} {path} holds no data files jaxtune reads ({_first_line(e)})."
+    ) from e
+  except ValueError as e:
+    text = str(e)
+    if "Unknown split" in text:
+      splits = _names(lambda: ds.get_dataset_split_names(path, config), text)
+      raise DataError(
+        f"the {where} {path} has no split {split!r}; its splits are {splits}; pass "
+        "--data-split NAME."
+      ) from e
+    if "Config name is missing" in text or "BuilderConfig" in text:
+      configs = _names(lambda: ds.get_dataset_config_names(path), text)
+      asked = f"no config {config!r}" if config else "several configs"
+      raise DataError(
+        f"the {where} {path} has {asked}; its configs are {configs}; pass --data-config NAME."
+      ) from e
+    if "corresponds to no data" in text:
+      raise DataError(f"the {where} {path} holds no examples in split {split!r}.") from e
+    raise DataError(f"the {where} {path} cannot be read ({_first_line(e)}).") from e
+  except ds.exceptions.DatasetGenerationError as e:
+    if _empty(e):
+      raise DataError(f"the {where} {path} holds no examples in split {split!r}.") from e
+    raise DataError(f"the {where} {path} cannot be read ({_first_line(e.__cause__ or e)}).") from e
+  if not streaming:
+    _check_rows(table, name)
+  return table
+
+
+def _empty(e: BaseException) -> bool:
+  """Whether datasets failed because a file or split holds no rows (it cannot build those)."""
+  seen, todo = set(), [e]
+  while todo:
+    e = todo.pop()
+    if e is None or id(e) in seen:
+      continue
+    seen.add(id(e))
+    text = str(e)
+    if "at least one example" in text or "BatchSize must be greater than 0" in text:
+      return True
+    todo += [e.__cause__, e.__context__]
+  return False
+
+
+def _pick_split(dd, split: str, name: str):
+  if split not in dd:
+    raise DataError(
+      f"{name} has no split {split!r}; its splits are {', '.join(dd)}; pass --data-split NAME."
+    )
+  return dd[split]
+
+
+def _check_rows(table, name: str) -> None:
+  if len(table) == 0:
+    raise DataError(f"{name} holds no examples; it is empty.")
+
+
+def _names(get, message: str) -> str:
+  try:
+    return ", ".join(get())
+  except Exception:  # the names are in the original message then
+    start, end = message.find("["), message.find("]")
+    return message[start + 1 : end].replace("'", "") if 0 <= start < end else "unknown"
+
+
+def _suffix(path: Path) -> str:
+  return path.suffix.lower()
+
+
+def _first_line(e: BaseException) -> str:
+  text = str(e).strip()
+  return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def cache_root() -> str:
+  """Where datasets keeps its cache (HF_DATASETS_CACHE)."""
+  return os.environ.get("HF_DATASETS_CACHE") or str(_datasets().config.HF_DATASETS_CACHE)
