@@ -290,7 +290,7 @@ def load(
 
 def auto_seq_len(pairs: np.ndarray, max_positions: int | None) -> int:
   """The smallest multiple of 256 holding 99% of the examples, capped (module docstring)."""
-  need = float(np.percentile(pairs, AUTO_SEQ_QUANTILE, method="higher")) if len(pairs) else 1
+  need = float(np.percentile(pairs, AUTO_SEQ_QUANTILE, method="inverted_cdf")) if len(pairs) else 1
   seq = max(1, math.ceil(need / AUTO_SEQ_MULTIPLE)) * AUTO_SEQ_MULTIPLE
   cap = min(AUTO_SEQ_MAX, max_positions or AUTO_SEQ_MAX)
   return max(2, min(seq, cap))

@@ -1,0 +1,326 @@
+"""Real data in: every source kind and format through HF datasets, the loss mask token by token,
+the tokenization cache, long examples, the chosen seq-len, the eval split, streaming resume,
+and `jaxtune.train` from Python. Bad inputs are in test_catalogue.py."""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+
+import jaxtune
+from jaxtune import data, default_model, formats
+from jaxtune.errors import DataError
+
+IGNORE = data.IGNORE
+
+
+@pytest.fixture(scope="module")
+def tok():
+  from transformers import AutoTokenizer
+
+  return AutoTokenizer.from_pretrained(default_model.ensure_default_checkpoint())
+
+
+@pytest.fixture(scope="module")
+def plain_tok(tok):
+  """The same tokenizer without a chat template."""
+  t = copy.deepcopy(tok)
+  t.chat_template = None
+  return t
+
+
+def _enc(tok, text):
+  return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _special(tok, name):
+  return tok.convert_tokens_to_ids(name)
+
+
+def _expected_chat(tok, messages):
+  """The default template's tokens and labels, built turn by turn without the template: each
+  turn is <|role|> content <|eos|>; an assistant turn trains on its content and <|eos|>."""
+  ids, labels = [], []
+  eos = tok.eos_token_id
+  for m in messages:
+    head, body = [_special(tok, f"<|{m['role']}|>")], _enc(tok, m["content"]) + [eos]
+    ids += head + body
+    labels += [IGNORE] * len(head) + (body if m["role"] == "assistant" else [IGNORE] * len(body))
+  return ids, labels
+
+
+CHAT = [
+  {"role": "system", "content": "Be brief."},
+  {"role": "user", "content": "What is 2 plus 2?"},
+  {"role": "assistant", "content": "It is 4."},
+  {"role": "user", "content": "And 3 plus 3?"},
+  {"role": "assistant", "content": "6."},
+]
+
+
+def test_chat_mask_is_the_assistant_turns_token_by_token(tok):
+  want = _expected_chat(tok, CHAT)
+  assert formats.Encoder("messages", tok)({"messages": CHAT}, 0) == want
+  # Content as a list of text parts reads as the joined string.
+  parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in CHAT]
+  assert formats.Encoder("messages", tok)({"messages": parts}, 0) == want
+  # ShareGPT: the same conversation, the same tokens and mask.
+  speaker = {"system": "system", "user": "human", "assistant": "gpt"}
+  sharegpt = [{"from": speaker[m["role"]], "value": m["content"]} for m in CHAT]
+  assert formats.Encoder("conversations", tok)({"conversations": sharegpt}, 0) == want
+  # --train-on-prompt: every token trains.
+  ids, labels = formats.Encoder("messages", tok, train_on_prompt=True)({"messages": CHAT}, 0)
+  assert labels == ids == want[0]
+
+
+def test_alpaca_mask_with_and_without_a_chat_template(tok, plain_tok):
+  row = {"instruction": "Name the capital.", "input": "France", "output": "Paris is."}
+  # With a template: instruction and input are the user turn.
+  turns = [
+    {"role": "user", "content": "Name the capital.\n\nFrance"},
+    {"role": "assistant", "content": "Paris is."},
+  ]
+  assert formats.Encoder("alpaca", tok)(row, 0) == _expected_chat(tok, turns)
+  # Without one: Alpaca's own prompt, loss on the output and EOS.
+  ids, labels = formats.Encoder("alpaca", plain_tok)(row, 0)
+  prompt = formats.ALPACA_PROMPT_INPUT.format(instruction="Name the capital.", input="France")
+  assert plain_tok.decode(ids) == prompt + "Paris is.<|eos|>"
+  trained = [t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE]
+  assert [lab for lab in labels if lab != IGNORE] == trained
+  assert plain_tok.decode(trained) == "Paris is.<|eos|>"
+  first = labels.index(next(lab for lab in labels if lab != IGNORE))
+  assert plain_tok.decode(ids[:first]) == prompt
+  # No input: the shorter prompt.
+  ids, _ = formats.Encoder("alpaca", plain_tok)({**row, "input": ""}, 0)
+  assert plain_tok.decode(ids).startswith(
+    formats.ALPACA_PROMPT.format(instruction="Name the capital.")
+  )
+
+
+def test_prompt_completion_mask_for_strings_and_messages(tok):
+  ids, labels = formats.Encoder("prompt_completion", tok)(
+    {"prompt": "The sky is", "completion": " blue today."}, 0
+  )
+  n = len(_enc(tok, "The sky is"))
+  assert ids[:n] == _enc(tok, "The sky is") and labels[:n] == [IGNORE] * n
+  assert tok.decode(ids[n:]) == " blue today.<|eos|>" and labels[n:] == ids[n:]
+  prompt = [{"role": "user", "content": "Hi"}]
+  completion = [{"role": "assistant", "content": "Hello."}]
+  got = formats.Encoder("prompt_completion", tok)({"prompt": prompt, "completion": completion}, 0)
+  assert got == _expected_chat(tok, prompt + completion)
+
+
+def test_text_trains_every_token_and_ends_with_eos(tok):
+  ids, labels = formats.Encoder("text", tok)({"text": "The red fox."}, 0)
+  assert ids == labels and ids[-1] == tok.eos_token_id
+  assert tok.decode(ids, skip_special_tokens=True) == "The red fox."
+
+
+def test_format_is_detected_from_the_columns():
+  full = lambda c: 3  # noqa: E731
+  cases = {
+    ("text",): "text",
+    ("messages", "id"): "messages",
+    ("conversations",): "conversations",
+    ("instruction", "input", "output", "text"): "alpaca",  # tatsu-lab/alpaca has all four
+    ("prompt", "completion"): "prompt_completion",
+  }
+  for columns, fmt in cases.items():
+    assert formats.detect(columns, full, 3, "d") == fmt
+  with pytest.raises(DataError, match="mixes formats: of its 3 rows, 2 in format messages and 1"):
+    formats.detect(("text", "messages"), {"messages": 2, "text": 1}.get, 3, "d")
+  with pytest.raises(DataError, match="the columns a, b, which match no format"):
+    formats.detect(("a", "b"), full, 3, "d")
+
+
+# ---------------------------------------------------------------- sources, trained
+
+
+def _rows(fmt: str, n: int = 24) -> list[dict]:
+  out = []
+  for i in range(n):
+    q, a = f"What is {i} plus {i}?", f"{i} plus {i} is {2 * i}."
+    out.append(
+      {
+        "text": {"text": f"{q} {a}"},
+        "messages": {
+          "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        },
+        "conversations": {
+          "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]
+        },
+        "alpaca": {"instruction": q, "input": "", "output": a},
+        "prompt_completion": {"prompt": q, "completion": " " + a},
+        "mapped": {"question": q, "answer": " " + a},
+      }[fmt]
+    )
+  return out
+
+
+def _write(path, fmt, kind):
+  import datasets
+
+  rows = _rows(fmt)
+  if kind == "jsonl":
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  elif kind == "json":
+    path.write_text(json.dumps(rows))
+  else:
+    table = datasets.Dataset.from_list(rows)
+    if kind == "parquet":
+      table.to_parquet(str(path))
+    elif kind == "csv":
+      table.to_csv(str(path), index=False)
+    elif kind == "arrow":
+      table.save_to_disk(str(path.parent / "tmp-arrow"))
+      arrow = next((path.parent / "tmp-arrow").glob("*.arrow"))
+      arrow.rename(path)
+    elif kind == "saved":
+      datasets.DatasetDict(train=table).save_to_disk(str(path))
+  return path
+
+
+# (format, how it is stored, extra settings): every format and every source kind at least once.
+TRAINED = [
+  ("text", "jsonl", {}),
+  ("messages", "json", {}),
+  ("conversations", "parquet", {}),
+  ("alpaca", "csv", {}),
+  ("prompt_completion", "arrow", {}),
+  ("messages", "saved", {}),
+  ("mapped", "csv", {"data_columns": "prompt=question,completion=answer"}),
+]
+
+
+@pytest.mark.parametrize("fmt,kind,extra", TRAINED, ids=[f"{f}-{k}" for f, k, _ in TRAINED])
+def test_each_format_and_source_trains(fmt, kind, extra, tmp_path, capsys):
+  suffix = {"saved": ""}.get(kind, "." + kind)
+  path = _write(tmp_path / f"{fmt}{suffix}", fmt, kind)
+  run_dir, model = jaxtune.train(
+    data=path, out=str(tmp_path / "run"), steps=2, export=None, log_every=1, **extra
+  )
+  said = capsys.readouterr().out
+  shown = "prompt_completion" if fmt == "mapped" else fmt
+  assert f"{shown}, 24 examples" in said, said
+  rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
+  assert rows[0]["tokens"] > 0
+  assert model.layers.self_attn.q_proj.lora_b is not None
+
+
+def test_train_takes_a_dataset_or_dicts_from_python(tmp_path, capsys):
+  import datasets
+
+  rows = _rows("messages")
+  # A datasets.Dataset built in memory, with a held-out fraction.
+  run_dir, _ = jaxtune.train(
+    {"steps": 2, "export": None}, data=datasets.Dataset.from_list(rows), out=str(tmp_path / "a"),
+    eval_split=0.25,
+  )  # fmt: skip
+  metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  assert any("eval_loss" in m for m in metrics)
+  assert "6 held out for eval" in capsys.readouterr().out
+  # A plain list of dicts, over a RunConfig.
+  run = jaxtune.RunConfig(steps=1, export=None, out=str(tmp_path / "b"), seq_len=128)
+  run_dir, _ = jaxtune.train(run, data=iter(rows))
+  assert (run_dir / "config.yaml").is_file()
+  with pytest.raises(jaxtune.UserError, match="must yield dicts"):
+    jaxtune.train(run.replace(out=str(tmp_path / "c")), data=[1, 2])
+  assert not (tmp_path / "c").exists()
+
+
+# ---------------------------------------------------------------- the pipeline
+
+
+def _jsonl(path, rows):
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return str(path)
+
+
+def test_tokenization_is_cached_for_the_same_data_and_tokenizer(tok, plain_tok, tmp_path):
+  path = _jsonl(tmp_path / "c.jsonl", _rows("text"))
+  first, _, r1 = data.load(path, tok, seq_len=64)
+  second, _, r2 = data.load(path, tok, seq_len=64)
+  assert r1.tokenized.startswith("tokenized in") and r2.tokenized.startswith("tokenized earlier")
+  np.testing.assert_array_equal(first.input_ids, second.input_ids)
+  np.testing.assert_array_equal(first.labels, second.labels)
+  # Another tokenizer (here: its template) is another cache entry.
+  other = copy.deepcopy(plain_tok)
+  other.add_tokens(["<|new|>"])
+  _, _, r3 = data.load(path, other, seq_len=64)
+  assert r3.tokenized.startswith("tokenized in")
+
+
+def test_long_examples_are_counted_and_truncated_or_dropped(tok, tmp_path):
+  lengths = [10, 40, 100]  # next-token pairs of each example
+  words = [" ".join(["fox"] * 400)]
+  base = _enc(tok, words[0])
+  rows = [{"text": tok.decode(base[:n])} for n in lengths]
+  pairs = [len(formats.Encoder("text", tok)(r, 0)[0]) - 1 for r in rows]
+  path = _jsonl(tmp_path / "long.jsonl", rows)
+  ds, _, report = data.load(path, tok, seq_len=32, pack=False)
+  assert report.long == sum(p > 32 for p in pairs) == 2 and report.long_action == "truncate"
+  assert sorted(np.count_nonzero(ds.segment_ids, axis=1)) == sorted(min(p, 32) for p in pairs)
+  assert "2 longer than seq-len truncated" in report.line()
+  ds, _, report = data.load(path, tok, seq_len=32, pack=False, long_examples="drop")
+  assert report.long == 2 and ds.examples == 1 and "dropped" in report.line()
+  # Chat: a truncation that leaves no assistant token drops the example, and says so.
+  chats = [
+    {"messages": [{"role": "user", "content": "hi " * 60}, {"role": "assistant", "content": "yo"}]},
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+  ]
+  ds, _, report = data.load(_jsonl(tmp_path / "chat.jsonl", chats), tok, seq_len=32)
+  assert (report.long, report.no_labels, ds.examples) == (1, 1, 1)
+  assert "1 without a trained token dropped" in report.line()
+
+
+def test_unset_seq_len_holds_99_percent_capped_by_the_model(tok, tmp_path):
+  pairs = np.array([300] * 198 + [700] * 2)
+  assert data.auto_seq_len(pairs, None) == 512  # the 99th percentile is 300
+  assert data.auto_seq_len(np.array([300] * 97 + [700] * 3), None) == 768
+  assert data.auto_seq_len(pairs, 256) == 256  # the model's positions
+  assert data.auto_seq_len(np.array([9000]), None) == 4096
+  rows = [{"text": "fox " * k} for k in [20] * 30]
+  ds, _, report = data.load(_jsonl(tmp_path / "s.jsonl", rows), tok, seq_len=None)
+  assert ds.seq_len == 256 and report.seq_len_auto and "seq-len 256 (chosen" in report.line()
+
+
+def test_eval_split_is_seeded_disjoint_and_stable(tok, tmp_path):
+  path = _jsonl(tmp_path / "e.jsonl", _rows("text", 50))
+  train_a, held_a, report = data.load(path, tok, seq_len=64, eval_split=0.1, seed=3, pack=False)
+  train_b, held_b, _ = data.load(path, tok, seq_len=64, eval_split=0.1, seed=3, pack=False)
+  assert report.eval_examples == 5 and held_a.examples == 5 and train_a.examples == 45
+  np.testing.assert_array_equal(held_a.input_ids, held_b.input_ids)  # as a resumed run sees
+  seen = {tuple(r) for r in train_a.input_ids}
+  assert not any(tuple(r) in seen for r in held_a.input_ids)
+  _, held_c, _ = data.load(path, tok, seq_len=64, eval_split=0.1, seed=4, pack=False)
+  assert not np.array_equal(held_a.input_ids, held_c.input_ids)
+
+
+def test_stream_resumes_at_the_same_example(tok, tmp_path):
+  path = _jsonl(tmp_path / "stream.jsonl", _rows("text", 50))
+  kw = dict(seq_len=32, buffer=16, seed=1)
+  whole = data.StreamingDataset(path, tok, **kw)
+  batches = [whole.batch(i, 4, 1, 1) for i in range(12)]  # crosses buffers and an epoch
+  again = data.StreamingDataset(path, tok, **kw)
+  for i in range(5):
+    again.batch(i, 4, 1, 1)
+  state = again.state()
+  resumed = data.StreamingDataset(path, tok, **kw)
+  resumed.seek(json.loads(json.dumps(state)))  # as the checkpoint stores it
+  for i in range(5, 12):
+    got = resumed.batch(i, 4, 1, 1)
+    for k in got:
+      np.testing.assert_array_equal(got[k], batches[i][k])
+
+
+@pytest.mark.slow
+def test_streamed_run_resumed_matches_an_uninterrupted_one(tmp_path):
+  path = _jsonl(tmp_path / "stream.jsonl", _rows("text", 60))
+  kw = dict(data=path, data_streaming=True, export=None, schedule="constant", warmup_steps=0)
+  whole, _ = jaxtune.train(out=str(tmp_path / "whole"), steps=4, **kw)
+  part, _ = jaxtune.train(out=str(tmp_path / "part"), steps=2, **kw)
+  jaxtune.train(out=str(tmp_path / "part"), steps=4, resume=True, **kw)
+  loss = lambda d: [json.loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+  assert loss(part)[-2:] == pytest.approx(loss(whole)[-2:], rel=1e-6)
