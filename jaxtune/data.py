@@ -81,6 +81,11 @@ class Dataset:
     self._orders: dict[tuple[int, int], np.ndarray] = {}
     self._all: dict[str, np.ndarray] | None = None
 
+  @classmethod
+  def from_rows(cls, input_ids: np.ndarray, labels: np.ndarray) -> "Dataset":
+    """One example per row: ``input_ids`` and their (shifted) ``labels``, [N, T] each."""
+    return to_rows(list(input_ids), list(labels), input_ids.shape[1], pack=False)
+
   def __len__(self) -> int:
     """Rows (sequences of seq_len tokens)."""
     return len(self._ptr) - 1
@@ -209,7 +214,7 @@ class Report:
   eval_examples: int = 0  # held out by --eval-split
 
   def line(self) -> str:
-    count = f"{self.examples} examples, " if self.examples else ""
+    count = f"{self.examples:,} examples, " if self.examples else ""
     parts = [f"data {self.name}: {self.format}, {count}{self.tokenized}"]
     how = "chosen: 99% of examples fit" if self.seq_len_auto else "set"
     parts.append(f"seq-len {self.seq_len} ({how})")

@@ -192,7 +192,10 @@ def _load_repo(ds, path: str, config, split: str, streaming: bool, name: str, lo
     raise DataError(f"the {where} {path} cannot be read ({_first_line(e)}).") from e
   except ds.exceptions.DatasetGenerationError as e:
     if _empty(e):
-      raise DataError(f"the {where} {path} holds no examples in split {split!r}.") from e
+      raise DataError(
+        f"the {where} {path} holds no examples in split {split!r}; fill it, or pick another "
+        "with --data-split."
+      ) from e
     raise DataError(f"the {where} {path} cannot be read ({_first_line(e.__cause__ or e)}).") from e
   if not streaming:
     _check_rows(table, name)

@@ -4,6 +4,8 @@ and `jaxtune.train` from Python. Bad inputs are in test_catalogue.py."""
 
 import copy
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -324,3 +326,26 @@ def test_streamed_run_resumed_matches_an_uninterrupted_one(tmp_path):
   jaxtune.train(out=str(tmp_path / "part"), steps=4, resume=True, **kw)
   loss = lambda d: [json.loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
   assert loss(part)[-2:] == pytest.approx(loss(whole)[-2:], rel=1e-6)
+
+
+def test_reading_and_tokenizing_need_no_torch():
+  """torch is a test dependency only. The run-time code that could reach it is transformers
+  (the tokenizer) and datasets: both work where torch cannot be found, as on a machine without
+  it. (No module of ours imports torch: test_imports checks every import statement.)"""
+  code = """
+import importlib.util, sys
+_find = importlib.util.find_spec
+importlib.util.find_spec = lambda n, p=None: None if n.split(".")[0] == "torch" else _find(n, p)
+class NoTorch:
+  def find_spec(self, name, path=None, target=None):
+    if name.split(".")[0] == "torch":
+      raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoTorch())
+from jaxtune import data, default_model, session
+tok = session.load_tokenizer(default_model.ensure_default_checkpoint())
+ds, _, report = data.load(str(default_model.DATASET), tok, seq_len=128, num_proc=2)
+assert ds.examples == 600, report
+assert "torch" not in sys.modules
+"""
+  child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+  assert child.returncode == 0, child.stderr[-2000:]

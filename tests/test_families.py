@@ -136,7 +136,7 @@ def test_lora_training_and_merged_export(family_dir, family, tmp_path):
   )
   rng = np.random.default_rng(0)
   ids = rng.integers(0, 256, (8, 24)).astype(np.int32)
-  data = Dataset(ids, np.roll(ids, -1, axis=1), np.ones_like(ids))
+  data = Dataset.from_rows(ids, np.roll(ids, -1, axis=1))
   run = RunConfig(
     out=str(tmp_path),
     steps=3,

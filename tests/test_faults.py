@@ -36,8 +36,9 @@ def _metrics(out):
 # The run the SIGTERM test interrupts and resumes, and the same run uninterrupted.
 _SIGTERM_FLAGS = ["--steps", "12", "--save-every", "5", "--export", "none", "--lora-dropout", "0.1"]
 _SIGTERM_FLAGS += ["--seq-len", "64", "--lora-rank", "4"]
-_SIGTERM_RUN = RunConfig(
-  steps=12, save_every=5, export=None, lora_dropout=0.1, seq_len=64, lora_rank=4
+# As the command line builds it (no --model: over the built-in default run's own settings).
+_SIGTERM_RUN = RunConfig.from_settings(
+  dict(steps=12, save_every=5, export=None, lora_dropout=0.1, seq_len=64, lora_rank=4)
 )
 
 

@@ -145,6 +145,11 @@ def test_nf4_format_depends_on_jax_and_numpy_only():
   assert not _violations(bad)
 
 
+def test_nothing_imports_torch():
+  """torch is for tests only (parity against transformers, peft, bitsandbytes)."""
+  assert not _violations(lambda name, m: _third_party(m) == "torch")
+
+
 def test_converters_do_not_import_entry_points():
   assert not _violations(lambda name, m: name.startswith("converters") and m in ENTRY_POINTS)
 
@@ -157,7 +162,7 @@ def test_entry_points_do_not_import_each_other():
 # (jaxtune/__init__.py names its public API as strings, imported on first use: layer 6. Both
 # configs, ModelConfig and RunConfig, are layer 3 with the models, as DESIGN.md has it.)
 _TRAINING = (
-  "data", "checkpoint", "distributed", "run_log", "losses", "step", "trainer",
+  "data", "sources", "formats", "checkpoint", "distributed", "run_log", "losses", "step", "trainer",
   "checks", "session", "default_model",
 )  # fmt: skip
 LAYERS = {

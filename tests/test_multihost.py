@@ -138,8 +138,8 @@ def test_two_processes_train_like_one(two_processes, tmp_path):
   process with 8 devices; only process 0 writes metrics and the export."""
   # The same run in this process (8 fake devices, see conftest.py).
   one = tmp_path / "one"
-  run = RunConfig(
-    out=str(one), mesh="2x4", steps=3, seq_len=64, save_every=2, export="peft", lora_rank=4
+  run = RunConfig.from_settings(  # as the command line builds it (the default run's settings)
+    dict(out=str(one), mesh="2x4", steps=3, seq_len=64, save_every=2, export="peft", lora_rank=4)
   )
   run_training(run)
   multi, procs = two_processes

@@ -210,7 +210,7 @@ def test_trainer_trains_pipelined_as_on_one_device(ckpt, tmp_path):
   ids = np.random.default_rng(1).integers(0, 256, (8, 16)).astype(np.int32)  # one batch
   labels = np.roll(ids, -1, axis=1)
   labels[:, -1] = data.IGNORE
-  dataset = data.Dataset(ids, labels, np.ones_like(ids))
+  dataset = data.Dataset.from_rows(ids, labels)
   run = RunConfig(
     steps=3,
     batch_size=8,
