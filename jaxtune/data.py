@@ -207,6 +207,7 @@ class Report:
   examples: int  # read from the source
   seq_len: int
   seq_len_auto: bool = False
+  seq_len_capped: bool = False  # chosen, but below what 99% of the examples need
   tokenized: str = ""  # "cached" / "tokenized in 3.1s (8 processes)" / "streamed"
   long: int = 0  # examples longer than seq_len
   long_action: str = "truncate"
@@ -217,6 +218,8 @@ class Report:
     count = f"{self.examples:,} examples, " if self.examples else ""
     parts = [f"data {self.name}: {self.format}, {count}{self.tokenized}"]
     how = "chosen: 99% of examples fit" if self.seq_len_auto else "set"
+    if self.seq_len_capped:
+      how = "chosen: capped by the model's positions or 4096, 99% of examples need more"
     parts.append(f"seq-len {self.seq_len} ({how})")
     if self.long:
       done = "truncated" if self.long_action == "truncate" else "dropped"
@@ -272,6 +275,7 @@ def load(
     seq_len = auto_seq_len(pairs, max_positions)
   keep, lengths, report = _fit(tok, pairs, seq_len, long_examples, train_on_prompt, name)
   report.seq_len_auto, report.tokenized = auto, tok.how
+  report.seq_len_capped = auto and seq_len < auto_seq_len(pairs, None)
   kept = np.flatnonzero(keep)
   held = np.zeros(0, np.int64)
   if eval_split:
@@ -543,6 +547,7 @@ class StreamingDataset:
     pairs = np.maximum(lengths - 1, 0)
     if self.seq_len is None:  # from the first buffer
       self.seq_len = self.report.seq_len = auto_seq_len(pairs, self._max_positions)
+      self.report.seq_len_capped = self.seq_len < auto_seq_len(pairs, None)
     try:
       keep, fitted, report = _fit(
         tok, pairs, self.seq_len, self.long_examples, False, self.report.name

@@ -85,6 +85,7 @@ class RunConfig:
   packing: bool = True  # several examples per row (segment ids, positions restart)
   # Evaluation
   eval_data: str | None = None  # held-out examples, any source --data takes
+  eval_data_split: str | None = None  # None: "test" when eval_data is data, else "train"
   eval_split: float | None = None  # hold out this fraction of data instead (seeded)
   eval_every: int = 0  # 0: only at the end (when eval_data is set)
   eval_prompts: str | None = None  # text file, one prompt per line, generated at each eval

@@ -162,13 +162,11 @@ def _load_data(run: RunConfig, tokenizer, cfg: ModelConfig, data: Any, eval_data
       **common,
     )
   if eval_data is not None:
-    # Held-out data is read as the training data is, at its sequence length; its split is
-    # "train" unless it is the training source itself.
+    # Held-out data is read as the training data is, at its sequence length; from the
+    # "test" split when it is the training source itself, else from "train".
+    split = run.eval_data_split or ("test" if eval_data == data else "train")
     held_out, _, _ = data_lib.load(
-      eval_data,
-      tokenizer,
-      seq_len=dataset.seq_len,
-      **{**common, "split": run.data_split if eval_data == data else "train"},
+      eval_data, tokenizer, seq_len=dataset.seq_len, **{**common, "split": split}
     )
   return dataset, held_out, report
 

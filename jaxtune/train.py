@@ -34,6 +34,8 @@ _HELP = {
   "than memory (needs --steps; resumes at the same example)",
   "long_examples": "examples longer than --seq-len: truncate or drop (counted on the start line)",
   "epochs": "passes over the data, instead of --steps (default: 1 when neither is given)",
+  "eval_data_split": "the split of --eval-data (default: test when it is --data itself, else "
+  "train)",
   "eval_split": "hold out this fraction of --data (0 to 0.5, seeded) for eval loss",
   "out": "output directory: checkpoints/, metrics.jsonl, config.yaml, export/",
   "mesh": "device mesh: 8 (data), 2x4 (data x tensor), data=2,tensor=4 (default: all data)",

@@ -180,6 +180,10 @@ def _write(path, fmt, kind):
       arrow.rename(path)
     elif kind == "saved":
       datasets.DatasetDict(train=table).save_to_disk(str(path))
+    elif kind == "splits":  # a directory of files named by split, as on the Hub
+      path.mkdir()
+      table.select(range(16)).to_json(str(path / "train.jsonl"))
+      table.select(range(16, 24)).to_json(str(path / "test.jsonl"))
   return path
 
 
@@ -192,21 +196,29 @@ TRAINED = [
   ("prompt_completion", "arrow", {}),
   ("messages", "saved", {}),
   ("mapped", "csv", {"data_columns": "prompt=question,completion=answer"}),
+  ("alpaca", "splits", {"eval_data": "SAME"}),  # --eval-data the same source: its test split
 ]
 
 
 @pytest.mark.parametrize("fmt,kind,extra", TRAINED, ids=[f"{f}-{k}" for f, k, _ in TRAINED])
-def test_each_format_and_source_trains(fmt, kind, extra, tmp_path, capsys):
-  suffix = {"saved": ""}.get(kind, "." + kind)
+def test_each_format_and_source_trains(fmt, kind, extra, tmp_path, capsys, tok):
+  suffix = {"saved": "", "splits": ""}.get(kind, "." + kind)
   path = _write(tmp_path / f"{fmt}{suffix}", fmt, kind)
+  if extra.get("eval_data") == "SAME":
+    extra = {**extra, "eval_data": str(path)}
   run_dir, model = jaxtune.train(
     data=path, out=str(tmp_path / "run"), steps=2, export=None, log_every=1, **extra
   )
   said = capsys.readouterr().out
   shown = "prompt_completion" if fmt == "mapped" else fmt
-  assert f"{shown}, 24 examples" in said, said
+  assert f"{shown}, {16 if kind == 'splits' else 24} examples" in said, said
   rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-  assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
+  assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+  assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
+  if "eval_data" in extra:  # every trained token of the test split, none of train's
+    held, _, _ = data.load(str(path), tok, seq_len=128, split="test")
+    evals = [r["eval_tokens"] for r in rows if "eval_tokens" in r]
+    assert evals == [np.count_nonzero(held.labels != IGNORE)]
   assert rows[0]["tokens"] > 0
   assert model.layers.self_attn.q_proj.lora_b is not None
 
@@ -285,7 +297,12 @@ def test_unset_seq_len_holds_99_percent_capped_by_the_model(tok, tmp_path):
   assert data.auto_seq_len(np.array([9000]), None) == 4096
   rows = [{"text": "fox " * k} for k in [20] * 30]
   ds, _, report = data.load(_jsonl(tmp_path / "s.jsonl", rows), tok, seq_len=None)
-  assert ds.seq_len == 256 and report.seq_len_auto and "seq-len 256 (chosen" in report.line()
+  assert ds.seq_len == 256 and report.seq_len_auto and "seq-len 256 (chosen: 99%" in report.line()
+  long = [{"text": "fox " * 400}] * 3
+  ds, _, report = data.load(
+    _jsonl(tmp_path / "l.jsonl", long), tok, seq_len=None, max_positions=256
+  )
+  assert ds.seq_len == 256 and report.seq_len_capped and "capped" in report.line()
 
 
 def test_eval_split_is_seeded_disjoint_and_stable(tok, tmp_path):
