@@ -403,7 +403,10 @@ def _encode_batch(batch: dict, indices: list[int], encoder: formats.Encoder) -> 
 def _format(table, name: str, data_format: str | None, columns: str | None):
   """(table with --data-columns applied, its format)."""
   mapping = formats.parse_columns(columns)
+  head = None if hasattr(table, "data") else list(table.take(256))  # a stream: its first rows
   have = list(table.column_names or [])
+  if not have and head:  # a stream whose features are not declared: the rows' keys
+    have = list(dict.fromkeys(k for r in head for k in r))
   missing = [c for c in mapping if c not in have]
   if missing:
     raise DataError(
@@ -415,14 +418,15 @@ def _format(table, name: str, data_format: str | None, columns: str | None):
     if clash:
       table = table.remove_columns(clash)
     table = table.rename_columns(mapping)
-    have = list(table.column_names)
+    have = [mapping.get(c, c) for c in have if c not in clash]
+    if head is not None:
+      head = [{mapping.get(k, k): v for k, v in r.items() if k not in clash} for r in head]
   if data_format is not None:
     formats.check_forced(data_format, have, name)
     return table, data_format
   if hasattr(table, "data"):  # a Dataset: its arrow table counts the nulls
     filled = lambda c: len(table) - table.data.column(c).null_count  # noqa: E731
     return table, formats.detect(have, filled, len(table), name)
-  head = list(table.take(256))  # a stream: the first rows decide
   filled = lambda c: sum(r.get(c) is not None for r in head)  # noqa: E731
   return table, formats.detect(have, filled, len(head), name)
 

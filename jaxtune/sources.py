@@ -44,7 +44,12 @@ def open_source(
 ) -> tuple[Any, str]:
   """(dataset, a short name for messages) for ``data`` (see the module docstring)."""
   ds = _datasets()
-  if isinstance(data, ds.Dataset | ds.IterableDataset):
+  if isinstance(data, ds.Dataset):
+    return (data.to_iterable_dataset() if streaming else data), "the given dataset"
+  if isinstance(data, ds.IterableDataset):
+    if not streaming:  # read whole, as a file would be
+      data = ds.Dataset.from_list(list(data))
+      _check_rows(data, "the given dataset")
     return data, "the given dataset"
   if isinstance(data, ds.DatasetDict | ds.IterableDatasetDict):
     return _pick_split(data, split, "the given dataset"), "the given dataset"

@@ -332,6 +332,13 @@ def test_stream_resumes_at_the_same_example(tok, tmp_path):
     got = resumed.batch(i, 4, 1, 1)
     for k in got:
       np.testing.assert_array_equal(got[k], batches[i][k])
+  # Streams map columns and detect formats from their first rows, as tables do.
+  mapped = data.StreamingDataset(
+    _jsonl(tmp_path / "qa.jsonl", _rows("mapped")), tok, seq_len=32, buffer=8,
+    columns="prompt=question,completion=answer",
+  )  # fmt: skip
+  assert mapped.report.format == "prompt_completion"
+  assert np.any(mapped.batch(0, 4, 1, 0)["labels"] != IGNORE)
 
 
 @pytest.mark.slow
