@@ -5,6 +5,7 @@ complete, so a failed or interrupted export never leaves a half-written model; a
 non-empty ``out`` is replaced only with ``overwrite``.
 """
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,6 +20,16 @@ if TYPE_CHECKING:
 FORMATS = ("merged", "peft", "bnb4")
 
 
+def _usual_modes(root: Path) -> None:
+  """mkdtemp makes 0700 directories (and some writers 0600 files): give the export the modes
+  files and directories get by default under the process's umask."""
+  umask = os.umask(0)
+  os.umask(umask)
+  root.chmod(0o777 & ~umask)
+  for path in root.rglob("*"):
+    path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def check_destination(out: Path, overwrite: bool) -> None:
   """Refuse ``out`` before anything is loaded: a file, or a non-empty directory without
   ``overwrite``."""
@@ -31,9 +42,18 @@ def check_destination(out: Path, overwrite: bool) -> None:
 
 
 def write(
-  model: "nnx.Module", fmt: str, out: str | Path, dtype: str = "bfloat16", overwrite: bool = False
+  model: "nnx.Module",
+  fmt: str,
+  out: str | Path,
+  dtype: str = "bfloat16",
+  overwrite: bool = False,
+  card: str | None = None,
 ) -> Path:
-  """Export ``model`` as ``fmt`` (one of FORMATS) into ``out``, atomically; returns ``out``."""
+  """Export ``model`` as ``fmt`` (one of FORMATS) into ``out``, atomically; returns ``out``.
+
+  ``card``: the model card, written as README.md beside the weights. Files get the modes a
+  new file gets here (0644 under the usual umask), directories 0755.
+  """
   out = Path(out)
   check_destination(out, overwrite)
   try:
@@ -53,6 +73,9 @@ def write(
       export_peft(model, tmp)
     else:
       raise ValueError(f"export format must be one of {FORMATS}, got {fmt!r}")
+    if card is not None:
+      (tmp / "README.md").write_text(card)
+    _usual_modes(tmp)
     if out.exists():
       old = out.with_name(tmp.name + ".old")
       out.rename(old)

@@ -51,7 +51,15 @@ def resolve_checkpoint(path_or_hub_id: str | Path) -> Path:
     return Path(
       snapshot_download(
         text,
-        allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"],
+        allow_patterns=[
+          "*.json",
+          "*.safetensors",
+          "tokenizer*",
+          "*.model",
+          "*.txt",
+          "*.jinja",
+          "README.md",
+        ],  # README.md: the base model's license, for the export's model card
       )
     )
   except Exception as e:  # the hub raises many types; all mean "could not fetch"

@@ -88,6 +88,17 @@ def check_data_settings(run: RunConfig, given: bool = False) -> None:
     raise UserError("--data-columns maps the columns of --data; pass --data too.")
 
 
+def check_export_settings(run: RunConfig) -> None:
+  """--push-to-hub needs an export and a repo id of the form ORG/NAME."""
+  if not run.push_to_hub:
+    return
+  if run.export is None:
+    raise UserError("--push-to-hub uploads the export; pass --export merged, peft or bnb4 too.")
+  parts = run.push_to_hub.split("/")
+  if len(parts) != 2 or not all(parts):
+    raise UserError(f"--push-to-hub takes a repo id ORG/NAME, got {run.push_to_hub!r}.")
+
+
 def read_eval_prompts(run: RunConfig, has_eval: bool = False) -> list[str]:
   """--eval-prompts' prompts, one per line ([] when not asked for)."""
   if not run.eval_prompts:

@@ -1,5 +1,5 @@
-"""python -m jaxtune.export: a training run's adapters -> merged HF checkpoint, PEFT adapter or
-bnb-4bit checkpoint.
+"""python -m jaxtune.export: a training run's adapters -> merged HF checkpoint (the default),
+PEFT adapter or bnb-4bit checkpoint, with a model card; --push-to-hub uploads it.
 
 The export is written into a temporary directory beside ``--out`` and renamed into place when
 complete, so a failed or interrupted export never leaves a half-written model; an existing,
@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from converters import export
+from converters import export, hub, model_card
 from jaxtune.errors import ExportError, UserError
 from jaxtune.session import load_trained
 
@@ -24,10 +24,14 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: Sequence[str] | None = None) -> int:
   p = _Parser(prog="python -m jaxtune.export", description=__doc__)
   p.add_argument("--checkpoint", required=True, help="run directory of jaxtune.train (its --out)")
-  p.add_argument("--format", required=True, choices=export.FORMATS, help="what to write")
+  p.add_argument(
+    "--format", default="merged", choices=export.FORMATS, help="what to write (default: merged)"
+  )
   p.add_argument("--out", required=True, help="directory to write")
   p.add_argument("--dtype", default="bfloat16", help="dtype of unquantized weights in the export")
   p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+  p.add_argument("--push-to-hub", metavar="ORG/NAME", help="then upload the export to this repo")
+  p.add_argument("--hub-private", action="store_true", help="create the Hub repo private")
   args = p.parse_args(argv)
   try:
     out = Path(args.out)
@@ -35,11 +39,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dtype not in ("bfloat16", "float16", "float32"):
       raise ExportError(f"--dtype must be bfloat16, float16 or float32, got {args.dtype!r}.")
     model, step = load_trained(Path(args.checkpoint))
-    out = export.write(model, args.format, out, args.dtype, args.overwrite)
+    card = model_card.render(Path(args.checkpoint), args.format)
+    out = export.write(model, args.format, out, args.dtype, args.overwrite, card=card)
+    print(f"exported step {step} as {args.format} to {Path(out).resolve()}")
+    if args.push_to_hub:
+      url = hub.push(out, args.push_to_hub, private=args.hub_private)
+      print(f"pushed to {url}")
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(f"exported step {step} as {args.format} to {Path(out).resolve()}")
   return 0
 
 

@@ -121,6 +121,8 @@ class RunConfig:
   save_every: int = 50
   keep_checkpoints: int = 2
   export: str | None = "merged"  # merged | peft | bnb4 | none, written to OUT/export at the end
+  push_to_hub: str | None = None  # ORG/NAME: upload OUT/export there at the end
+  hub_private: bool = False
 
   @classmethod
   def from_yaml(cls, path: str | Path) -> "RunConfig":

@@ -5,6 +5,7 @@ Every input is checked before the model is loaded, and nothing is written to the
 directory until the model has loaded, so a bad input leaves no half-made run behind.
 """
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from converters import export
+from converters import export, hub, model_card
 from converters.hf_in import from_pretrained, resolve_checkpoint
 from jaxtune import checkpoint, checks, default_model, distributed, runtime, step, trainer
 from jaxtune import data as data_lib
@@ -196,15 +197,20 @@ class Trained(NamedTuple):
 
 
 def run_training(
-  run: RunConfig, resume: bool = False, data: Any = None, eval_data: Any = None
+  run: RunConfig,
+  resume: bool = False,
+  data: Any = None,
+  eval_data: Any = None,
+  command: str | None = None,
 ) -> Trained:
   """Train as ``run`` says (``resume``: from OUT/checkpoints); returns (OUT, model).
 
   ``data``/``eval_data``: examples given as objects (a datasets.Dataset, an iterable of dicts)
-  in place of run.data/run.eval_data.
+  in place of run.data/run.eval_data. ``command``: how the run was started, for the model card.
   """
   run = run.checked()
   checks.check_data_settings(run, given=data is not None)
+  checks.check_export_settings(run)
   out = Path(run.out)
   model_path = (
     resolve_checkpoint(run.model) if run.model else default_model.ensure_default_checkpoint()
@@ -224,6 +230,10 @@ def run_training(
   jax.block_until_ready(nnx.state(model))
   load_s = time.perf_counter() - t_load
   _write_config(run.replace(model=str(model_path), dtype=rt.dtype), out)
+  if distributed.is_main():
+    hardware = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
+    given = run.data if data is None else f"a {type(data).__name__} given from Python"
+    model_card.write_run_info(out, command or _python_command(run), run.model, given, hardware)
   say(f"jaxtune: {report.line()}")
   rows = "" if run.data_streaming else f"{len(dataset)} rows of {run.seq_len} tokens, "
   epochs = (
@@ -251,10 +261,21 @@ def run_training(
   model = distributed.local_model(model, rt.mesh)
   if run.export:
     if distributed.is_main():
-      export.write(model, run.export, out / "export", overwrite=True)
+      card = model_card.render(out, run.export)
+      export.write(model, run.export, out / "export", overwrite=True, card=card)
       say(f"jaxtune: exported {run.export} model to {out / 'export'}")
+      if run.push_to_hub:
+        url = hub.push(out / "export", run.push_to_hub, private=run.hub_private)
+        say(f"jaxtune: pushed the export to {url}")
     distributed.barrier("jaxtune export")
   return Trained(out, model)
+
+
+def _python_command(run: RunConfig) -> str:
+  changed = {
+    k: v for k, v in dataclasses.asdict(run).items() if v != getattr(RunConfig(), k) and k != "out"
+  }
+  return f"jaxtune.train({changed!r})"
 
 
 def train(

@@ -11,6 +11,7 @@ SIGTERM or Ctrl-C saves a checkpoint after the current step, then exits; --resum
 import argparse
 import dataclasses
 import os
+import shlex
 import sys
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
@@ -90,7 +91,9 @@ _HELP = {
   "log_every": "write metrics every N steps",
   "save_every": "checkpoint every N steps",
   "keep_checkpoints": "how many checkpoints to keep",
-  "export": "at the end write OUT/export as merged, peft, bnb4 or none",
+  "export": "at the end write OUT/export as merged, peft, bnb4 or none (with a model card)",
+  "push_to_hub": "then upload OUT/export to the Hub model repo ORG/NAME (needs `hf auth login`)",
+  "hub_private": "create the --push-to-hub repo private",
 }
 
 
@@ -157,7 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     run, resume = resolve_config(argv)
     allow_host_memory_for_offload(run)  # before the GPU client starts
     distributed.initialize()  # before anything asks JAX for its devices
-    out, _ = run_training(run, resume=resume)
+    command = shlex.join(
+      ["python", "-m", "jaxtune.train", *(sys.argv[1:] if argv is None else argv)]
+    )
+    out, _ = run_training(run, resume=resume, command=command)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -372,6 +372,16 @@ CASES = [
     r"--eval-split must be a fraction between 0 and 0\.5, got 0\.7",
   ),
   Case(
+    "push-to-hub-without-export",
+    lambda w: w.train_args("--push-to-hub", "me/model", "--export", "none"),
+    r"--push-to-hub uploads the export; pass --export merged, peft or bnb4 too",
+  ),
+  Case(
+    "push-to-hub-bad-repo-id",
+    lambda w: w.train_args("--push-to-hub", "model", "--export", "merged"),
+    r"--push-to-hub takes a repo id ORG/NAME, got 'model'",
+  ),
+  Case(
     "eval-data-missing",
     lambda w: w.train_args("--eval-data", str(w.root / "held_out.jsonl")),
     r"data file .*held_out\.jsonl does not exist",

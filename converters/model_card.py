@@ -1,0 +1,163 @@
+"""The model card (README.md) every export carries, from what the run directory recorded.
+
+Its metadata block (YAML between ``---`` lines, as the Hub reads it) names ``base_model`` (the
+Hub id when known), ``library_name``, ``tags``, ``datasets`` (when a Hub dataset was used) and
+the base model's ``license``; its body gives the training settings, steps, final train and eval
+loss, tokens/s, hardware and the exact command. Everything comes from files the run wrote:
+``config.yaml``, ``metrics.jsonl`` and ``run.json`` (``write_run_info``).
+"""
+
+import json
+import platform
+import re
+import statistics
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+RUN_INFO = "run.json"
+LIBRARY = {"merged": "transformers", "bnb4": "transformers", "peft": "peft", "gguf": "gguf"}
+
+
+def hub_id(given: str | None, path: str | Path | None = None) -> str | None:
+  """The Hub id of a model or dataset: ``given`` when it reads as one (``org/name`` and not an
+  existing path), else the id in a Hub cache snapshot path (``.../models--ORG--NAME/
+  snapshots/HASH``), else None."""
+  if given and given.count("/") == 1 and not given.startswith((".", "/", "~")):
+    if not Path(given).expanduser().exists():
+      return given
+  for text in (given, str(path) if path else None):
+    if text:
+      m = re.search(r"(?:models|datasets)--([^/]+?)--([^/]+)/snapshots/", text)
+      if m:
+        return f"{m.group(1)}/{m.group(2)}"
+  return None
+
+
+def base_license(checkpoint: str | Path | None) -> str | None:
+  """The ``license`` in the base checkpoint's own model card, when it has one."""
+  if not checkpoint:
+    return None
+  readme = Path(checkpoint) / "README.md"
+  if not readme.is_file():
+    return None
+  meta = _front_matter(readme.read_text(errors="replace"))
+  value = meta.get("license") if isinstance(meta, dict) else None
+  return str(value) if value else None
+
+
+def _front_matter(text: str) -> Any:
+  if not text.startswith("---"):
+    return {}
+  end = text.find("\n---", 3)
+  if end < 0:
+    return {}
+  try:
+    return yaml.safe_load(text[3:end]) or {}
+  except yaml.YAMLError:
+    return {}
+
+
+def read_card(text: str) -> tuple[dict, str]:
+  """(metadata, body) of a model card."""
+  meta = _front_matter(text)
+  end = text.find("\n---", 3) if text.startswith("---") else -1
+  return (meta if isinstance(meta, dict) else {}), (text[end + 4 :] if end >= 0 else text)
+
+
+def write_run_info(run_dir: Path, command: str, model: str | None, data: str | None, hardware: str):
+  """``run.json``: what the card needs that config.yaml does not keep (the command, the model
+  and data as given, the hardware)."""
+  import jax
+
+  info = {
+    "command": command,
+    "model": model,
+    "data": data,
+    "hardware": hardware,
+    "jax": jax.__version__,
+    "python": platform.python_version(),
+  }
+  tmp = Path(run_dir) / (RUN_INFO + ".tmp")
+  tmp.write_text(json.dumps(info, indent=1) + "\n")
+  tmp.replace(Path(run_dir) / RUN_INFO)
+
+
+def render(run_dir: str | Path, fmt: str) -> str:
+  """The model card of an export in format ``fmt`` of the run in ``run_dir``."""
+  run_dir = Path(run_dir)
+  config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+  info_path = run_dir / RUN_INFO
+  info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+  rows = []
+  if (run_dir / "metrics.jsonl").is_file():
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+  train = [r for r in rows if "loss" in r]
+  evals = [r for r in rows if "eval_loss" in r]
+  base = hub_id(info.get("model"), config.get("model"))
+  dataset = hub_id(info.get("data")) if info.get("data") else None
+  quant = config.get("quantization")
+  tags = ["jaxtune", "lora", "sft"] + (["qlora", "nf4"] if quant == "nf4" else [])
+  if fmt == "peft" and base:
+    tags.append(f"base_model:adapter:{base}")
+  meta = {
+    "base_model": base or config.get("model"),
+    "library_name": LIBRARY.get(fmt, "transformers"),
+    "tags": tags,
+    "pipeline_tag": "text-generation",
+  }
+  if dataset:
+    meta["datasets"] = [dataset]
+  license_ = base_license(config.get("model"))
+  if license_:
+    meta["license"] = license_
+  speeds = [r["tokens_per_s"] for r in train[1:] if "tokens_per_s" in r]  # not the compile
+  settings = [
+    ("base model", base or config.get("model")),
+    ("data", info.get("data") or config.get("data") or "the built-in default dataset"),
+    ("steps", train[-1]["step"] if train else config.get("steps")),
+    ("batch size x seq-len", f"{config.get('batch_size')} x {config.get('seq_len')}"),
+    ("learning rate", f"{config.get('learning_rate')} ({config.get('schedule')})"),
+    (
+      "LoRA",
+      f"r={config.get('lora_rank')}, alpha={config.get('lora_alpha')}, "
+      f"targets {', '.join(config.get('lora_targets') or [])}",
+    ),
+    ("frozen weights", "NF4 (QLoRA)" if quant == "nf4" else config.get("dtype")),
+    ("final train loss", f"{train[-1]['loss']:.4f}" if train else "n/a"),
+    ("final eval loss", f"{evals[-1]['eval_loss']:.4f}" if evals else "n/a"),
+    ("tokens/s (median)", f"{statistics.median(speeds):,.0f}" if speeds else "n/a"),
+    ("hardware", info.get("hardware", "n/a")),
+  ]
+  name = base.split("/")[-1] if base else "model"
+  body = [
+    f"# {name}, fine-tuned with jaxtune",
+    "",
+    f"A {_what(fmt)} of {base or 'a base model'} fine-tuned with "
+    "jaxtune (LoRA adapters on a frozen" + (" NF4-quantized" if quant == "nf4" else "") + " base).",
+    "",
+    "## Training",
+    "",
+    "| setting | value |",
+    "|---|---|",
+    *[f"| {k} | {v} |" for k, v in settings],
+    "",
+    "Command:",
+    "",
+    "```",
+    info.get("command", "(not recorded)"),
+    "```",
+    "",
+  ]
+  head = yaml.safe_dump(meta, sort_keys=False).strip()
+  return f"---\n{head}\n---\n\n" + "\n".join(body)
+
+
+def _what(fmt: str) -> str:
+  return {
+    "merged": "merged checkpoint (adapters folded into the weights)",
+    "bnb4": "bitsandbytes 4-bit checkpoint",
+    "peft": "PEFT LoRA adapter",
+    "gguf": "GGUF file for llama.cpp and Ollama",
+  }.get(fmt, fmt)

@@ -1,0 +1,129 @@
+"""Results out: the model card every export carries, file modes, the export command's default
+format, and --push-to-hub against a stand-in for the Hub API (and offline)."""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+import jaxtune
+from converters import hub, model_card
+from jaxtune.errors import ExportError
+from jaxtune.export import main as export_main
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A short run of the built-in model with its merged export (in this process)."""
+  old = os.umask(0o022)
+  try:
+    out = tmp_path_factory.mktemp("results") / "run"
+    run_dir, _ = jaxtune.train(out=str(out), steps=3, eval_split=0.1, eval_every=0)
+  finally:
+    os.umask(old)
+  return run_dir
+
+
+def test_every_export_has_a_model_card_with_metadata_and_results(trained):
+  meta, body = model_card.read_card((trained / "export" / "README.md").read_text())
+  config = (trained / "config.yaml").read_text()
+  assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
+  assert {"jaxtune", "lora", "qlora", "nf4"} <= set(meta["tags"])
+  assert f"model: {meta['base_model']}" in config  # no Hub id here: the local checkpoint
+  assert "datasets" not in meta and "license" not in meta  # a local file; no base card
+  rows = [json.loads(x) for x in (trained / "metrics.jsonl").read_text().splitlines()]
+  train = [r for r in rows if "loss" in r]
+  evals = [r for r in rows if "eval_loss" in r]
+  assert f"| final train loss | {train[-1]['loss']:.4f} |" in body
+  assert f"| final eval loss | {evals[-1]['eval_loss']:.4f} |" in body
+  assert "| steps | 3 |" in body and "cpu" in body.lower()
+  assert "jaxtune.train(" in body  # the command, as given from Python
+
+
+def test_export_files_get_the_usual_modes(trained):
+  export = trained / "export"
+  assert stat.S_IMODE(export.stat().st_mode) == 0o755
+  for path in export.iterdir():
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+
+
+def test_export_command_defaults_to_merged_with_a_card(trained, tmp_path, capsys):
+  out = tmp_path / "again"
+  assert export_main(["--checkpoint", str(trained), "--out", str(out)]) == 0
+  assert (out / "model.safetensors").is_file() and "as merged" in capsys.readouterr().out
+  meta, _ = model_card.read_card((out / "README.md").read_text())
+  assert meta["library_name"] == "transformers"
+  assert (
+    export_main(["--checkpoint", str(trained), "--out", str(tmp_path / "p"), "--format", "peft"])
+    == 0
+  )
+  meta, _ = model_card.read_card((tmp_path / "p" / "README.md").read_text())
+  assert meta["library_name"] == "peft"
+
+
+def test_hub_ids_and_license_are_found(tmp_path):
+  assert model_card.hub_id("meta-llama/Llama-3.2-1B") == "meta-llama/Llama-3.2-1B"
+  snapshot = "/cache/hub/models--Qwen--Qwen2.5-0.5B/snapshots/abc123"
+  assert model_card.hub_id(None, snapshot) == "Qwen/Qwen2.5-0.5B"
+  assert model_card.hub_id(str(tmp_path)) is None and model_card.hub_id("./x/y") is None
+  (tmp_path / "README.md").write_text("---\nlicense: apache-2.0\ntags: [a]\n---\n# Base\n")
+  assert model_card.base_license(tmp_path) == "apache-2.0"
+
+
+class StandInHub:
+  """Records what jaxtune asks of the Hub API (HfApi's methods it uses)."""
+
+  def __init__(self):
+    self.calls = []
+
+  def whoami(self):
+    return {"name": "me"}
+
+  def create_repo(self, repo_id, private, repo_type, exist_ok):
+    self.calls.append(("create_repo", repo_id, private, repo_type, exist_ok))
+    return f"https://huggingface.co/{repo_id}"
+
+  def upload_folder(self, repo_id, folder_path, repo_type, commit_message):
+    files = sorted(os.listdir(folder_path))
+    self.calls.append(("upload_folder", repo_id, repo_type, files))
+
+
+def test_push_to_hub_creates_the_repo_and_uploads_the_export(trained):
+  api = StandInHub()
+  url = hub.push(trained / "export", "me/tiny-llama", private=True, api=api)
+  assert url == "https://huggingface.co/me/tiny-llama"
+  assert api.calls[0] == ("create_repo", "me/tiny-llama", True, "model", True)
+  name, repo, kind, files = api.calls[1]
+  assert (name, repo, kind) == ("upload_folder", "me/tiny-llama", "model")
+  assert {"README.md", "model.safetensors", "config.json"} <= set(files)
+
+
+def test_push_to_hub_offline_or_without_credentials_keeps_the_export(trained):
+  export = trained / "export"
+  code = f"""
+from converters import hub
+try:
+  hub.push({str(export)!r}, "me/tiny-llama")
+except hub.ExportError as e:
+  print(e)
+"""
+  for env, why in (
+    ({"HF_TOKEN": "hf_stand_in", "HF_HUB_OFFLINE": "1"}, "cannot reach the Hub"),
+    ({"HF_HUB_OFFLINE": "1", "HF_TOKEN": ""}, "needs Hub credentials"),
+  ):
+    child = subprocess.run(
+      [sys.executable, "-c", code],
+      capture_output=True,
+      text=True,
+      env={**os.environ, "HF_HOME": str(trained / "hf-home"), **env},
+      timeout=120,
+    )
+    said = child.stdout.strip()
+    assert why in said and f"the export is in {export}" in said, child.stderr[-1000:]
+    assert f"hf upload me/tiny-llama {export}" in said
+  assert (export / "model.safetensors").is_file()
+  with pytest.raises(ExportError, match="takes ORG/NAME"):
+    hub.push(export, "no-slash", api=StandInHub())
