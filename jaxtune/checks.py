@@ -99,6 +99,25 @@ def check_export_settings(run: RunConfig) -> None:
     raise UserError(f"--push-to-hub takes a repo id ORG/NAME, got {run.push_to_hub!r}.")
 
 
+def check_report_to(run: RunConfig) -> None:
+  """--report-to names known trackers, and the ones asked for are installed."""
+  from jaxtune.run_log import TRACKERS, trackers
+
+  names = trackers(run.report_to)
+  unknown = [n for n in names if n not in TRACKERS]
+  if unknown or (not names and run.report_to.strip() != "none"):
+    raise UserError(
+      f"--report-to takes tensorboard, wandb (comma-separated) or none, got {run.report_to!r}."
+    )
+  if "wandb" in names:
+    try:
+      import wandb  # noqa: F401
+    except ImportError as e:
+      raise UserError(
+        "--report-to wandb needs the wandb client: pip install 'jaxtune[wandb]'."
+      ) from e
+
+
 def read_eval_prompts(run: RunConfig, has_eval: bool = False) -> list[str]:
   """--eval-prompts' prompts, one per line ([] when not asked for)."""
   if not run.eval_prompts:

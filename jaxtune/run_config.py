@@ -118,6 +118,7 @@ class RunConfig:
   mlp_chunk: int = 0  # > 0: the MLP runs this many tokens per row at a time (long contexts)
   # Output
   log_every: int = 1
+  report_to: str = "tensorboard"  # trackers, comma-separated: tensorboard, wandb; or none
   save_every: int = 50
   keep_checkpoints: int = 2
   export: str | None = "merged"  # merged | peft | bnb4 | none, written to OUT/export at the end

@@ -1,10 +1,15 @@
-"""What a run reports: metrics.jsonl, TensorBoard event files, and a progress line.
+"""What a run reports: metrics.jsonl, a progress line, and the trackers of --report-to:
+TensorBoard event files (OUT/tensorboard) and Weights & Biases (its own client; offline mode,
+WANDB_MODE=offline, works without network). Every tracker gets the same scalars and eval
+generations; W&B also the resolved config and the hardware.
 
 Process 0 of a multi-host run is the only writer (other processes get a quiet RunLog).
 """
 
 import json
 import math
+import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -18,17 +23,82 @@ def device_memory_gib() -> float | None:
   return max(peaks) / 2**30 if peaks else None
 
 
+TRACKERS = ("tensorboard", "wandb")
+
+
+def trackers(report_to: str) -> tuple[str, ...]:
+  """--report-to "tensorboard,wandb" -> the trackers named ("none": no tracker)."""
+  names = tuple(n.strip() for n in report_to.split(",") if n.strip())
+  return () if names == ("none",) else names
+
+
+class _TensorBoard:
+  def __init__(self, out: Path, config: dict):
+    from tensorboardX import SummaryWriter
+
+    self.writer = SummaryWriter(logdir=str(out / "tensorboard"), flush_secs=10)
+
+  def scalars(self, values: dict, step: int) -> None:
+    for key, value in values.items():
+      self.writer.add_scalar(key, value, step)
+
+  def generations(self, pairs: list[tuple[str, str]], step: int) -> None:
+    text = "\n\n".join(f"**{p}**\n\n{o}" for p, o in pairs)
+    self.writer.add_text("eval/generations", text, step)
+
+  def close(self) -> None:
+    self.writer.close()
+
+
+class _WandB:
+  """One W&B run per run directory: its id is kept in OUT/wandb-run-id, so --resume continues
+  the same W&B run. Project from WANDB_PROJECT (default "jaxtune"), files under OUT/wandb."""
+
+  def __init__(self, out: Path, config: dict):
+    import wandb
+
+    id_file = out / "wandb-run-id"
+    run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
+    id_file.write_text(run_id + "\n")
+    self.wandb = wandb
+    self.run = wandb.init(
+      project=os.environ.get("WANDB_PROJECT", "jaxtune"),
+      name=out.name,
+      id=run_id,
+      resume="allow",
+      dir=str(out),
+      config=config,
+    )
+
+  def scalars(self, values: dict, step: int) -> None:
+    self.run.log(values, step=step)
+
+  def generations(self, pairs: list[tuple[str, str]], step: int) -> None:
+    table = self.wandb.Table(columns=["prompt", "output"], data=[list(p) for p in pairs])
+    self.run.log({"eval/generations": table}, step=step)
+
+  def close(self) -> None:
+    self.run.finish()
+
+
 class RunLog:
-  def __init__(self, out: Path, total_steps: int, enabled: bool = True):
+  def __init__(
+    self,
+    out: Path,
+    total_steps: int,
+    enabled: bool = True,
+    report_to: str = "tensorboard",
+    config: dict | None = None,
+  ):
+    """``config``: what trackers that keep one (W&B) record as the run's config."""
     self.total = total_steps
     self.enabled = enabled
     self.tty = sys.stderr.isatty()
     self.metrics = open(Path(out) / "metrics.jsonl", "a") if enabled else None
-    self.tb = None
+    self.trackers = []
     if enabled:
-      from tensorboardX import SummaryWriter
-
-      self.tb = SummaryWriter(logdir=str(Path(out) / "tensorboard"), flush_secs=10)
+      kinds = {"tensorboard": _TensorBoard, "wandb": _WandB}
+      self.trackers = [kinds[n](Path(out), config or {}) for n in trackers(report_to)]
 
   def _write(self, row: dict) -> None:
     self.metrics.write(json.dumps(row) + "\n")
@@ -41,9 +111,10 @@ class RunLog:
     if memory is not None:
       row = {**row, "memory_gib": memory}
     self._write(row)
-    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "memory_gib"):
-      if key in row:
-        self.tb.add_scalar(f"train/{key}", row[key], row["step"])
+    keys = ("loss", "lr", "grad_norm", "tokens_per_s", "memory_gib")
+    scalars = {f"train/{k}": row[k] for k in keys if k in row}
+    for t in self.trackers:
+      t.scalars(scalars, row["step"])
     width, step = 30, row["step"]
     done = int(width * step / self.total)
     line = (
@@ -62,11 +133,11 @@ class RunLog:
     if generations:
       row["generations"] = [{"prompt": p, "output": o} for p, o in generations]
     self._write(row)
-    for key, value in metrics.items():
-      self.tb.add_scalar(f"eval/{key.removeprefix('eval_')}", value, step)
-    if generations:
-      text = "\n\n".join(f"**{p}**\n\n{o}" for p, o in generations)
-      self.tb.add_text("eval/generations", text, step)
+    scalars = {f"eval/{k.removeprefix('eval_')}": v for k, v in metrics.items()}
+    for t in self.trackers:
+      t.scalars(scalars, step)
+      if generations:
+        t.generations(list(generations), step)
     end = "\n" if self.tty else ""
     print(
       f"{end}eval at step {step}: loss {metrics['eval_loss']:.4f} "
@@ -78,7 +149,8 @@ class RunLog:
   def close(self) -> None:
     if self.enabled:
       self.metrics.close()
-      self.tb.close()
+      for t in self.trackers:
+        t.close()
 
 
 def perplexity(loss: float) -> float:

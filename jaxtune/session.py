@@ -211,6 +211,7 @@ def run_training(
   run = run.checked()
   checks.check_data_settings(run, given=data is not None)
   checks.check_export_settings(run)
+  checks.check_report_to(run)
   out = Path(run.out)
   model_path = (
     resolve_checkpoint(run.model) if run.model else default_model.ensure_default_checkpoint()

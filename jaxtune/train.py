@@ -89,6 +89,8 @@ _HELP = {
   "its [tokens, intermediate] temporaries exist for one piece at a time (long contexts); "
   "0: all at once",
   "log_every": "write metrics every N steps",
+  "report_to": "trackers, comma-separated: tensorboard (OUT/tensorboard), wandb (Weights & "
+  "Biases; WANDB_MODE=offline works without network), or none",
   "save_every": "checkpoint every N steps",
   "keep_checkpoints": "how many checkpoints to keep",
   "export": "at the end write OUT/export as merged, peft, bnb4 or none (with a model card)",

@@ -4,6 +4,7 @@ The step itself is pure and jitted (step.py); everything with side effects (logg
 checkpoints, signals, progress) lives here around it.
 """
 
+import dataclasses
 import os
 import signal
 import sys
@@ -157,7 +158,13 @@ def train(
   eval_step = step.make_eval_step(graphdef, runtime) if eval_dataset is not None else None
   batch_at, eval_at = runtime.sharding("accum", "batch", "length"), runtime.sharding("batch")
   history, counts = [], {"skipped_steps": 0, "overflow_steps": 0}
-  log = run_log.RunLog(Path(run.out), run.steps, enabled=distributed.is_main())
+  log = run_log.RunLog(
+    Path(run.out),
+    run.steps,
+    enabled=distributed.is_main(),
+    report_to=run.report_to,
+    config={**dataclasses.asdict(run), "hardware": _hardware()},
+  )
   saved = start
 
   def save(n):
@@ -195,6 +202,10 @@ def train(
   finally:
     log.close()
   return nnx.merge(graphdef, lora, frozen), history
+
+
+def _hardware() -> str:
+  return f"{jax.device_count()} x {jax.devices()[0].device_kind}"
 
 
 def _row(i: int, m: dict, schedule, tokens: int, t0: float) -> dict:

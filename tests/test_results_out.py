@@ -1,9 +1,11 @@
 """Results out: the model card every export carries, file modes, the export command's default
 format, and --push-to-hub against a stand-in for the Hub API (and offline)."""
 
+import glob
 import json
 import os
 import stat
+import struct
 import subprocess
 import sys
 
@@ -17,13 +19,29 @@ from jaxtune.export import main as export_main
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-  """A short run of the built-in model with its merged export (in this process)."""
+  """A short run of the built-in model with its merged export (in this process), reported to
+  TensorBoard and to W&B in offline mode, with an eval generation."""
   old = os.umask(0o022)
+  env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_PROJECT": "jaxtune-tests"}
+  saved = {k: os.environ.get(k) for k in env}
+  os.environ.update(env)
   try:
-    out = tmp_path_factory.mktemp("results") / "run"
-    run_dir, _ = jaxtune.train(out=str(out), steps=3, eval_split=0.1, eval_every=0)
+    root = tmp_path_factory.mktemp("results")
+    (root / "prompts.txt").write_text("What is 2 plus 3?\n")
+    run_dir, _ = jaxtune.train(
+      out=str(root / "run"),
+      steps=3,
+      eval_split=0.1,
+      eval_prompts=str(root / "prompts.txt"),
+      report_to="tensorboard,wandb",
+    )
   finally:
     os.umask(old)
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
   return run_dir
 
 
@@ -127,3 +145,55 @@ except hub.ExportError as e:
   assert (export / "model.safetensors").is_file()
   with pytest.raises(ExportError, match="takes ORG/NAME"):
     hub.push(export, "no-slash", api=StandInHub())
+
+
+def _wandb_records(path: str) -> list:
+  """The records of an offline W&B run file (.wandb: a ':W&B' header, then 32 KiB blocks of
+  records, each with a 7-byte header: checksum, length, kind 1 full / 2 first / 3 middle /
+  4 last), parsed as W&B's own protobuf Record."""
+  from wandb.proto import wandb_internal_pb2
+
+  data = open(path, "rb").read()
+  assert data[:4] == b":W&B"
+  pos, block, out, part = 7, 32768, [], b""
+  while pos + 7 <= len(data):
+    left = block - pos % block
+    if left < 7:
+      pos += left
+      continue
+    _, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
+    if kind == 0:
+      pos += left
+      continue
+    part += data[pos + 7 : pos + 7 + n]
+    pos += 7 + n
+    if kind in (1, 4):
+      record = wandb_internal_pb2.Record()
+      record.ParseFromString(part)
+      out.append(record)
+      part = b""
+  return out
+
+
+def test_wandb_offline_run_logs_what_tensorboard_gets(trained):
+  (path,) = glob.glob(str(trained / "wandb" / "offline-run-*" / "*.wandb"))
+  records = _wandb_records(path)
+  logged = {}
+  for r in records:
+    if r.WhichOneof("record_type") == "history":
+      items = {i.key or "/".join(i.nested_key): i.value_json for i in r.history.item}
+      logged.setdefault(int(items["_step"]), {}).update(items)
+  rows = [json.loads(x) for x in (trained / "metrics.jsonl").read_text().splitlines()]
+  for row in rows:
+    if "loss" in row:
+      assert float(logged[row["step"]]["train/loss"]) == pytest.approx(row["loss"])
+      assert float(logged[row["step"]]["train/grad_norm"]) == pytest.approx(row["grad_norm"])
+    if "eval_loss" in row:
+      assert float(logged[row["step"]]["eval/loss"]) == pytest.approx(row["eval_loss"])
+      assert json.loads(logged[row["step"]]["eval/generations/nrows"]) == 1
+  (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+  config = {i.key: i.value_json for i in run.config.update}
+  assert json.loads(config["learning_rate"]) == 2e-3 and "cpu" in config["hardware"].lower()
+  assert (
+    run.project == "jaxtune-tests" and (trained / "wandb-run-id").read_text().strip() == run.run_id
+  )
