@@ -14,6 +14,7 @@ ones (converters/device_put.py), so a load costs about as long as its slowest st
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import jax
@@ -36,14 +37,30 @@ DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float
 MODELS = dict.fromkeys(SUPPORTED_MODEL_TYPES, Decoder)
 
 
+_SNAPSHOT = re.compile(r"(?:^|/)models--(?P<repo>[^/]+)/snapshots/[^/]+/?$")
+
+
+def hub_id(path_or_hub_id: str | Path) -> str | None:
+  """The Hub repo id a checkpoint came from: the id itself, or read off a Hub cache snapshot
+  path (.../models--ORG--NAME/snapshots/HASH); None for any other local directory."""
+  text = str(path_or_hub_id)
+  m = _SNAPSHOT.search(text.replace("\\", "/"))
+  if m:
+    return m["repo"].replace("--", "/")
+  return text if _looks_like_hub_id(text) and not Path(text).expanduser().is_dir() else None
+
+
+def _looks_like_hub_id(text: str) -> bool:
+  return text.count("/") == 1 and not text.startswith((".", "/", "~"))
+
+
 def resolve_checkpoint(path_or_hub_id: str | Path) -> Path:
   """A local checkpoint directory, downloading from the Hub when given a repo id."""
   path = Path(path_or_hub_id).expanduser()
   if path.is_dir():
     return path
   text = str(path_or_hub_id)
-  looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
-  if not looks_like_hub_id:
+  if not _looks_like_hub_id(text):
     raise CheckpointError(f"checkpoint directory {text} does not exist; check the path.")
   try:
     from huggingface_hub import snapshot_download
@@ -151,7 +168,8 @@ def from_pretrained(
     raise CheckpointError(f"{ckpt} lacks weights for {shown}; the checkpoint is incomplete.")
   model = nnx.merge(graphdef, nnx.from_flat_state(buffers.state()))
   model.checkpoint_dir = str(ckpt)
+  model.hub_id = hub_id(path_or_hub_id) or hub_id(ckpt)  # None for a local directory
   return model
 
 
-__all__ = ["CheckpointError", "ConfigError", "from_pretrained", "safetensors_files"]
+__all__ = ["CheckpointError", "ConfigError", "from_pretrained", "hub_id", "safetensors_files"]

@@ -152,6 +152,11 @@ def _export(model, out: Path, dtype: str, max_shard_bytes: int, bnb4: bool) -> P
   return out
 
 
+def base_model_name(model: nnx.Module) -> str:
+  """The base model as PEFT records it: its Hub id when known, else its local directory."""
+  return getattr(model, "hub_id", None) or str(getattr(model, "checkpoint_dir", "") or "")
+
+
 def export_peft(model: nnx.Module, out_dir: str | Path) -> Path:
   """adapter_model.safetensors + adapter_config.json in PEFT's names and layout."""
   lora_cfg = getattr(model, "lora_config", None)
@@ -162,11 +167,12 @@ def export_peft(model: nnx.Module, out_dir: str | Path) -> Path:
   cfg = model.config
   tensors = {}
   for name, target, layer, entry in tables.hf_names(tables.TABLES[cfg.model_type], cfg.num_layers):
-    if entry.kind != "linear" or target == ("lm_head",):
+    if entry.kind != "linear":
       continue
     linear = _module(model, target)
-    if linear.lora_a is None:
+    if linear is None or linear.lora_a is None:  # a tied lm_head is no module of its own
       continue
+    # PEFT's names: the model's own, under base_model.model (lm_head too, beside model.*).
     prefix = "base_model.model." + name.removesuffix(".weight")
     a = np.asarray(_layer(linear.lora_a[...], layer), np.float32)  # [in, r]
     b = np.asarray(_layer(linear.lora_b[...], layer), np.float32)  # [r, out]
@@ -176,7 +182,7 @@ def export_peft(model: nnx.Module, out_dir: str | Path) -> Path:
   adapter_config = {
     "peft_type": "LORA",
     "task_type": "CAUSAL_LM",
-    "base_model_name_or_path": str(getattr(model, "checkpoint_dir", "") or ""),
+    "base_model_name_or_path": base_model_name(model),
     "r": lora_cfg.rank,
     "lora_alpha": lora_cfg.alpha,
     "lora_dropout": lora_cfg.dropout,

@@ -9,7 +9,7 @@ import importlib
 import sys
 import types
 
-# Public name -> "module:attribute". ``load_adapter`` joins here when it exists.
+# Public name -> "module:attribute".
 _PUBLIC = {
   "CheckpointError": "jaxtune.errors:CheckpointError",
   "ConfigError": "jaxtune.errors:ConfigError",
@@ -21,6 +21,7 @@ _PUBLIC = {
   "export_peft": "converters.hf_out:export_peft",
   "from_pretrained": "converters.hf_in:from_pretrained",
   "generate": "jaxtune.decoding:generate",
+  "load_adapter": "converters.peft_in:load_adapter",
   "DataError": "jaxtune.errors:DataError",
   "RunConfig": "jaxtune.run_config:RunConfig",
   "train": "jaxtune.session:train",

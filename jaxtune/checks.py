@@ -64,6 +64,12 @@ def check_targets(run: RunConfig, cfg: "ModelConfig") -> None:
       f"--lora-targets names {','.join(unknown)}, {which} of this {cfg.model_type}; "
       f"choose from {','.join(known)}."
     )
+  if "lm_head" in run.lora_targets and cfg.tie_word_embeddings:
+    raise UserError(
+      f"--lora-targets names lm_head, but this {cfg.model_type} computes its output with its "
+      "tied input embedding (tie_word_embeddings), so it has no lm_head layer to adapt; drop "
+      "lm_head from --lora-targets."
+    )
 
 
 def check_data_settings(run: RunConfig, given: bool = False) -> None:

@@ -1,6 +1,6 @@
-"""Generate text from a checkpoint, optionally with a training run's adapters.
+"""Generate text from a checkpoint, optionally with adapters (a training run's, or PEFT's).
 
-  python -m jaxtune.generate --model DIR|HUB_ID [--adapter RUN_DIR] --prompt TEXT [--chat]
+  python -m jaxtune.generate --model DIR|HUB_ID [--adapter RUN_DIR|PEFT_DIR] --prompt TEXT [--chat]
 
 Greedy at temperature 0 (the default), else top-k / top-p sampling; several prompts run as
 one batch, each generating what it would alone.
@@ -22,7 +22,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   p.add_argument("--model", help="HF checkpoint dir or hub id (or take it from --adapter's run)")
-  p.add_argument("--adapter", help="run directory of jaxtune.train whose adapters to apply")
+  p.add_argument(
+    "--adapter",
+    help="adapters to apply: a jaxtune.train run directory, or a PEFT adapter directory "
+    "(adapter_config.json; on --model, default the base model it names)",
+  )
   p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
   p.add_argument("--chat", action="store_true", help="interactive chat with the chat template")
   p.add_argument("--max-new-tokens", type=int, default=128)
@@ -35,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = p.parse_args(argv)
   try:
     if not args.model and not args.adapter:
-      raise UserError("pass --model DIR|HUB_ID, or --adapter RUN_DIR of a training run.")
+      raise UserError("pass --model DIR|HUB_ID, or --adapter RUN_DIR|PEFT_DIR.")
     if not args.prompt and not args.chat:
       raise UserError("pass --prompt TEXT (repeatable) or --chat.")
     quant = None if args.quantization == "none" else args.quantization

@@ -105,6 +105,7 @@ class RunConfig:
     "down_proj",
   )
   rslora: bool = False
+  init_adapter: str | None = None  # PEFT adapter dir to continue training (sets the lora_*)
   skip_nonfinite: bool = False  # skip (count) steps with NaN/inf/zero loss instead of stopping
   remat: str = "full"  # REMAT (what each keeps: models/decoder.py); "activations": speed
   microbatches: int = 0  # pipeline micro-batches per step (mesh pipe > 1); 0: automatic

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from converters import export, hub, model_card
 from converters.hf_in import from_pretrained, resolve_checkpoint
+from converters.peft_in import is_adapter_dir, load_adapter, lora_settings, read_config
 from jaxtune import checkpoint, checks, default_model, distributed, runtime, step, trainer
 from jaxtune import data as data_lib
 from jaxtune.config import ModelConfig
@@ -54,10 +55,12 @@ def build_model(
   run: RunConfig, model_path: Path | str, mesh: Mesh | None = None, dtype: str | None = None
 ) -> nnx.Module:
   """The run's model: the checkpoint loaded as the run asks (in ``dtype``, default the run's),
-  with its LoRA adapters added."""
+  with its LoRA adapters added (fresh, or --init-adapter's)."""
   model = from_pretrained(
     model_path, quantization=run.quantization, dtype=dtype or run.dtype, mesh=mesh
   )
+  if run.init_adapter:
+    return load_adapter(model, run.init_adapter)
   return apply_lora(
     model,
     rank=run.lora_rank,
@@ -110,7 +113,15 @@ def load_run_model(
   quantization: str | None,
   dtype: str,
 ) -> tuple[nnx.Module, Path]:
-  """(model, checkpoint dir) for generation: a trained run's model, or a plain checkpoint."""
+  """(model, checkpoint dir) for generation: a trained run's model, a PEFT adapter directory's
+  (on ``model_path``, default the base it names), or a plain checkpoint."""
+  if run_dir and is_adapter_dir(run_dir):
+    base = model_path or read_config(run_dir).base
+    if not base:
+      raise UserError(f"{run_dir} does not name its base model; pass --model too.")
+    ckpt = resolve_checkpoint(base)
+    model = from_pretrained(ckpt, quantization=quantization, dtype=dtype)
+    return load_adapter(model, run_dir), ckpt
   if run_dir:
     model, _ = load_trained(Path(run_dir), quantization, dtype)
     return model, Path(model.checkpoint_dir)
@@ -216,6 +227,8 @@ def run_training(
   model_path = (
     resolve_checkpoint(run.model) if run.model else default_model.ensure_default_checkpoint()
   )
+  if run.init_adapter:  # its LoRA settings are the run's (checked, recorded in config.yaml)
+    run = run.replace(**lora_settings(run.init_adapter, model_path))
   checks.check_resume(run, out, model_path, resume)
   cfg = ModelConfig.from_hf(model_path)
   checks.check_targets(run, cfg)

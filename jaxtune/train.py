@@ -65,6 +65,9 @@ _HELP = {
   "lora_dropout": "dropout on the LoRA input",
   "lora_targets": "comma-separated projections, HF names (q_proj,...,down_proj)",
   "rslora": "rank-stabilised LoRA scaling",
+  "init_adapter": "PEFT adapter directory (adapter_config.json, as --export peft or peft's "
+  "save_pretrained writes it) to continue training; its rank, alpha, targets, dropout and "
+  "rslora replace the --lora-* settings",
   "skip_nonfinite": "skip steps whose loss is NaN, inf or exactly 0 (counted in metrics) "
   "instead of stopping the run",
   "remat": "activation checkpointing per layer: full (least memory), activations (fastest: "

@@ -1,0 +1,287 @@
+"""A PEFT LoRA adapter directory -> a jaxtune model's adapters (``jaxtune.load_adapter``).
+
+The directory is what ``peft``'s ``save_pretrained`` writes, or ``jaxtune.export_peft``:
+adapter_config.json and adapter_model.safetensors. PEFT names each adapted projection by its
+transformers name under ``base_model.model.`` and keeps one A [r, in] and one B [out, r] per
+layer; jaxtune stacks the layers, A as [L, in, r] and B as [L, r, out]. Names go through the
+one table the checkpoint loader reads (converters/table.py).
+
+Everything about the adapter is checked (its settings, base model, names, ranks and shapes)
+before the model is touched, so a refused adapter leaves the model as it was.
+"""
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from converters import table as tables
+from converters.hf_in import hub_id
+from converters.safetensors_read import iter_tensors
+from jaxtune.errors import CheckpointError, ConfigError
+from jaxtune.lora import apply_lora, iter_linears
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+# PEFT's file names drop the adapter's name ("default"); lm_head's own weight comes with it
+# when lm_head is a target (PEFT saves "embedding layers" whole).
+_TENSOR = re.compile(r"(?P<module>.+)\.(?:lora_(?P<ab>[AB])|(?P<base>base_layer))\.weight$")
+# PEFT settings jaxtune has no counterpart for, with the value that means "not used".
+_UNSUPPORTED = {
+  "use_dora": "DoRA (use_dora)",
+  "lora_bias": "trained LoRA biases (lora_bias)",
+  "modules_to_save": "fully trained modules (modules_to_save)",
+  "layers_to_transform": "adapters on some layers only (layers_to_transform)",
+  "layer_replication": "replicated layers (layer_replication)",
+  "trainable_token_indices": "trained token embeddings (trainable_token_indices)",
+  "target_parameters": "adapters on parameters (target_parameters)",
+  "alpha_pattern": "per-module alphas (alpha_pattern)",
+  "fan_in_fan_out": "fan_in_fan_out weights",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterConfig:
+  """The LoRA settings of an adapter directory, as apply_lora takes them."""
+
+  base: str | None  # base_model_name_or_path: a Hub id or a local directory
+  rank: int
+  alpha: float
+  targets: tuple[str, ...]
+  dropout: float
+  rslora: bool
+  rank_pattern: dict[str, int]
+  architecture: str | None  # the transformers class PEFT adapted, when recorded
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+  return (Path(path) / CONFIG).is_file()
+
+
+def read_config(adapter_dir: str | Path) -> AdapterConfig:
+  """The adapter's LoRA settings, or one error sentence saying why jaxtune cannot load it."""
+  d = Path(adapter_dir)
+  if not is_adapter_dir(d):
+    raise CheckpointError(f"{d} is not a PEFT adapter directory (it has no {CONFIG}).")
+  if not (d / WEIGHTS).is_file():
+    raise CheckpointError(
+      f"{d} has no {WEIGHTS}; jaxtune reads adapters saved as safetensors (PEFT's default)."
+    )
+  try:
+    cfg = json.loads((d / CONFIG).read_text())
+    if not isinstance(cfg, dict):
+      raise ValueError("not a mapping")
+  except ValueError as e:
+    raise CheckpointError(f"{d / CONFIG} is not a valid adapter config ({e}).") from e
+  peft_type = cfg.get("peft_type", "LORA")
+  if peft_type != "LORA":
+    raise ConfigError(f"{d} holds a {peft_type} adapter; jaxtune loads LoRA adapters only.")
+  for key, what in _UNSUPPORTED.items():
+    if cfg.get(key) not in (None, False, [], {}):
+      raise ConfigError(f"{d} uses {what}, which jaxtune's LoRA does not support.")
+  if cfg.get("bias", "none") != "none":
+    raise ConfigError(f"{d} trains biases (bias={cfg['bias']!r}), which jaxtune does not support.")
+  targets = cfg.get("target_modules")
+  if not isinstance(targets, list):  # a regex or "all-linear": read what the file adapts
+    targets = sorted({_leaf(m) for m, ab in _tensor_modules(d) if ab})
+  rank_pattern = dict(cfg.get("rank_pattern") or {})
+  per_layer = sorted(k for k in rank_pattern if not re.fullmatch(r"\w+", k))
+  if per_layer:
+    raise ConfigError(
+      f"{d} gives ranks per layer or pattern ({', '.join(per_layer)}); jaxtune takes ranks per "
+      "target module name only."
+    )
+  try:
+    rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+  except (KeyError, TypeError, ValueError) as e:
+    raise CheckpointError(f"{d / CONFIG} lacks a valid r and lora_alpha.") from e
+  mapping = cfg.get("auto_mapping") or {}
+  return AdapterConfig(
+    base=cfg.get("base_model_name_or_path") or None,
+    rank=rank,
+    alpha=alpha,
+    targets=tuple(targets),
+    dropout=float(cfg.get("lora_dropout") or 0.0),
+    rslora=bool(cfg.get("use_rslora", False)),
+    rank_pattern={k: int(v) for k, v in rank_pattern.items() if k in targets},
+    architecture=mapping.get("base_model_class") if isinstance(mapping, dict) else None,
+  )
+
+
+def lora_settings(adapter_dir: str | Path, model_path: str | Path | None = None) -> dict[str, Any]:
+  """The run settings (RunConfig names) an adapter fixes, for continuing to train it; with
+  ``model_path``, also refuses an adapter made for another base model."""
+  cfg = read_config(adapter_dir)
+  if model_path is not None:
+    _check_base(cfg, adapter_dir, hub_id(model_path), str(model_path))
+  return dict(
+    lora_rank=cfg.rank,
+    lora_alpha=cfg.alpha,
+    lora_targets=cfg.targets,
+    lora_dropout=cfg.dropout,
+    rslora=cfg.rslora,
+  )
+
+
+def load_adapter(model: nnx.Module, adapter_dir: str | Path) -> nnx.Module:
+  """Add the adapter of ``adapter_dir`` (PEFT's or jaxtune's export) to ``model``, a model
+  fresh from ``from_pretrained``; returns the same model."""
+  d = Path(adapter_dir)
+  cfg = read_config(d)
+  if getattr(model, "lora_config", None) is not None:
+    raise ConfigError(
+      "this model already has LoRA adapters; load the adapter into a model fresh from "
+      "jaxtune.from_pretrained."
+    )
+  mcfg = model.config
+  _check_base(cfg, d, getattr(model, "hub_id", None), getattr(model, "checkpoint_dir", None))
+  _check_architecture(cfg, d, model)
+  linears = {path[-1]: linear for path, linear in iter_linears(model)}
+  unknown = [t for t in cfg.targets if t not in linears]
+  if unknown:
+    tied = mcfg.tie_word_embeddings and "lm_head" in unknown
+    tied = " (this model's output layer is its tied input embedding)" if tied else ""
+    raise ConfigError(
+      f"{d} adapts {', '.join(unknown)}, which this {mcfg.model_type} model does not have as "
+      f"linear layers{tied}; jaxtune adapts {', '.join(linears)}."
+    )
+
+  a, b, head_weight = _read_weights(cfg, d, model, linears)
+  apply_lora(
+    model,
+    rank=cfg.rank,
+    alpha=cfg.alpha,
+    targets=cfg.targets,
+    dropout=cfg.dropout,
+    rslora=cfg.rslora,
+    rank_pattern=cfg.rank_pattern,
+  )
+  for proj in cfg.targets:
+    linears[proj].lora_a[...] = jnp.asarray(a[proj], jnp.float32)
+    linears[proj].lora_b[...] = jnp.asarray(b[proj], jnp.float32)
+  if head_weight is not None:
+    head = linears["lm_head"]
+    head.weight[...] = jnp.asarray(head_weight, head.weight[...].dtype)
+  return model
+
+
+def _read_weights(cfg: AdapterConfig, d: Path, model: nnx.Module, linears: dict) -> tuple:
+  """({proj: A [L, in, r] or [in, r]}, {proj: B [L, r, out] or [r, out]}, lm_head's weight
+  when the file holds it), every name, rank and shape checked."""
+  mcfg = model.config
+  table = tables.TABLES[mcfg.model_type]
+  parts: dict[tuple[str, str], dict[int | None, np.ndarray]] = {}
+  head_weight = None
+  for name, _, tensor in iter_tensors([d / WEIGHTS]):
+    m = _TENSOR.match(name)
+    if m is None:
+      raise ConfigError(f"{d} holds {name}, which is no LoRA A or B weight that jaxtune loads.")
+    hf = m["module"].removeprefix(_PREFIX) + ".weight"
+    found = tables.match(table, hf) if name.startswith(_PREFIX) else None
+    if found is None or found.entry.kind != "linear":
+      raise ConfigError(
+        f"{d} holds {name}, which names no projection of a {mcfg.model_type} model; the "
+        "adapter is for another architecture."
+      )
+    proj, layer = found.target[-1], found.layer
+    if proj not in cfg.targets:
+      raise ConfigError(f"{d} holds {name}, but its target_modules do not list {proj}.")
+    if layer is not None and layer >= mcfg.num_layers:
+      raise ConfigError(
+        f"{d} holds {name} for layer {layer}, but this model has {mcfg.num_layers} layers; "
+        "the adapter is for another model."
+      )
+    linear, value = linears[proj], np.asarray(tensor, np.float32)
+    out, inp, r = linear.out_features, linear.in_features, cfg.rank_pattern.get(proj, cfg.rank)
+    if m["base"]:
+      if proj != "lm_head":
+        raise ConfigError(f"{d} holds {name}, a whole base weight jaxtune does not replace.")
+      _check_shape(d, name, value.shape, (out, inp))
+      head_weight = value  # PEFT saves lm_head whole and puts it in place on loading
+      continue
+    rank = value.shape[0] if m["ab"] == "A" else value.shape[-1]
+    if value.ndim == 2 and rank != r:
+      raise ConfigError(
+        f"{d} holds {name} of rank {rank}, but its {CONFIG} gives {proj} rank {r}; the "
+        "config and the weights disagree."
+      )
+    _check_shape(d, name, value.shape, (r, inp) if m["ab"] == "A" else (out, r))
+    parts.setdefault((proj, m["ab"]), {})[layer] = value.T  # A: [in, r], B: [r, out]
+
+  stacked = {"A": {}, "B": {}}
+  for proj in cfg.targets:
+    layers = [None] if linears[proj].layers is None else list(range(linears[proj].layers))
+    for ab in ("A", "B"):
+      got = parts.get((proj, ab), {})
+      missing = [str(x) for x in layers if x not in got]
+      if missing:
+        which = "" if layers == [None] else f" of layer(s) {', '.join(missing)}"
+        raise CheckpointError(
+          f"{d} lacks the lora_{ab} weights of {proj}{which}; it is incomplete."
+        )
+      stacked[ab][proj] = got[None] if layers == [None] else np.stack([got[x] for x in layers])
+  return stacked["A"], stacked["B"], head_weight
+
+
+def _leaf(module: str) -> str:
+  return module.rsplit(".", 1)[-1]
+
+
+def _tensor_modules(d: Path) -> list[tuple[str, str | None]]:
+  """(module name, "A"/"B" or None) of every tensor in the adapter file, read from its header."""
+  try:
+    with safe_open(str(d / WEIGHTS), framework="numpy") as f:
+      names = list(f.keys())
+  except Exception as e:  # safetensors raises its own error types for a damaged header
+    raise CheckpointError(f"{d / WEIGHTS} is not a readable safetensors file ({e}).") from e
+  return [(m["module"], m["ab"]) for m in map(_TENSOR.match, names) if m]
+
+
+def _check_base(cfg: AdapterConfig, d: Path, model_id: str | None, model_dir: str | None) -> None:
+  """Refuse an adapter whose base model is known to differ (compared by Hub id, where both
+  have one: local directories may hold the same model under any name)."""
+  adapter_id = hub_id(cfg.base) if cfg.base else None
+  if adapter_id and model_id and adapter_id.lower() != model_id.lower():
+    raise ConfigError(
+      f"{d} is an adapter for {adapter_id}, but the model loaded is {model_id} ({model_dir}); "
+      f"load {adapter_id}, or use an adapter made for {model_id}."
+    )
+
+
+def _check_architecture(cfg: AdapterConfig, d: Path, model: nnx.Module) -> None:
+  """Refuse an adapter whose recorded transformers class (PEFT records it when the task type
+  is unset), or whose local base model's model_type, is not the model's."""
+  config_json = Path(getattr(model, "checkpoint_dir", "") or "") / "config.json"
+  if cfg.architecture is not None and config_json.is_file():
+    architectures = json.loads(config_json.read_text()).get("architectures") or []
+    if architectures and cfg.architecture not in architectures:
+      raise ConfigError(
+        f"{d} is an adapter for a {cfg.architecture}, but the model is a "
+        f"{', '.join(architectures)}; load the base model the adapter was made for."
+      )
+  base_json = Path(cfg.base or "") / "config.json"
+  if cfg.base and base_json.is_file():
+    model_type = json.loads(base_json.read_text()).get("model_type")
+    if model_type and model_type != model.config.model_type:
+      raise ConfigError(
+        f"{d} is an adapter for {cfg.base}, a {model_type} model, but the model is a "
+        f"{model.config.model_type}; load the base model the adapter was made for."
+      )
+
+
+def _check_shape(d: Path, name: str, got: tuple, want: tuple) -> None:
+  if tuple(got) != tuple(want):
+    raise ConfigError(
+      f"{d} holds {name} of shape {list(got)}, but this model needs {list(want)}; the adapter "
+      "is for a model of another size."
+    )
+
+
+__all__ = ["AdapterConfig", "is_adapter_dir", "load_adapter", "lora_settings", "read_config"]

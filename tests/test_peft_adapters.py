@@ -1,0 +1,231 @@
+"""PEFT adapters both ways: peft's into jaxtune (load_adapter, --init-adapter, generate's
+--adapter), jaxtune's (lm_head included) into peft, the base model named by its Hub id, and
+each adapter jaxtune must refuse."""
+
+import json
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from conftest import build_hf_llama, max_rel_err, torch_logits
+
+import jaxtune
+from converters.hf_in import hub_id
+from jaxtune import checks, default_model, session
+from jaxtune.errors import CheckpointError, ConfigError, UserError
+from jaxtune.lora import iter_linears
+from jaxtune.run_config import RunConfig
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+IDS = np.random.default_rng(7).integers(0, 256, (2, 16))
+
+
+def _randomize_peft(peft_model, seed=0):
+  """Non-zero B (and A) everywhere, so the adapter changes the logits."""
+  torch.manual_seed(seed)
+  with torch.no_grad():
+    for name, p in peft_model.named_parameters():
+      if "lora_" in name:
+        p.copy_(0.05 * torch.randn_like(p))
+
+
+def _randomize(model, seed=0):
+  rng = np.random.default_rng(seed)
+  for _, linear in iter_linears(model):
+    if linear.lora_b is not None:
+      shape = linear.lora_b[...].shape
+      linear.lora_b[...] = jnp.asarray(0.1 * rng.standard_normal(shape), jnp.float32)
+  return model
+
+
+def _dense(path):
+  return jaxtune.from_pretrained(path, quantization=None, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+  """A tiny Llama checkpoint laid out as the Hub cache holds one (models--ORG--NAME/...)."""
+  path = tmp_path_factory.mktemp("hub") / "models--tiny-org--tiny-llama" / "snapshots" / "abc123"
+  build_hf_llama(41).save_pretrained(path)
+  return path
+
+
+@pytest.fixture(scope="module")
+def peft_adapter(base, tmp_path_factory):
+  """(adapter dir, logits) of an adapter made by peft on ``base``: all seven projections and
+  lm_head, rsLoRA, down_proj at another rank, random non-zero weights."""
+  from peft import LoraConfig, get_peft_model
+  from transformers import LlamaForCausalLM
+
+  hf = LlamaForCausalLM.from_pretrained(base, torch_dtype=torch.float32).eval()
+  config = LoraConfig(
+    r=4,
+    lora_alpha=8,
+    target_modules=[*TARGETS, "lm_head"],
+    use_rslora=True,
+    rank_pattern={"down_proj": 2},
+    task_type="CAUSAL_LM",
+  )
+  peft_model = get_peft_model(hf, config).eval()
+  _randomize_peft(peft_model)
+  out = tmp_path_factory.mktemp("peft") / "adapter"
+  peft_model.save_pretrained(out)
+  return out, torch_logits(peft_model, IDS)
+
+
+def test_peft_adapter_loads_with_peft_logits(base, peft_adapter):
+  adapter, want = peft_adapter
+  model = jaxtune.load_adapter(_dense(base), adapter)
+  assert model.lora_config.rank_pattern == (("down_proj", 2),)
+  assert model.layers.mlp.down_proj.lora_a[...].shape == (3, 192, 2)  # [L, in, r]
+  assert max_rel_err(model(jnp.asarray(IDS)), want) <= 1e-5
+  # The adapter matters: the base alone is far off.
+  assert max_rel_err(_dense(base)(jnp.asarray(IDS)), want) > 1e-2
+
+
+def test_jaxtune_adapter_with_lm_head_loads_in_peft(base, tmp_path):
+  from peft import PeftModel
+  from transformers import LlamaForCausalLM
+
+  model = jaxtune.apply_lora(_dense(base), rank=4, alpha=8, targets=("q_proj", "lm_head"))
+  ours = np.asarray(_randomize(model)(jnp.asarray(IDS)))
+  out = jaxtune.export_peft(model, tmp_path / "adapter")
+  config = json.loads((out / "adapter_config.json").read_text())
+  assert config["base_model_name_or_path"] == "tiny-org/tiny-llama"  # not the cache path
+
+  hf = LlamaForCausalLM.from_pretrained(base, torch_dtype=torch.float32).eval()
+  peft_model = PeftModel.from_pretrained(hf, out).eval()
+  head = peft_model.base_model.model.lm_head
+  assert np.abs(head.lora_B["default"].weight.detach().numpy()).max() > 0  # lm_head loaded
+  assert max_rel_err(torch_logits(peft_model, IDS), ours) <= 1e-5
+  # And back into jaxtune.
+  again = jaxtune.load_adapter(_dense(base), out)
+  assert max_rel_err(again(jnp.asarray(IDS)), ours) <= 1e-6
+
+
+def test_base_model_name_is_the_hub_id_when_known(base, tmp_path):
+  assert hub_id(base) == "tiny-org/tiny-llama"
+  assert hub_id("/x/hub/models--gpt2/snapshots/0123abc") == "gpt2"
+  assert hub_id("meta-llama/Llama-3.2-1B") == "meta-llama/Llama-3.2-1B"
+  plain = tmp_path / "plain"
+  shutil.copytree(base, plain)
+  assert hub_id(plain) is None
+  model = jaxtune.apply_lora(_dense(plain), rank=2, targets=("q_proj",))
+  config = json.loads(
+    (jaxtune.export_peft(model, tmp_path / "a") / "adapter_config.json").read_text()
+  )
+  assert config["base_model_name_or_path"] == str(plain)  # no Hub id: the local directory
+
+
+def _edited(adapter, tmp_path, config=None, tensors=None):
+  """A copy of ``adapter`` with config keys replaced and tensors mapped (name, array) ->
+  {name: array}."""
+  from safetensors.numpy import load_file, save_file
+
+  out = tmp_path / "edited"
+  shutil.copytree(adapter, out)
+  cfg = json.loads((out / "adapter_config.json").read_text())
+  cfg.update(config or {})
+  (out / "adapter_config.json").write_text(json.dumps(cfg))
+  if tensors is not None:
+    new = {}
+    for name, value in load_file(out / "adapter_model.safetensors").items():
+      new.update(tensors(name, value))
+    save_file(new, str(out / "adapter_model.safetensors"))
+  return out
+
+
+def _rank_8(name, value):
+  if "q_proj.lora_A" in name:
+    return {name: np.concatenate([value, value])}
+  if "q_proj.lora_B" in name:
+    return {name: np.concatenate([value, value], axis=1)}
+  return {name: value}
+
+
+@pytest.mark.parametrize(
+  "edit,error,match",
+  [
+    ({"config": {"base_model_name_or_path": "other-org/other-model"}}, ConfigError,
+     r"adapter for other-org/other-model, but the model loaded is tiny-org/tiny-llama"),
+    ({"config": {"auto_mapping": {"base_model_class": "Qwen2ForCausalLM"}}}, ConfigError,
+     r"adapter for a Qwen2ForCausalLM, but the model is a LlamaForCausalLM"),
+    ({"tensors": lambda n, v: {n.replace("model.layers", "transformer.h"): v}}, ConfigError,
+     r"names no projection of a llama model; the adapter is for another architecture"),
+    ({"config": {"target_modules": [*TARGETS, "c_attn"]}}, ConfigError,
+     r"adapts c_attn, which this llama model does not have"),
+    ({"config": {"r": 8}}, ConfigError, r"of rank 4, but its adapter_config.json gives \w+ rank 8"),
+    ({"tensors": _rank_8}, ConfigError, r"of rank 8, but its adapter_config.json gives q_proj"),
+    ({"tensors": lambda n, v: {} if "layers.2.mlp.down_proj.lora_B" in n else {n: v}},
+     CheckpointError, r"lacks the lora_B weights of down_proj of layer\(s\) 2"),
+    ({"config": {"use_dora": True}}, ConfigError, r"uses DoRA \(use_dora\)"),
+    ({"config": {"peft_type": "IA3"}}, ConfigError, r"holds a IA3 adapter"),
+  ],
+)  # fmt: skip
+def test_bad_adapters_are_one_sentence(base, peft_adapter, tmp_path, edit, error, match):
+  adapter = _edited(peft_adapter[0], tmp_path, **edit)
+  model = _dense(base)
+  with pytest.raises(error, match=match):
+    jaxtune.load_adapter(model, adapter)
+  assert getattr(model, "lora_config", None) is None  # refused before the model changed
+
+
+def test_adapter_for_another_model_size_is_refused(tmp_path):
+  from peft import LoraConfig, get_peft_model
+
+  small = tmp_path / "small"
+  build_hf_llama(1).save_pretrained(small)
+  wide = get_peft_model(
+    build_hf_llama(1, intermediate_size=256), LoraConfig(r=2, target_modules=["down_proj"])
+  )
+  wide.save_pretrained(tmp_path / "wide")
+  with pytest.raises(ConfigError, match=r"of shape \[2, 256\], but this model needs \[2, 192\]"):
+    jaxtune.load_adapter(_dense(small), tmp_path / "wide")
+  with pytest.raises(CheckpointError, match="is not a PEFT adapter directory"):
+    jaxtune.load_adapter(_dense(small), tmp_path)
+
+
+def test_lm_head_of_a_tied_model_is_refused_before_loading():
+  from jaxtune.config import ModelConfig
+
+  cfg = ModelConfig.from_hf({**default_model.CONFIG, "tie_word_embeddings": True})
+  run = RunConfig(model="x", lora_targets=("q_proj", "lm_head"))
+  with pytest.raises(UserError, match="has no lm_head layer to adapt; drop lm_head"):
+    checks.check_targets(run, cfg)
+  checks.check_targets(run.replace(lora_targets=("q_proj",)), cfg)
+
+
+def test_generate_takes_a_peft_adapter_dir(base, peft_adapter):
+  adapter, want = peft_adapter
+  # The base model is the one the adapter names (here a local cache path).
+  model, ckpt = session.load_run_model(adapter, None, None, "float32")
+  assert ckpt == base
+  assert max_rel_err(model(jnp.asarray(IDS)), want) <= 1e-5
+
+
+def test_init_adapter_continues_training_it(tmp_path):
+  ckpt = default_model.ensure_default_checkpoint(tmp_path / "ckpt")
+  start = jaxtune.apply_lora(_dense(ckpt), rank=4, alpha=8, targets=("q_proj", "v_proj"))
+  adapter = jaxtune.export_peft(_randomize(start, seed=3), tmp_path / "adapter")
+  rows = [{"text": f"example {i} of some text to learn"} for i in range(8)]
+  run_dir, model = jaxtune.train(
+    model=str(ckpt),
+    data=rows,
+    out=str(tmp_path / "run"),
+    init_adapter=str(adapter),
+    steps=1,
+    batch_size=8,
+    seq_len=32,
+    quantization=None,
+    dtype="float32",
+    learning_rate=1e-8,
+    warmup_steps=0,
+    export=None,
+  )
+  saved = RunConfig.from_yaml(run_dir / "config.yaml")
+  assert (saved.lora_rank, saved.lora_targets) == (4, ("q_proj", "v_proj"))
+  got = np.asarray(model.layers.self_attn.v_proj.lora_b[...])
+  want = np.asarray(start.layers.self_attn.v_proj.lora_b[...])
+  assert np.abs(want).max() > 0 and np.abs(got - want).max() < 1e-5  # started from it
