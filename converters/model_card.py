@@ -9,29 +9,24 @@ loss, tokens/s, hardware and the exact command. Everything comes from files the 
 
 import json
 import platform
-import re
 import statistics
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from converters.hf_in import hub_id
+
 RUN_INFO = "run.json"
 LIBRARY = {"merged": "transformers", "bnb4": "transformers", "peft": "peft", "gguf": "gguf"}
 
 
-def hub_id(given: str | None, path: str | Path | None = None) -> str | None:
-  """The Hub id of a model or dataset: ``given`` when it reads as one (``org/name`` and not an
-  existing path), else the id in a Hub cache snapshot path (``.../models--ORG--NAME/
-  snapshots/HASH``), else None."""
-  if given and given.count("/") == 1 and not given.startswith((".", "/", "~")):
-    if not Path(given).expanduser().exists():
-      return given
-  for text in (given, str(path) if path else None):
-    if text:
-      m = re.search(r"(?:models|datasets)--([^/]+?)--([^/]+)/snapshots/", text)
-      if m:
-        return f"{m.group(1)}/{m.group(2)}"
+def base_hub_id(given: str | None, path: str | Path | None = None) -> str | None:
+  """The base model's Hub id: from the --model given, else from the checkpoint path."""
+  for candidate in (given, path):
+    found = hub_id(candidate) if candidate else None
+    if found:
+      return found
   return None
 
 
@@ -95,8 +90,8 @@ def render(run_dir: str | Path, fmt: str) -> str:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
   train = [r for r in rows if "loss" in r]
   evals = [r for r in rows if "eval_loss" in r]
-  base = hub_id(info.get("model"), config.get("model"))
-  dataset = hub_id(info.get("data")) if info.get("data") else None
+  base = base_hub_id(info.get("model"), config.get("model"))
+  dataset = hub_id(info["data"]) if info.get("data") else None  # an org/name that is no path
   quant = config.get("quantization")
   tags = ["jaxtune", "lora", "sft"] + (["qlora", "nf4"] if quant == "nf4" else [])
   if fmt == "peft" and base:

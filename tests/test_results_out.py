@@ -83,10 +83,10 @@ def test_export_command_defaults_to_merged_with_a_card(trained, tmp_path, capsys
 
 
 def test_hub_ids_and_license_are_found(tmp_path):
-  assert model_card.hub_id("meta-llama/Llama-3.2-1B") == "meta-llama/Llama-3.2-1B"
+  assert model_card.base_hub_id("meta-llama/Llama-3.2-1B") == "meta-llama/Llama-3.2-1B"
   snapshot = "/cache/hub/models--Qwen--Qwen2.5-0.5B/snapshots/abc123"
-  assert model_card.hub_id(None, snapshot) == "Qwen/Qwen2.5-0.5B"
-  assert model_card.hub_id(str(tmp_path)) is None and model_card.hub_id("./x/y") is None
+  assert model_card.base_hub_id(None, snapshot) == "Qwen/Qwen2.5-0.5B"
+  assert model_card.base_hub_id(str(tmp_path)) is None and model_card.base_hub_id("./x/y") is None
   (tmp_path / "README.md").write_text("---\nlicense: apache-2.0\ntags: [a]\n---\n# Base\n")
   assert model_card.base_license(tmp_path) == "apache-2.0"
 
