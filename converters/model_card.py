@@ -61,7 +61,9 @@ def read_card(text: str) -> tuple[dict, str]:
   return (meta if isinstance(meta, dict) else {}), (text[end + 4 :] if end >= 0 else text)
 
 
-def write_run_info(run_dir: Path, command: str, model: str | None, data: str | None, hardware: str):
+def write_run_info(
+  run_dir: Path, command: str, model: str | None, data: str | None, hardware: str
+) -> None:
   """``run.json``: what the card needs that config.yaml does not keep (the command, the model
   and data as given, the hardware)."""
   import jax
