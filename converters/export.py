@@ -10,13 +10,14 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from converters.gguf_out import export_gguf
 from converters.hf_out import export_bnb4, export_merged, export_peft
 from jaxtune.errors import ExportError
 
 if TYPE_CHECKING:
   from flax import nnx
 
-FORMATS = ("merged", "peft", "bnb4")
+FORMATS = ("merged", "peft", "bnb4", "gguf")
 
 
 def check_destination(out: Path, overwrite: bool) -> None:
@@ -31,7 +32,12 @@ def check_destination(out: Path, overwrite: bool) -> None:
 
 
 def write(
-  model: "nnx.Module", fmt: str, out: str | Path, dtype: str = "bfloat16", overwrite: bool = False
+  model: "nnx.Module",
+  fmt: str,
+  out: str | Path,
+  dtype: str = "bfloat16",
+  overwrite: bool = False,
+  gguf_type: str = "f16",
 ) -> Path:
   """Export ``model`` as ``fmt`` (one of FORMATS) into ``out``, atomically; returns ``out``."""
   out = Path(out)
@@ -51,6 +57,8 @@ def write(
       export_bnb4(model, tmp, dtype=dtype)
     elif fmt == "peft":
       export_peft(model, tmp)
+    elif fmt == "gguf":
+      export_gguf(model, tmp, gguf_type=gguf_type)
     else:
       raise ValueError(f"export format must be one of {FORMATS}, got {fmt!r}")
     if out.exists():

@@ -92,9 +92,8 @@ def export_gguf(
   Everything that can be refused (the type, the family, the tokenizer) is checked before the
   file is opened.
   """
-  import gguf
-
   check_gguf_type(gguf_type)
+  gguf = _import_gguf()
   cfg = model.config
   if cfg.model_type not in ARCHITECTURES:
     raise ExportError(f"GGUF export does not support model_type {cfg.model_type!r}.")
@@ -122,6 +121,16 @@ def export_gguf(
   finally:
     writer.close()
   return path
+
+
+def _import_gguf():
+  try:
+    import gguf
+  except ImportError as e:
+    raise ExportError(
+      "GGUF export needs the gguf package: pip install 'jaxtune[gguf]' (or gguf)."
+    ) from e
+  return gguf
 
 
 def check_gguf_type(gguf_type: str) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from converters import export
+from converters.gguf_out import check_gguf_type
 from jaxtune.errors import ExportError, UserError
 from jaxtune.session import load_trained
 
@@ -28,14 +29,21 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--out", required=True, help="directory to write")
   p.add_argument("--dtype", default="bfloat16", help="dtype of unquantized weights in the export")
   p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+  p.add_argument(
+    "--gguf-type",
+    default="f16",
+    help="with --format gguf: f16, bf16, f32, q8_0, q5_1, q5_0, "
+    "q4_1 or q4_0 (written as OUT/model-TYPE.gguf)",
+  )
   args = p.parse_args(argv)
   try:
     out = Path(args.out)
     export.check_destination(out, args.overwrite)  # before loading anything
     if args.dtype not in ("bfloat16", "float16", "float32"):
       raise ExportError(f"--dtype must be bfloat16, float16 or float32, got {args.dtype!r}.")
+    check_gguf_type(args.gguf_type)
     model, step = load_trained(Path(args.checkpoint))
-    out = export.write(model, args.format, out, args.dtype, args.overwrite)
+    out = export.write(model, args.format, out, args.dtype, args.overwrite, args.gguf_type)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

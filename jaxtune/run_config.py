@@ -18,7 +18,9 @@ CHOICES = {
   "schedule": ("cosine", "linear", "constant"),
   "quantization": ("nf4", None),
   "dtype": ("bfloat16", "float32", "float16"),
-  "export": ("merged", "peft", "bnb4", None),
+  "export": ("merged", "peft", "bnb4", "gguf", None),
+  # converters/gguf_out.GGUF_TYPES (checked here, so a run never fails at its export)
+  "gguf_type": ("f16", "bf16", "f32", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"),
   "nf4_matmul": ("kernel", "xla", None),
   "data_format": ("text", "messages", "conversations", "alpaca", "prompt_completion", None),
   "long_examples": ("truncate", "drop"),
@@ -120,7 +122,8 @@ class RunConfig:
   log_every: int = 1
   save_every: int = 50
   keep_checkpoints: int = 2
-  export: str | None = "merged"  # merged | peft | bnb4 | none, written to OUT/export at the end
+  export: str | None = "merged"  # merged | peft | bnb4 | gguf | none, to OUT/export at the end
+  gguf_type: str = "f16"  # with export gguf: f16 | bf16 | f32 | q8_0 | q5_1 | q5_0 | q4_1 | q4_0
 
   @classmethod
   def from_yaml(cls, path: str | Path) -> "RunConfig":

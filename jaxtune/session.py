@@ -251,7 +251,7 @@ def run_training(
   model = distributed.local_model(model, rt.mesh)
   if run.export:
     if distributed.is_main():
-      export.write(model, run.export, out / "export", overwrite=True)
+      export.write(model, run.export, out / "export", overwrite=True, gguf_type=run.gguf_type)
       say(f"jaxtune: exported {run.export} model to {out / 'export'}")
     distributed.barrier("jaxtune export")
   return Trained(out, model)

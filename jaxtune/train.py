@@ -90,7 +90,9 @@ _HELP = {
   "log_every": "write metrics every N steps",
   "save_every": "checkpoint every N steps",
   "keep_checkpoints": "how many checkpoints to keep",
-  "export": "at the end write OUT/export as merged, peft, bnb4 or none",
+  "export": "at the end write OUT/export as merged, peft, bnb4, gguf or none",
+  "gguf_type": "with --export gguf: f16, bf16, f32, q8_0, q5_1, q5_0, q4_1 or q4_0 (the file "
+  "OUT/export/model-TYPE.gguf)",
 }
 
 
