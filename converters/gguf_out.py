@@ -9,7 +9,7 @@ merges, special ids and chat template. Weights are the merged ones ``export_merg
 (dequantized base plus the LoRA update), computed and written one tensor at a time: the
 header goes first, then each tensor's data as it is made, so host memory holds one tensor.
 
-Types: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0 (the ones gguf-py can quantize). Norms,
+Types: f16, bf16, f32, q8_0, q5_1, q5_0, q4_1, q4_0 (the ones gguf-py can quantize). Norms,
 biases and other 1-D tensors stay f32. A matrix whose rows do not split into the type's
 blocks is written as f16, as llama.cpp's converter does (logged once); with the 4- and 5-bit
 types the output layer is q8_0, as llama-quantize keeps it at higher precision. A model none
@@ -40,9 +40,9 @@ log = logging.getLogger(__name__)
 
 # --gguf-type -> (tensor type name, llama.cpp file type name), as gguf-py spells them.
 GGUF_TYPES = {
-  "f32": ("F32", "ALL_F32"),
   "f16": ("F16", "MOSTLY_F16"),
   "bf16": ("BF16", "MOSTLY_BF16"),
+  "f32": ("F32", "ALL_F32"),
   "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
   "q5_1": ("Q5_1", "MOSTLY_Q5_1"),
   "q5_0": ("Q5_0", "MOSTLY_Q5_0"),
