@@ -409,6 +409,11 @@ def test_refusals_come_before_anything_is_written(checkpoint, trained, tmp_path)
   )
   with pytest.raises(ExportError, match="tokenizer.json"):
     export.write(untokenized, "gguf", tmp_path / "c")
+  untied = jaxtune.from_pretrained(
+    checkpoint("gemma2", tie_word_embeddings=False), quantization=None, dtype="float32"
+  )
+  with pytest.raises(ExportError, match="llama.cpp's gemma2 ties the output layer"):
+    export.write(untied, "gguf", tmp_path / "e")
   assert sorted(p.name for p in tmp_path.iterdir()) == []
   out = export.write(model, "gguf", tmp_path / "d", gguf_type="q8_0")
   assert [p.name for p in out.iterdir()] == ["model-q8_0.gguf"]
