@@ -11,13 +11,14 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from converters.gguf_out import export_gguf
 from converters.hf_out import export_bnb4, export_merged, export_peft
 from jaxtune.errors import ExportError
 
 if TYPE_CHECKING:
   from flax import nnx
 
-FORMATS = ("merged", "peft", "bnb4")
+FORMATS = ("merged", "peft", "bnb4", "gguf")
 
 
 def _usual_modes(root: Path) -> None:
@@ -48,6 +49,7 @@ def write(
   dtype: str = "bfloat16",
   overwrite: bool = False,
   card: str | None = None,
+  gguf_type: str = "f16",
 ) -> Path:
   """Export ``model`` as ``fmt`` (one of FORMATS) into ``out``, atomically; returns ``out``.
 
@@ -71,6 +73,8 @@ def write(
       export_bnb4(model, tmp, dtype=dtype)
     elif fmt == "peft":
       export_peft(model, tmp)
+    elif fmt == "gguf":
+      export_gguf(model, tmp, gguf_type=gguf_type)
     else:
       raise ValueError(f"export format must be one of {FORMATS}, got {fmt!r}")
     if card is not None:

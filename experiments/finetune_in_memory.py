@@ -48,7 +48,8 @@ def main() -> None:
   print(f"loss {first['loss']:.3f} -> {last['loss']:.3f}; eval loss {last.get('eval_loss')}")
   tokenizer = load_tokenizer(model.checkpoint_dir)
   prompts = ["What is 12 plus 30?", "What is 7 plus 41?"]
-  for prompt, text in zip(prompts, jaxtune.generate(model, tokenizer, prompts, max_new_tokens=16), strict=True):
+  texts = jaxtune.generate(model, tokenizer, prompts, max_new_tokens=16)
+  for prompt, text in zip(prompts, texts, strict=True):
     print(f"{prompt!r} -> {text!r}")
 
 

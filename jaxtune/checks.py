@@ -99,7 +99,9 @@ def check_export_settings(run: RunConfig) -> None:
   if not run.push_to_hub:
     return
   if run.export is None:
-    raise UserError("--push-to-hub uploads the export; pass --export merged, peft or bnb4 too.")
+    raise UserError(
+      "--push-to-hub uploads the export; pass --export merged, peft, bnb4 or gguf too."
+    )
   parts = run.push_to_hub.split("/")
   if len(parts) != 2 or not all(parts):
     raise UserError(f"--push-to-hub takes a repo id ORG/NAME, got {run.push_to_hub!r}.")

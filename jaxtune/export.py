@@ -1,5 +1,5 @@
 """python -m jaxtune.export: a training run's adapters -> merged HF checkpoint (the default),
-PEFT adapter or bnb-4bit checkpoint, with a model card; --push-to-hub uploads it.
+PEFT adapter, bnb-4bit checkpoint or GGUF file, with a model card; --push-to-hub uploads it.
 
 The export is written into a temporary directory beside ``--out`` and renamed into place when
 complete, so a failed or interrupted export never leaves a half-written model; an existing,
@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from converters import export, hub, model_card
+from converters.gguf_out import check_gguf_type
 from jaxtune.errors import ExportError, UserError
 from jaxtune.session import load_trained
 
@@ -32,15 +33,24 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
   p.add_argument("--push-to-hub", metavar="ORG/NAME", help="then upload the export to this repo")
   p.add_argument("--hub-private", action="store_true", help="create the Hub repo private")
+  p.add_argument(
+    "--gguf-type",
+    default="f16",
+    help="with --format gguf: f16, bf16, f32, q8_0, q5_1, q5_0, "
+    "q4_1 or q4_0 (written as OUT/model-TYPE.gguf)",
+  )
   args = p.parse_args(argv)
   try:
     out = Path(args.out)
     export.check_destination(out, args.overwrite)  # before loading anything
     if args.dtype not in ("bfloat16", "float16", "float32"):
       raise ExportError(f"--dtype must be bfloat16, float16 or float32, got {args.dtype!r}.")
+    check_gguf_type(args.gguf_type)
     model, step = load_trained(Path(args.checkpoint))
     card = model_card.render(Path(args.checkpoint), args.format)
-    out = export.write(model, args.format, out, args.dtype, args.overwrite, card=card)
+    out = export.write(
+      model, args.format, out, args.dtype, args.overwrite, gguf_type=args.gguf_type, card=card
+    )
     print(f"exported step {step} as {args.format} to {Path(out).resolve()}")
     if args.push_to_hub:
       url = hub.push(out, args.push_to_hub, private=args.hub_private)

@@ -18,7 +18,9 @@ CHOICES = {
   "schedule": ("cosine", "linear", "constant"),
   "quantization": ("nf4", None),
   "dtype": ("bfloat16", "float32", "float16"),
-  "export": ("merged", "peft", "bnb4", None),
+  "export": ("merged", "peft", "bnb4", "gguf", None),
+  # converters/gguf_out.GGUF_TYPES (checked here, so a run never fails at its export)
+  "gguf_type": ("f16", "bf16", "f32", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"),
   "nf4_matmul": ("kernel", "xla", None),
   "data_format": ("text", "messages", "conversations", "alpaca", "prompt_completion", None),
   "long_examples": ("truncate", "drop"),
@@ -122,7 +124,8 @@ class RunConfig:
   report_to: str = "tensorboard"  # trackers, comma-separated: tensorboard, wandb; or none
   save_every: int = 50
   keep_checkpoints: int = 2
-  export: str | None = "merged"  # merged | peft | bnb4 | none, written to OUT/export at the end
+  export: str | None = "merged"  # merged | peft | bnb4 | gguf | none, to OUT/export at the end
+  gguf_type: str = "f16"  # with export gguf: f16 | bf16 | f32 | q8_0 | q5_1 | q5_0 | q4_1 | q4_0
   push_to_hub: str | None = None  # ORG/NAME: upload OUT/export there at the end
   hub_private: bool = False
 

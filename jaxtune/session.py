@@ -276,7 +276,9 @@ def run_training(
   if run.export:
     if distributed.is_main():
       card = model_card.render(out, run.export)
-      export.write(model, run.export, out / "export", overwrite=True, card=card)
+      export.write(
+        model, run.export, out / "export", overwrite=True, gguf_type=run.gguf_type, card=card
+      )
       say(f"jaxtune: exported {run.export} model to {out / 'export'}")
       if run.push_to_hub:
         url = hub.push(out / "export", run.push_to_hub, private=run.hub_private)

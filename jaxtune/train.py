@@ -96,9 +96,11 @@ _HELP = {
   "Biases; WANDB_MODE=offline works without network), or none",
   "save_every": "checkpoint every N steps",
   "keep_checkpoints": "how many checkpoints to keep",
-  "export": "at the end write OUT/export as merged, peft, bnb4 or none (with a model card)",
   "push_to_hub": "then upload OUT/export to the Hub model repo ORG/NAME (needs `hf auth login`)",
   "hub_private": "create the --push-to-hub repo private",
+  "export": "at the end write OUT/export as merged, peft, bnb4, gguf or none (with a model card)",
+  "gguf_type": "with --export gguf: f16, bf16, f32, q8_0, q5_1, q5_0, q4_1 or q4_0 (the file "
+  "OUT/export/model-TYPE.gguf)",
 }
 
 

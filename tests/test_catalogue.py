@@ -374,7 +374,7 @@ CASES = [
   Case(
     "push-to-hub-without-export",
     lambda w: w.train_args("--push-to-hub", "me/model", "--export", "none"),
-    r"--push-to-hub uploads the export; pass --export merged, peft or bnb4 too",
+    r"--push-to-hub uploads the export; pass --export merged, peft, bnb4 or gguf too",
   ),
   Case(
     "push-to-hub-bad-repo-id",
@@ -578,8 +578,17 @@ CASES = [
   ),
   Case(
     "export-unknown-format",
-    lambda w: ["--checkpoint", str(w.out), "--format", "gguf", "--out", str(w.root / "x")],
-    r"argument --format: invalid choice: 'gguf'",
+    lambda w: ["--checkpoint", str(w.out), "--format", "onnx", "--out", str(w.root / "x")],
+    r"argument --format: invalid choice: 'onnx'",
+    entry="export",
+  ),
+  Case(
+    "export-unknown-gguf-type",
+    lambda w: [
+      *("--checkpoint", str(w.out), "--format", "gguf", "--gguf-type", "q3_k"),
+      *("--out", str(w.root / "x")),
+    ],
+    r"--gguf-type must be one of f16, bf16, .*, got 'q3_k'",
     entry="export",
   ),
   # Launching several processes
