@@ -44,8 +44,12 @@ def main() -> None:
   run_dir, model = jaxtune.train(settings, data=data)
 
   metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-  first, last = metrics[0], metrics[-1]
-  print(f"loss {first['loss']:.3f} -> {last['loss']:.3f}; eval loss {last.get('eval_loss')}")
+  train = [m for m in metrics if "loss" in m]
+  evals = [m for m in metrics if "eval_loss" in m]
+  print(
+    f"train loss {train[0]['loss']:.3f} -> {train[-1]['loss']:.3f}; "
+    f"eval loss {evals[-1]['eval_loss']:.3f}"
+  )
   tokenizer = load_tokenizer(model.checkpoint_dir)
   prompts = ["What is 12 plus 30?", "What is 7 plus 41?"]
   texts = jaxtune.generate(model, tokenizer, prompts, max_new_tokens=16)
