@@ -20,6 +20,7 @@ from converters import bnb
 from converters import table as tables
 from jaxtune import nf4
 from jaxtune.errors import ExportError
+from jaxtune.lora import layer_scale
 
 if TYPE_CHECKING:
   from jaxtune.layers import Linear
@@ -55,7 +56,7 @@ def merged_weight(linear: "Linear", layer: int | None) -> jax.Array:
   if linear.lora_a is not None:
     a = _layer(linear.lora_a[...], layer)
     b = _layer(linear.lora_b[...], layer)
-    w = w + linear.lora_scale * (a @ b).T
+    w = w + layer_scale(linear, layer) * (a @ b).T  # columns past a layer's rank are zero
   return w
 
 
@@ -157,6 +158,22 @@ def base_model_name(model: nnx.Module) -> str:
   return getattr(model, "hub_id", None) or str(getattr(model, "checkpoint_dir", "") or "")
 
 
+def _peft_pattern(values: dict[str, dict[str, float]], default: float) -> dict[str, float]:
+  """PEFT's rank_pattern / alpha_pattern: a projection's name where all its layers share a
+  value other than ``default``, else each differing module's full name (PEFT matches keys as
+  suffixes of module names)."""
+  out = {}
+  for proj, per_module in values.items():
+    distinct = set(per_module.values())
+    if len(distinct) == 1:
+      (value,) = distinct
+      if value != default:
+        out[proj] = value
+    else:
+      out.update({m: v for m, v in per_module.items() if v != default})
+  return out
+
+
 def export_peft(model: nnx.Module, out_dir: str | Path) -> Path:
   """adapter_model.safetensors + adapter_config.json in PEFT's names and layout."""
   lora_cfg = getattr(model, "lora_config", None)
@@ -165,7 +182,7 @@ def export_peft(model: nnx.Module, out_dir: str | Path) -> Path:
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   cfg = model.config
-  tensors = {}
+  tensors, ranks, alphas = {}, {}, {}
   for name, target, layer, entry in tables.hf_names(tables.TABLES[cfg.model_type], cfg.num_layers):
     if entry.kind != "linear":
       continue
@@ -173,9 +190,13 @@ def export_peft(model: nnx.Module, out_dir: str | Path) -> Path:
     if linear is None or linear.lora_a is None:  # a tied lm_head is no module of its own
       continue
     # PEFT's names: the model's own, under base_model.model (lm_head too, beside model.*).
-    prefix = "base_model.model." + name.removesuffix(".weight")
-    a = np.asarray(_layer(linear.lora_a[...], layer), np.float32)  # [in, r]
-    b = np.asarray(_layer(linear.lora_b[...], layer), np.float32)  # [r, out]
+    module = name.removesuffix(".weight")
+    prefix = "base_model.model." + module
+    r = lora_cfg.rank_of(target[-1], layer)
+    ranks.setdefault(target[-1], {})[module] = r
+    alphas.setdefault(target[-1], {})[module] = lora_cfg.alpha_of(target[-1], layer)
+    a = np.asarray(_layer(linear.lora_a[...], layer), np.float32)[:, :r]  # [in, r]
+    b = np.asarray(_layer(linear.lora_b[...], layer), np.float32)[:r]  # [r, out]
     tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a.T)
     tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b.T)
   save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -188,8 +209,8 @@ def export_peft(model: nnx.Module, out_dir: str | Path) -> Path:
     "lora_dropout": lora_cfg.dropout,
     "target_modules": list(lora_cfg.targets),
     "use_rslora": lora_cfg.rslora,
-    "rank_pattern": dict(lora_cfg.rank_pattern),
-    "alpha_pattern": {},
+    "rank_pattern": _peft_pattern(ranks, lora_cfg.rank),
+    "alpha_pattern": _peft_pattern(alphas, lora_cfg.alpha),
     "bias": "none",
     "fan_in_fan_out": False,
     "inference_mode": True,

@@ -25,7 +25,7 @@ from converters import table as tables
 from converters.hf_in import hub_id
 from converters.safetensors_read import iter_tensors
 from jaxtune.errors import CheckpointError, ConfigError
-from jaxtune.lora import apply_lora, iter_linears
+from jaxtune.lora import LoraConfig, apply_lora, iter_linears
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -42,7 +42,6 @@ _UNSUPPORTED = {
   "layer_replication": "replicated layers (layer_replication)",
   "trainable_token_indices": "trained token embeddings (trainable_token_indices)",
   "target_parameters": "adapters on parameters (target_parameters)",
-  "alpha_pattern": "per-module alphas (alpha_pattern)",
   "fan_in_fan_out": "fan_in_fan_out weights",
 }
 
@@ -57,7 +56,8 @@ class AdapterConfig:
   targets: tuple[str, ...]
   dropout: float
   rslora: bool
-  rank_pattern: dict[str, int]
+  rank_pattern: dict[str, int]  # PEFT's keys: suffixes (regexes) of module names
+  alpha_pattern: dict[str, float]
   architecture: str | None  # the transformers class PEFT adapted, when recorded
 
 
@@ -92,12 +92,7 @@ def read_config(adapter_dir: str | Path) -> AdapterConfig:
   if not isinstance(targets, list):  # a regex or "all-linear": read what the file adapts
     targets = sorted({_leaf(m) for m, ab in _tensor_modules(d) if ab})
   rank_pattern = dict(cfg.get("rank_pattern") or {})
-  per_layer = sorted(k for k in rank_pattern if not re.fullmatch(r"\w+", k))
-  if per_layer:
-    raise ConfigError(
-      f"{d} gives ranks per layer or pattern ({', '.join(per_layer)}); jaxtune takes ranks per "
-      "target module name only."
-    )
+  alpha_pattern = dict(cfg.get("alpha_pattern") or {})
   try:
     rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
   except (KeyError, TypeError, ValueError) as e:
@@ -110,7 +105,8 @@ def read_config(adapter_dir: str | Path) -> AdapterConfig:
     targets=tuple(targets),
     dropout=float(cfg.get("lora_dropout") or 0.0),
     rslora=bool(cfg.get("use_rslora", False)),
-    rank_pattern={k: int(v) for k, v in rank_pattern.items() if k in targets},
+    rank_pattern={k: int(v) for k, v in rank_pattern.items()},
+    alpha_pattern={k: float(v) for k, v in alpha_pattern.items()},
     architecture=mapping.get("base_model_class") if isinstance(mapping, dict) else None,
   )
 
@@ -121,13 +117,59 @@ def lora_settings(adapter_dir: str | Path, model_path: str | Path | None = None)
   cfg = read_config(adapter_dir)
   if model_path is not None:
     _check_base(cfg, adapter_dir, hub_id(model_path), str(model_path))
-  return dict(
+  settings = dict(
     lora_rank=cfg.rank,
     lora_alpha=cfg.alpha,
     lora_targets=cfg.targets,
     lora_dropout=cfg.dropout,
     rslora=cfg.rslora,
+    lora_rank_pattern=None,
+    lora_alpha_pattern=None,
   )
+  if model_path is not None and (cfg.rank_pattern or cfg.alpha_pattern):
+    from jaxtune.config import ModelConfig
+
+    ranks, alphas = _patterns(cfg, ModelConfig.from_hf(model_path))
+    spec = lambda p: ",".join(f"{k}={v}" for k, v in p.items()) or None  # noqa: E731
+    settings.update(lora_rank_pattern=spec(ranks), lora_alpha_pattern=spec(alphas))
+  return settings
+
+
+def _peft_value(pattern: dict[str, float], module: str, default: float) -> float:
+  """A PEFT pattern's value for a module name: the first key that matches a suffix of it
+  (PEFT's own rule, peft.utils.other.get_pattern_key)."""
+  for key, value in pattern.items():
+    if re.match(rf"(.*\.)?({key})$", module):
+      return value
+  return default
+
+
+def _patterns(cfg: AdapterConfig, mcfg: Any) -> tuple[dict[str, int], dict[str, float]]:
+  """PEFT's rank_pattern / alpha_pattern as jaxtune's (lora.py keys: ``proj`` where all its
+  layers agree, else ``layers.N.proj``), for the adapted projections."""
+  per = {"rank": {}, "alpha": {}}
+  table = tables.TABLES[mcfg.model_type]
+  for name, target, layer, entry in tables.hf_names(table, mcfg.num_layers):
+    proj = target[-1]
+    if entry.kind != "linear" or proj not in cfg.targets:
+      continue
+    module = name.removesuffix(".weight")
+    per["rank"].setdefault(proj, {})[layer] = int(_peft_value(cfg.rank_pattern, module, cfg.rank))
+    per["alpha"].setdefault(proj, {})[layer] = float(
+      _peft_value(cfg.alpha_pattern, module, cfg.alpha)
+    )
+  out = []
+  for kind, default in (("rank", cfg.rank), ("alpha", cfg.alpha)):
+    pattern = {}
+    for proj, values in per[kind].items():
+      if len(set(values.values())) == 1:
+        (value,) = set(values.values())
+        if value != default:
+          pattern[proj] = value
+      else:
+        pattern.update({f"layers.{x}.{proj}": v for x, v in values.items() if v != default})
+    out.append(pattern)
+  return out[0], out[1]
 
 
 def load_adapter(model: nnx.Module, adapter_dir: str | Path) -> nnx.Module:
@@ -153,7 +195,9 @@ def load_adapter(model: nnx.Module, adapter_dir: str | Path) -> nnx.Module:
       f"linear layers{tied}; jaxtune adapts {', '.join(linears)}."
     )
 
-  a, b, head_weight = _read_weights(cfg, d, model, linears)
+  ranks, alphas = _patterns(cfg, mcfg)
+  lora = LoraConfig(cfg.rank, cfg.alpha, cfg.targets, rank_pattern=tuple(ranks.items()))
+  a, b, head_weight = _read_weights(cfg, lora, d, model, linears)
   apply_lora(
     model,
     rank=cfg.rank,
@@ -161,7 +205,8 @@ def load_adapter(model: nnx.Module, adapter_dir: str | Path) -> nnx.Module:
     targets=cfg.targets,
     dropout=cfg.dropout,
     rslora=cfg.rslora,
-    rank_pattern=cfg.rank_pattern,
+    rank_pattern=ranks,
+    alpha_pattern=alphas,
   )
   for proj in cfg.targets:
     linears[proj].lora_a[...] = jnp.asarray(a[proj], jnp.float32)
@@ -172,9 +217,12 @@ def load_adapter(model: nnx.Module, adapter_dir: str | Path) -> nnx.Module:
   return model
 
 
-def _read_weights(cfg: AdapterConfig, d: Path, model: nnx.Module, linears: dict) -> tuple:
-  """({proj: A [L, in, r] or [in, r]}, {proj: B [L, r, out] or [r, out]}, lm_head's weight
-  when the file holds it), every name, rank and shape checked."""
+def _read_weights(
+  cfg: AdapterConfig, lora: LoraConfig, d: Path, model: nnx.Module, linears: dict
+) -> tuple:
+  """({proj: A [L, in, R] or [in, r]}, {proj: B [L, R, out] or [r, out]}, lm_head's weight
+  when the file holds it), every name, rank and shape checked; layers of lower rank than the
+  projection's largest R padded with zeros (lora.py masks those columns)."""
   mcfg = model.config
   table = tables.TABLES[mcfg.model_type]
   parts: dict[tuple[str, str], dict[int | None, np.ndarray]] = {}
@@ -199,7 +247,7 @@ def _read_weights(cfg: AdapterConfig, d: Path, model: nnx.Module, linears: dict)
         "the adapter is for another model."
       )
     linear, value = linears[proj], np.asarray(tensor, np.float32)
-    out, inp, r = linear.out_features, linear.in_features, cfg.rank_pattern.get(proj, cfg.rank)
+    out, inp, r = linear.out_features, linear.in_features, lora.rank_of(proj, layer)
     if m["base"]:
       if proj != "lm_head":
         raise ConfigError(f"{d} holds {name}, a whole base weight jaxtune does not replace.")
@@ -226,7 +274,16 @@ def _read_weights(cfg: AdapterConfig, d: Path, model: nnx.Module, linears: dict)
         raise CheckpointError(
           f"{d} lacks the lora_{ab} weights of {proj}{which}; it is incomplete."
         )
-      stacked[ab][proj] = got[None] if layers == [None] else np.stack([got[x] for x in layers])
+      if layers == [None]:
+        stacked[ab][proj] = got[None]
+        continue
+      top = max(lora.rank_of(proj, x) for x in layers)
+      pad = lambda v, ab=ab, top=top: (  # noqa: E731
+        np.pad(v, [(0, 0), (0, top - v.shape[1])])
+        if ab == "A"
+        else np.pad(v, [(0, top - v.shape[0]), (0, 0)])
+      )
+      stacked[ab][proj] = np.stack([pad(got[x]) for x in layers])
   return stacked["A"], stacked["B"], head_weight
 
 

@@ -20,7 +20,7 @@ def has_checkpoints(ckpt_dir: Path) -> bool:
 
 
 # Settings a resumed run must share with the run that wrote the checkpoints.
-_RESUME_KEYS = ("model", "lora_rank", "lora_targets")
+_RESUME_KEYS = ("model", "lora_rank", "lora_targets", "lora_rank_pattern")
 
 
 def check_resume(run: RunConfig, out: Path, model_path: Path | None, resume: bool) -> None:
@@ -64,6 +64,16 @@ def check_targets(run: RunConfig, cfg: "ModelConfig") -> None:
       f"--lora-targets names {','.join(unknown)}, {which} of this {cfg.model_type}; "
       f"choose from {','.join(known)}."
     )
+  from jaxtune.lora import check_pattern, parse_pattern
+
+  for flag, spec, kind in (
+    ("--lora-rank-pattern", run.lora_rank_pattern, int),
+    ("--lora-alpha-pattern", run.lora_alpha_pattern, float),
+  ):
+    try:
+      check_pattern(parse_pattern(spec, kind), run.lora_targets, cfg.num_layers)
+    except UserError as e:
+      raise UserError(f"{flag}: {e}") from e
   if "lm_head" in run.lora_targets and cfg.tie_word_embeddings:
     raise UserError(
       f"--lora-targets names lm_head, but this {cfg.model_type} computes its output with its "

@@ -78,7 +78,8 @@ class Linear(nnx.Module):
       self.bias = None
     self.lora_a = nnx.data(None)  # LoRAParam once apply_lora runs
     self.lora_b = nnx.data(None)
-    self.lora_scale = 0.0
+    self.lora_scale = 0.0  # a float, or a LoRAConstant [layers] when ranks differ by layer
+    self.lora_mask = nnx.data(None)  # LoRAConstant [layers, rank]: 1 below each layer's rank
     self.lora_dropout = 0.0
 
   def dense_weight(self, dtype: DTypeLike, layer: int | None = None) -> jax.Array:
@@ -115,7 +116,11 @@ class Linear(nnx.Module):
     """scale * (h @ A) @ b, in h's dtype (b: B or some of its output columns)."""
     with jax.named_scope("lora"):
       ha = checkpoint_name(h @ self.lora_a[...].astype(h.dtype), "lora_a")  # [..., rank]
-      return self.lora_scale * (ha @ b.astype(h.dtype))
+      scale = self.lora_scale
+      if self.lora_mask is not None:  # ranks per layer: columns past this layer's rank are off
+        ha = ha * self.lora_mask[...].astype(ha.dtype)
+        scale = scale[...].astype(h.dtype)
+      return scale * (ha @ b.astype(h.dtype))
 
   def rows(self, x: jax.Array, start: jax.Array, size: int) -> jax.Array:
     """Outputs ``start .. start + size - 1`` only (a dense, unstacked layer, no dropout): the
@@ -130,6 +135,11 @@ class Linear(nnx.Module):
       b = jax.lax.dynamic_slice_in_dim(self.lora_b[...], start, size, 1)
       y = y + self._lora_term(x, b).astype(y.dtype)
     return y
+
+
+class LoRAConstant(nnx.Variable):
+  """Per-layer LoRA constants when ranks (or alphas) differ by layer: the scale [layers] and
+  the rank mask [layers, max rank]. Frozen: not a LoRAParam, no optimizer sees it."""
 
 
 class RMSNorm(nnx.Module):

@@ -107,6 +107,8 @@ class RunConfig:
     "down_proj",
   )
   rslora: bool = False
+  lora_rank_pattern: str | None = None  # e.g. "down_proj=64,layers.0-7=32" (lora.py keys)
+  lora_alpha_pattern: str | None = None  # the same keys, alphas
   init_adapter: str | None = None  # PEFT adapter dir to continue training (sets the lora_*)
   skip_nonfinite: bool = False  # skip (count) steps with NaN/inf/zero loss instead of stopping
   remat: str = "full"  # REMAT (what each keeps: models/decoder.py); "activations": speed

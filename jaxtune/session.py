@@ -25,7 +25,7 @@ from jaxtune import data as data_lib
 from jaxtune.config import ModelConfig
 from jaxtune.decoding import generate
 from jaxtune.errors import RunConfigError, TrainingError, UserError
-from jaxtune.lora import apply_lora
+from jaxtune.lora import apply_lora, parse_pattern
 from jaxtune.run_config import RunConfig
 
 
@@ -69,6 +69,8 @@ def build_model(
     dropout=run.lora_dropout,
     rslora=run.rslora,
     seed=run.seed,
+    rank_pattern=parse_pattern(run.lora_rank_pattern),
+    alpha_pattern=parse_pattern(run.lora_alpha_pattern, float),
   )
 
 

@@ -65,6 +65,10 @@ _HELP = {
   "lora_dropout": "dropout on the LoRA input",
   "lora_targets": "comma-separated projections, HF names (q_proj,...,down_proj)",
   "rslora": "rank-stabilised LoRA scaling",
+  "lora_rank_pattern": "ranks by projection and layer over --lora-rank, e.g. "
+  "down_proj=64,layers.0-7=32,layers.0-7.down_proj=16 (the most specific key wins; exported "
+  "as PEFT's rank_pattern)",
+  "lora_alpha_pattern": "alphas by projection and layer over --lora-alpha, same keys",
   "init_adapter": "PEFT adapter directory (adapter_config.json, as --export peft or peft's "
   "save_pretrained writes it) to continue training; its rank, alpha, targets, dropout and "
   "rslora replace the --lora-* settings",

@@ -229,3 +229,107 @@ def test_init_adapter_continues_training_it(tmp_path):
   got = np.asarray(model.layers.self_attn.v_proj.lora_b[...])
   want = np.asarray(start.layers.self_attn.v_proj.lora_b[...])
   assert np.abs(want).max() > 0 and np.abs(got - want).max() < 1e-5  # started from it
+
+
+# ---------------------------------------------------------------- ranks per layer
+
+RANKS = {"down_proj": 6, "model.layers.1.self_attn.q_proj": 2}
+ALPHAS = {"model.layers.2.self_attn.v_proj": 3}
+
+
+def _loss_torch(model, ids):
+  logits = model(torch.as_tensor(ids)).logits[:, :-1]
+  labels = torch.as_tensor(ids)[:, 1:]
+  return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def test_per_layer_ranks_give_peft_loss_and_gradients(base, tmp_path):
+  """A peft adapter with ranks and alphas per module and per layer: jaxtune (layers stacked,
+  columns past each layer's rank masked) computes PEFT's loss and gradients."""
+  import jax
+  from flax import nnx
+  from peft import LoraConfig, get_peft_model
+  from transformers import LlamaForCausalLM
+
+  hf = LlamaForCausalLM.from_pretrained(base, torch_dtype=torch.float32).eval()
+  config = LoraConfig(
+    r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+    rank_pattern=RANKS, alpha_pattern=ALPHAS, task_type="CAUSAL_LM",
+  )  # fmt: skip
+  peft_model = get_peft_model(hf, config)
+  _randomize_peft(peft_model, seed=3)
+  peft_model.save_pretrained(tmp_path / "adapter")
+  loss = _loss_torch(peft_model, IDS)
+  loss.backward()
+
+  model = jaxtune.load_adapter(_dense(base), tmp_path / "adapter")
+  q = model.layers.self_attn.q_proj
+  assert q.lora_a[...].shape == (3, 128, 4) and np.asarray(q.lora_mask[...]).sum(1).tolist() == [
+    4,
+    2,
+    4,
+  ]
+  graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+
+  def jax_loss(lora):
+    logits = nnx.merge(graphdef, lora, rest)(jnp.asarray(IDS))[:, :-1]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+    return -jnp.mean(jnp.take_along_axis(logp, jnp.asarray(IDS)[:, 1:, None], -1))
+
+  value, grads = jax.value_and_grad(jax_loss)(lora)
+  assert float(value) == pytest.approx(float(loss), rel=1e-5)
+  where = {"q_proj": "self_attn", "v_proj": "self_attn", "down_proj": "mlp"}
+  for proj, parent in where.items():
+    g = grads["layers"][parent][proj]
+    for layer in range(3):
+      mod = peft_model.base_model.model.model.layers[layer]
+      mod = getattr(getattr(mod, parent), proj)
+      want_a = mod.lora_A["default"].weight.grad.numpy()  # [r, in]
+      want_b = mod.lora_B["default"].weight.grad.numpy()  # [out, r]
+      r = want_a.shape[0]
+      got_a, got_b = np.asarray(g["lora_a"][...][layer]), np.asarray(g["lora_b"][...][layer])
+      np.testing.assert_allclose(got_a[:, :r].T, want_a, rtol=1e-4, atol=1e-6)
+      np.testing.assert_allclose(got_b[:r].T, want_b, rtol=1e-4, atol=1e-6)
+      assert not got_a[:, r:].any() and not got_b[r:].any()  # masked: no gradient
+
+
+def test_jaxtune_per_layer_ranks_load_in_peft(base, tmp_path):
+  from peft import PeftModel
+  from transformers import LlamaForCausalLM
+
+  model = jaxtune.apply_lora(
+    _dense(base), rank=4, alpha=8, targets=("q_proj", "down_proj", "lm_head"),
+    rank_pattern={"down_proj": 6, "layers.1": 2, "lm_head": 3},
+    alpha_pattern={"layers.2.q_proj": 2},
+  )  # fmt: skip
+  ours = np.asarray(_randomize(model)(jnp.asarray(IDS)))
+  out = jaxtune.export_peft(model, tmp_path / "adapter")
+  config = json.loads((out / "adapter_config.json").read_text())
+  assert config["rank_pattern"] == {
+    "model.layers.1.self_attn.q_proj": 2,
+    "model.layers.0.mlp.down_proj": 6,
+    "model.layers.1.mlp.down_proj": 2,  # layers.1 is more specific than down_proj
+    "model.layers.2.mlp.down_proj": 6,
+    "lm_head": 3,
+  }
+  assert config["alpha_pattern"] == {"model.layers.2.self_attn.q_proj": 2.0}
+  hf = LlamaForCausalLM.from_pretrained(base, torch_dtype=torch.float32).eval()
+  peft_model = PeftModel.from_pretrained(hf, out).eval()
+  assert max_rel_err(torch_logits(peft_model, IDS), ours) <= 1e-5
+  again = jaxtune.load_adapter(_dense(base), out)
+  assert max_rel_err(again(jnp.asarray(IDS)), ours) <= 1e-6
+
+
+def test_training_with_ranks_per_layer_keeps_the_masked_columns_off(tmp_path):
+  run_dir, model = jaxtune.train(
+    out=str(tmp_path / "run"), steps=2, export="peft", lora_rank_pattern="layers.1=2,down_proj=8"
+  )
+  down, q = model.layers.mlp.down_proj, model.layers.self_attn.q_proj
+  assert down.lora_a[...].shape[-1] == 8 and q.lora_a[...].shape[-1] == 16
+  a, b = np.asarray(q.lora_a[...]), np.asarray(q.lora_b[...])
+  assert not a[1, :, 2:].any() and not b[1, 2:].any() and b[1, :2].any()  # trained, masked
+  config = json.loads((run_dir / "export" / "adapter_config.json").read_text())
+  assert config["rank_pattern"]["model.layers.1.self_attn.q_proj"] == 2
+  assert config["rank_pattern"]["model.layers.0.mlp.down_proj"] == 8
+  with pytest.raises(UserError, match="--lora-rank-pattern: pattern key 'layers.9' names layer 9"):
+    jaxtune.train(out=str(tmp_path / "bad"), steps=1, lora_rank_pattern="layers.9=4")
