@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from converters import table as tables
-from converters.hf_out import _layer, _module, merged_weight
+from converters.hf_out import _layer, merged_weight, model_tensors
 from jaxtune import rope as ropes
 from jaxtune.config import SLIDING, ModelConfig, RopeConfig
 from jaxtune.errors import ExportError
@@ -195,24 +194,13 @@ def _plan(model, arch: str, gguf_type: str) -> list[_Tensor]:
       "lm_head; GGUF cannot hold it."
     )
   out, fell_back, projections_fit = [], [], False
-  for hf_name, target, layer, entry in tables.hf_names(
-    tables.TABLES[cfg.model_type], cfg.num_layers
-  ):
-    if target == ("lm_head",) and tied:
-      continue
-    try:
-      node = _module(model, target[:-1] if entry.kind == "param" else target)
-    except AttributeError:
-      continue
+  for hf_name, target, layer, entry, node in model_tensors(model):
     if entry.kind == "linear":
       shape = (node.out_features, node.in_features)
       read = _linear_reader(node, layer)
     else:
-      var = getattr(node, target[-1], None)
-      if var is None:  # e.g. a bias this model does not have
-        continue
-      shape = tuple(_layer(var[...], layer).shape)
-      read = _param_reader(var, layer)
+      shape = tuple(_layer(node[...], layer).shape)
+      read = _param_reader(node, layer)
     base, suffix = hf_name.rsplit(".", 1)
     gguf_name = names.get_name(base)
     if gguf_name is None:

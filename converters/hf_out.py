@@ -6,8 +6,9 @@ table the loader reads, as sharded safetensors with the original config and toke
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,25 @@ def _module(model, path: tuple[str, ...]):
 
 def _layer(x, layer):
   return x if layer is None else x[layer]
+
+
+def model_tensors(model) -> Iterator[tuple[str, tuple[str, ...], int | None, Any, Any]]:
+  """(HF name, target, layer, table entry, what holds it) for every tensor the model has, in
+  the checkpoint table's order: the Linear for a linear weight, else the Variable (a model
+  without that tensor, e.g. a bias or a tied lm_head, is skipped)."""
+  cfg = model.config
+  for name, target, layer, entry in tables.hf_names(tables.TABLES[cfg.model_type], cfg.num_layers):
+    if target == ("lm_head",) and model.lm_head is None:
+      continue
+    try:
+      node = _module(model, target[:-1] if entry.kind == "param" else target)
+    except AttributeError:
+      continue
+    if entry.kind != "linear":
+      node = getattr(node, target[-1], None)
+      if node is None:
+        continue
+    yield name, target, layer, entry, node
 
 
 def merged_weight(linear: "Linear", layer: int | None) -> jax.Array:
@@ -105,23 +125,12 @@ def _host(value, dtype: str) -> np.ndarray:
 
 def _export(model, out: Path, dtype: str, max_shard_bytes: int, bnb4: bool) -> Path:
   out.mkdir(parents=True, exist_ok=True)
-  cfg = model.config
-  table = tables.TABLES[cfg.model_type]
   shards, current, size = [], {}, 0
-  for name, target, layer, entry in tables.hf_names(table, cfg.num_layers):
-    if target == ("lm_head",) and model.lm_head is None:
-      continue
-    try:
-      node = _module(model, target[:-1] if entry.kind == "param" else target)
-    except AttributeError:
-      continue
+  for name, _, layer, entry, node in model_tensors(model):
     if entry.kind == "linear":
       tensors = _linear_tensors(node, layer, name, dtype, bnb4)
     else:
-      var = getattr(node, target[-1], None)
-      if var is None:  # e.g. a bias this model does not have
-        continue
-      tensors = {name: _host(_layer(var[...], layer), dtype)}
+      tensors = {name: _host(_layer(node[...], layer), dtype)}
     current.update(tensors)
     size += sum(a.nbytes for a in tensors.values())
     if size >= max_shard_bytes:
@@ -142,7 +151,9 @@ def _export(model, out: Path, dtype: str, max_shard_bytes: int, bnb4: bool) -> P
     )
   src_config = Path(getattr(model, "checkpoint_dir", "") or "") / "config.json"
   config = (
-    json.loads(src_config.read_text()) if src_config.is_file() else {"model_type": cfg.model_type}
+    json.loads(src_config.read_text())
+    if src_config.is_file()
+    else {"model_type": model.config.model_type}
   )
   config.pop("quantization_config", None)
   if bnb4:
