@@ -4,10 +4,10 @@
 example ``model-q8_0.gguf``) the way llama.cpp's convert_hf_to_gguf.py writes the same
 checkpoint: its tensor names (``token_embd.weight``, ``blk.N.attn_q.weight``, ...), Llama's
 q/k rows permuted for llama.cpp's rope, Gemma's norm weights stored as ``1 + w``, Llama 3's
-rope scaling as a ``rope_freqs`` tensor, and the tokenizer (byte-level BPE, ``gpt2``) with its
-merges, special ids and chat template. Weights are the merged ones ``export_merged`` writes
-(dequantized base plus the LoRA update), computed and written one tensor at a time: the
-header goes first, then each tensor's data as it is made, so host memory holds one tensor.
+rope scaling as a ``rope_freqs`` tensor, and the tokenizer (converters/gguf_vocab.py). Weights
+are the merged ones ``export_merged`` writes (dequantized base plus the LoRA update), computed
+and written one tensor at a time: the header goes first, then each tensor's data as it is
+made, so host memory holds one tensor.
 
 Types: f16, bf16, f32, q8_0, q5_1, q5_0, q4_1, q4_0 (the ones gguf-py can quantize). Norms,
 biases and other 1-D tensors stay f32. A matrix whose rows do not split into the type's
@@ -17,7 +17,6 @@ of whose projections can take the type is refused.
 """
 
 import dataclasses
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from converters.gguf_vocab import tokenizer_writer
 from converters.hf_out import _layer, merged_weight, model_tensors
 from jaxtune import rope as ropes
 from jaxtune.config import SLIDING, ModelConfig, RopeConfig
@@ -57,17 +57,6 @@ ARCHITECTURES = {
   "gemma2": "gemma2",
   "gemma3_text": "gemma3",
 }
-# The split regex of a byte-level BPE pre-tokenizer -> llama.cpp's name for it
-# (tokenizer.ggml.pre), so llama.cpp splits text as the checkpoint's tokenizer does.
-_LLAMA3_SPLIT = (
-  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-  r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_PRE_TOKENIZERS = {
-  _LLAMA3_SPLIT: "llama-bpe",
-  _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"): "qwen2",
-  None: "gpt-2",  # no Split: ByteLevel's own regex, GPT-2's
-}
 
 
 def gguf_file_name(gguf_type: str) -> str:
@@ -98,7 +87,7 @@ def export_gguf(
     raise ExportError(f"GGUF export does not support model_type {cfg.model_type!r}.")
   arch = ARCHITECTURES[cfg.model_type]
   src = Path(getattr(model, "checkpoint_dir", "") or "")
-  vocab = _vocab(src, cfg)
+  vocab = tokenizer_writer(src, cfg.vocab_size)
   tensors = _plan(model, arch, gguf_type)
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
@@ -276,72 +265,3 @@ def _llama3_rope_factors(rope: RopeConfig, head_dim: int) -> np.ndarray:
   """llama.cpp divides each rope frequency by its factor: plain over llama3-scaled."""
   plain = ropes.inverse_frequencies(RopeConfig(theta=rope.theta), head_dim)
   return (plain / ropes.inverse_frequencies(rope, head_dim)).astype(np.float32)
-
-
-def _vocab(src: Path, cfg: ModelConfig) -> Callable[["gguf.GGUFWriter"], None]:
-  """A function writing the checkpoint's tokenizer into the GGUF metadata, or an ExportError
-  saying why it cannot be written."""
-  import gguf
-
-  path = src / "tokenizer.json"
-  if not path.is_file():
-    raise ExportError(
-      f"GGUF export needs the checkpoint's tokenizer.json, and {src or 'the model'} has none."
-    )
-  spec = json.loads(path.read_text())
-  byte_level = "ByteLevel" in json.dumps(spec.get("pre_tokenizer"))
-  if spec.get("model", {}).get("type") != "BPE" or not byte_level:
-    raise ExportError(
-      "GGUF export writes byte-level BPE tokenizers (Llama 3, Qwen and the like); this "
-      "checkpoint's tokenizer.json is another kind (e.g. SentencePiece, as in Gemma)."
-    )
-  vocab = dict(spec["model"]["vocab"])
-  added = {t["content"]: t for t in spec.get("added_tokens", [])}
-  vocab.update({content: t["id"] for content, t in added.items()})
-  if max(vocab.values()) >= cfg.vocab_size:
-    raise ExportError(
-      f"the tokenizer has ids up to {max(vocab.values())}, past the model's vocab_size "
-      f"{cfg.vocab_size}; GGUF needs one embedding row per token."
-    )
-  by_id = {i: token for token, i in vocab.items()}
-  tokens, types = [], []
-  for i in range(cfg.vocab_size):
-    token = by_id.get(i)
-    if token is None:  # embedding rows past the tokenizer, as llama.cpp names them
-      tokens.append(f"[PAD{i}]")
-      types.append(gguf.TokenType.UNUSED)
-    elif token in added:
-      tokens.append(token)
-      special = added[token].get("special", False)
-      types.append(gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED)
-    else:
-      tokens.append(token)
-      types.append(gguf.TokenType.NORMAL)
-  pre = _pre_tokenizer(spec.get("pre_tokenizer") or {})
-  special = gguf.SpecialVocab(src, load_merges=True, n_vocab=cfg.vocab_size)
-
-  def write(w: "gguf.GGUFWriter") -> None:
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    special.add_to_gguf(w, quiet=True)
-
-  return write
-
-
-def _pre_tokenizer(pre: dict) -> str:
-  steps = pre.get("pretokenizers") or [pre]
-  splits = [s["pattern"].get("Regex") for s in steps if s.get("type") == "Split"]
-  gpt2_regex = any(s.get("type") == "ByteLevel" and s.get("use_regex", True) for s in steps)
-  if gpt2_regex:
-    key = None if not splits else "other"
-  else:
-    key = splits[0] if len(splits) == 1 else "other"
-  if key not in _PRE_TOKENIZERS:
-    log.warning(
-      "GGUF export: this tokenizer's pre-tokenizer is not one llama.cpp names; writing "
-      "'default', under which llama.cpp may split some text differently."
-    )
-    return "default"
-  return _PRE_TOKENIZERS[key]

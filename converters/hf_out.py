@@ -51,7 +51,7 @@ def _layer(x, layer):
   return x if layer is None else x[layer]
 
 
-def model_tensors(model) -> Iterator[tuple[str, tuple[str, ...], int | None, Any, Any]]:
+def model_tensors(model: nnx.Module) -> Iterator[tuple[str, tuple[str, ...], int | None, Any, Any]]:
   """(HF name, target, layer, table entry, what holds it) for every tensor the model has, in
   the checkpoint table's order: the Linear for a linear weight, else the Variable (a model
   without that tensor, e.g. a bias or a tied lm_head, is skipped)."""

@@ -1,8 +1,9 @@
 """GGUF export: read back with gguf-py, loaded by transformers, against jaxtune's merged model.
 
-Each family's tiny checkpoint carries the built-in byte-level BPE tokenizer and NF4 base
-weights with a LoRA whose B is non-zero, so a file without the update (or with a wrong name,
-layout, norm convention or permutation) gives other logits. transformers' GGUF loader has no
+Each family's tiny checkpoint carries the built-in byte-level BPE tokenizer (or a
+SentencePiece-style one, as Gemma and Llama 2 have) and NF4 base weights with a LoRA whose B is
+non-zero, so a file without the update (or with a wrong name, layout, norm convention or
+permutation) gives other logits. transformers' GGUF loader has no
 Gemma 1 ("gemma"), and reads neither head_dim for Qwen3 nor Gemma 2/3's softcaps, window,
 query scale or per-layer rope from the metadata: those files are loaded with the checkpoint's
 config.json (the weights still come from the GGUF), their metadata checked here with the
@@ -87,15 +88,82 @@ def tokenizer_dir(tmp_path_factory):
   return out
 
 
+# A SentencePiece-style tokenizer as transformers stores Gemma's and Llama 2's: Gemma's first
+# ids, the 256 byte tokens, BPE pieces trained on the built-in data, and a run of spaces that is
+# an added token but not a special one (Gemma has such runs). Fewer tokens than VOCAB, so the
+# last embedding rows have no token.
+SP_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+SP_BYTES = [f"<0x{b:02X}>" for b in range(256)]
+SP_USER_DEFINED = "\u2581" * 4
+SP_TEMPLATE = (
+  "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}"
+  "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def _write_sentencepiece_tokenizer(out, style):
+  """style "gemma": spaces become "▁" in the normalizer and none goes first (Gemma's
+  tokenizer.json); "llama": a Metaspace pre-tokenizer that puts one first (Llama 2's, Mistral's)."""
+  from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+  )
+  from transformers import PreTrainedTokenizerFast
+
+  from jaxtune.default_model import DATASET
+
+  texts = [
+    m["content"] for row in DATASET.read_text().splitlines() for m in json.loads(row)["messages"]
+  ]
+  pieces = Tokenizer(models.BPE())
+  pieces.pre_tokenizer = pre_tokenizers.Metaspace("\u2581", prepend_scheme="always")
+  pieces.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=220, show_progress=False))
+  trained = json.loads(pieces.to_str())["model"]
+  vocab = {t: i for i, t in enumerate(SP_SPECIAL + SP_BYTES)}
+  for piece in sorted(trained["vocab"], key=trained["vocab"].get):
+    vocab.setdefault(piece, len(vocab))
+  vocab[SP_USER_DEFINED] = len(vocab)
+  merges = [tuple(m) for m in trained["merges"]]
+  tok = Tokenizer(
+    models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True)
+  )
+  decode = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+  if style == "gemma":
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+  else:
+    tok.pre_tokenizer = pre_tokenizers.Metaspace("\u2581", prepend_scheme="first", split=False)
+    decode.append(decoders.Strip(" ", 1, 0))
+  tok.decoder = decoders.Sequence(decode)
+  tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SP_SPECIAL])
+  tok.add_tokens([AddedToken(SP_USER_DEFINED, special=False, normalized=False)])
+  tok.post_processor = processors.TemplateProcessing(
+    single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", vocab["<bos>"])]
+  )
+  fast = PreTrainedTokenizerFast(
+    tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>"
+  )
+  fast.chat_template = SP_TEMPLATE
+  fast.save_pretrained(out)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, tokenizer_dir):
-  """Factory: a tiny HF checkpoint of a family (norms perturbed), with the tokenizer."""
+  """Factory: a tiny HF checkpoint of a family (norms perturbed), with a tokenizer: the
+  built-in byte-level one ("bpe"), a SentencePiece-style one ("gemma" or "llama" style) or
+  none."""
   made = {}
 
-  def make(family, with_tokenizer=True, **overrides):
+  def make(family, tokenizer="bpe", **overrides):
     from transformers import AutoModelForCausalLM
 
-    key = (family, with_tokenizer, json.dumps(overrides, sort_keys=True))
+    key = (family, tokenizer, json.dumps(overrides, sort_keys=True))
     if key not in made:
       torch.manual_seed(0)
       hf = AutoModelForCausalLM.from_config(_hf_config(family, **overrides)).float().eval()
@@ -105,9 +173,11 @@ def checkpoint(tmp_path_factory, tokenizer_dir):
             p.add_(0.3 * torch.randn_like(p))
       out = tmp_path_factory.mktemp(family)
       hf.save_pretrained(out)
-      if with_tokenizer:
+      if tokenizer == "bpe":
         for f in tokenizer_dir.iterdir():
           shutil.copy(f, out / f.name)
+      elif tokenizer is not None:
+        _write_sentencepiece_tokenizer(out, tokenizer)
       made[key] = out
     return made[key]
 
@@ -119,17 +189,18 @@ def trained(checkpoint):
   """Factory: the family's checkpoint in NF4 with rank-4 LoRA on every projection, B random."""
   made = {}
 
-  def make(family):
-    if family not in made:
-      model = jaxtune.from_pretrained(checkpoint(family), quantization="nf4", dtype="float32")
+  def make(family, tokenizer="bpe"):
+    if (family, tokenizer) not in made:
+      path = checkpoint(family, tokenizer)
+      model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32")
       model = jaxtune.apply_lora(model, rank=4, alpha=8)
       rng = np.random.default_rng(1)
       for _, linear in jaxtune.lora.iter_linears(model):
         if linear.lora_b is not None:
           b = 0.05 * rng.standard_normal(linear.lora_b[...].shape)
           linear.lora_b[...] = jnp.asarray(b, jnp.float32)
-      made[family] = model
-    return made[family]
+      made[family, tokenizer] = model
+    return made[family, tokenizer]
 
   return make
 
@@ -333,6 +404,109 @@ def test_tokenizer_round_trips_through_transformers(trained, checkpoint, tmp_pat
   assert from_gguf(text).input_ids == original(text).input_ids
 
 
+def _sentencepiece_expected(checkpoint_dir):
+  """tokens, scores and types llama.cpp's converter writes, from the tokenizer.json."""
+  spec = json.loads((checkpoint_dir / "tokenizer.json").read_text())
+  by_id = {i: t for t, i in spec["model"]["vocab"].items()}
+  made_at = {}
+  for rank, (left, right) in enumerate(spec["model"]["merges"]):
+    made_at.setdefault(left + right, rank)
+  tokens, scores, types = [], [], []
+  for i in range(VOCAB):
+    token = by_id.get(i)
+    if token is None:
+      tokens.append(f"[PAD{i}]")
+      types.append(gguf.TokenType.UNUSED)
+    elif token == "<unk>":
+      types.append(gguf.TokenType.UNKNOWN)
+    elif token in SP_SPECIAL:
+      types.append(gguf.TokenType.CONTROL)
+    elif token in SP_BYTES:
+      types.append(gguf.TokenType.BYTE)
+    elif token == SP_USER_DEFINED:
+      tokens.append("    ")  # llama.cpp matches these before its spaces become "▁"
+      types.append(gguf.TokenType.USER_DEFINED)
+    else:
+      types.append(gguf.TokenType.NORMAL)
+    if len(tokens) == i:
+      tokens.append(token)
+    scores.append(-1.0 - made_at[token] if token in made_at else 0.0)
+  return tokens, scores, types
+
+
+@pytest.mark.parametrize(("family", "style"), [("gemma2", "gemma"), ("llama", "llama")])
+def test_sentencepiece_tokenizer_is_written_as_llama_cpp_writes_it(
+  family, style, trained, checkpoint, tmp_path
+):
+  """Gemma's and Llama 2's tokenizer.json (BPE with byte fallback, spaces as "▁") become
+  llama.cpp's "llama" tokenizer; transformers builds the same tokenizer back from the file
+  (on a llama file from the scores; on a Gemma file from the token order) and loads the
+  model."""
+  from transformers import AutoTokenizer
+
+  model = trained(family, style)
+  path = export_gguf(model, tmp_path, "f16")
+  reader = gguf.GGUFReader(path)
+  assert _field(reader, "tokenizer.ggml.model") == "llama"
+  assert _field(reader, "tokenizer.ggml.pre") == "default"
+  assert "tokenizer.ggml.merges" not in reader.fields
+  tokens, scores, types = _sentencepiece_expected(checkpoint(family, style))
+  assert _field(reader, "tokenizer.ggml.tokens") == tokens
+  assert _field(reader, "tokenizer.ggml.scores") == scores
+  assert _field(reader, "tokenizer.ggml.token_type") == types
+  assert min(scores) < -100 and types.count(gguf.TokenType.UNUSED) > 0
+  ids = {
+    k: _field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")
+  }
+  assert ids == {"bos": 2, "eos": 1, "unknown": 3, "padding": 0}
+  assert _field(reader, "tokenizer.ggml.add_bos_token")
+  assert _field(reader, "tokenizer.ggml.add_space_prefix") == (style == "llama")
+  assert _field(reader, "tokenizer.chat_template") == SP_TEMPLATE
+
+  from_gguf = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+  original = AutoTokenizer.from_pretrained(checkpoint(family, style))
+  # " reen 6?unt" comes out otherwise with the scores all equal or in reverse.
+  text = "<start_of_turn>user\nWhat is 25 plus 27?  Ünï → 😀 reen 6?unt<end_of_turn>\n"
+  want = original(text).input_ids
+  assert want[0] == 2 and 3 not in want and any(6 <= i < 262 for i in want)  # bos, bytes
+  assert from_gguf(text).input_ids == want
+  got = _transformers_logits(path, checkpoint(family, style))
+  assert _rel(got, np.asarray(model(jnp.asarray(_ids())))) <= 5e-3
+
+
+def test_older_llama_2_tokenizer_json_is_written_the_same(checkpoint, tmp_path):
+  """Older files (Llama 2's as first published) put the "▁" first and replace spaces in the
+  normalizer, with no pre-tokenizer, and spell merges "a b": the same GGUF tokenizer."""
+  from converters.gguf_vocab import tokenizer_writer
+
+  newer = checkpoint("llama", "llama")
+  older = tmp_path / "older"
+  shutil.copytree(newer, older)
+  spec = json.loads((newer / "tokenizer.json").read_text())
+  spec["normalizer"] = {
+    "type": "Sequence",
+    "normalizers": [
+      {"type": "Prepend", "prepend": "\u2581"},
+      {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+    ],
+  }
+  spec["pre_tokenizer"] = None
+  spec["model"]["merges"] = [" ".join(m) for m in spec["model"]["merges"]]
+  (older / "tokenizer.json").write_text(json.dumps(spec))
+  fields = []
+  for src in (newer, older):
+    writer = gguf.GGUFWriter(tmp_path / f"{src.name}.gguf", "llama")
+    tokenizer_writer(src, VOCAB)(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(tmp_path / f"{src.name}.gguf")
+    fields.append({k: _field(reader, k) for k in reader.fields if k.startswith("tokenizer.")})
+  assert fields[0] == fields[1]
+  assert fields[1]["tokenizer.ggml.add_space_prefix"]
+  assert min(fields[1]["tokenizer.ggml.scores"]) < -100
+
+
 # Per tensor: at most half a step of the type's grid (bf16: 2^-9 of the value; q8_0: 1/254 of
 # its block's largest value; q4_0: 1/8, as its 16 steps reach only 7/8 of the block's largest
 # magnitude on the other sign), as a fraction of the tensor's largest value. The logits then
@@ -405,7 +579,7 @@ def test_refusals_come_before_anything_is_written(checkpoint, trained, tmp_path)
   with pytest.raises(ExportError, match="no projection"):
     export.write(narrow, "gguf", tmp_path / "b", gguf_type="q4_0")
   untokenized = jaxtune.from_pretrained(
-    checkpoint("qwen3", with_tokenizer=False), quantization=None, dtype="float32"
+    checkpoint("qwen3", tokenizer=None), quantization=None, dtype="float32"
   )
   with pytest.raises(ExportError, match="tokenizer.json"):
     export.write(untokenized, "gguf", tmp_path / "c")
@@ -417,6 +591,29 @@ def test_refusals_come_before_anything_is_written(checkpoint, trained, tmp_path)
   assert sorted(p.name for p in tmp_path.iterdir()) == []
   out = export.write(model, "gguf", tmp_path / "d", gguf_type="q8_0")
   assert [p.name for p in out.iterdir()] == ["model-q8_0.gguf"]
+
+
+def test_tokenizers_llama_cpp_cannot_rebuild_are_refused(tmp_path):
+  """WordPiece (BERT), Unigram (T5) and SentencePiece-style BPE without byte fallback (whose
+  unknown bytes llama.cpp would look up as <0xNN> tokens) are refused, saying which it is."""
+  from tokenizers import Tokenizer, models, pre_tokenizers
+
+  from converters.gguf_vocab import tokenizer_writer
+
+  metaspace = pre_tokenizers.Metaspace("\u2581")
+  kinds = {
+    "a WordPiece model": (models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"), None),
+    "a Unigram model": (models.Unigram([("<unk>", 0.0), ("\u2581a", -1.0)], 0), metaspace),
+    "no byte fallback": (models.BPE({"<unk>": 0, "\u2581": 1}, [], unk_token="<unk>"), metaspace),
+  }
+  for i, (says, (model, pre)) in enumerate(kinds.items()):
+    tok = Tokenizer(model)
+    if pre is not None:
+      tok.pre_tokenizer = pre
+    (tmp_path / str(i)).mkdir()
+    tok.save(str(tmp_path / str(i) / "tokenizer.json"))
+    with pytest.raises(ExportError, match=f"byte-level .* SentencePiece-style .* has {says}"):
+      tokenizer_writer(tmp_path / str(i), VOCAB)
 
 
 def test_run_config_checks_the_gguf_type():
