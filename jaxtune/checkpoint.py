@@ -4,8 +4,9 @@ and data position.
 Orbax writes each step under a temporary name and renames it only when complete, so a run
 killed mid-save (or a disk that fills up) leaves the previous checkpoint intact; leftover
 temporary directories are removed when the next run opens the directory. Only the last
-``keep`` steps are kept. A checkpoint that cannot be read is reported and the one before it
-used. The frozen base weights are never saved: they are re-read from the HF checkpoint.
+``keep`` steps are kept. A checkpoint that cannot be read is reported, moved aside to
+``checkpoints.damaged/`` (never deleted; the run can then save that step again) and the one
+before it used. The frozen base weights are never saved: they are re-read from the HF checkpoint.
 
 With several processes every one of them calls ``save`` and ``restore_latest`` (orbax
 coordinates the collective write); the directory must be on storage all of them share.
@@ -13,15 +14,13 @@ coordinates the collective write); the directory must be on storage all of them 
 
 import errno
 import sys
+import time
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 
 from jaxtune.errors import RestoreError, SaveError
-
-# What a corrupt or half-deleted checkpoint raises from orbax/tensorstore while reading.
-_READ_ERRORS = (ValueError, KeyError, OSError)
 
 
 def _first_line(e: BaseException) -> str:
@@ -37,8 +36,9 @@ def _say(message: str) -> None:
 class Checkpoints:
   def __init__(self, directory: str | Path, keep: int = 2, read_only: bool = False):
     """``read_only``: for readers of a run (export, generate), which may run while it trains
-    and must not clean up its checkpoint in progress."""
+    and must not clean up its checkpoint in progress (nor move a damaged one aside)."""
     self.directory = Path(directory).absolute()
+    self.read_only = read_only
     self.manager = ocp.CheckpointManager(
       self.directory,
       item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
@@ -111,9 +111,11 @@ class Checkpoints:
         )
       except RestoreError:
         raise
-      except _READ_ERRORS as e:
+      except Exception as e:  # orbax and tensorstore raise many types, plain Exception too
+        moved = self._move_aside(step)
+        where = f"; moved it to {moved}" if moved else ""
         _say(
-          f"checkpoint {step} in {self.directory} cannot be read ({_first_line(e)})"
+          f"checkpoint {step} in {self.directory} cannot be read ({_first_line(e)}){where}"
           + (f"; {instead}." if instead else ".")
         )
         continue
@@ -123,8 +125,30 @@ class Checkpoints:
       return state, int(restored["meta"]["step"])
     raise RestoreError(
       f"none of the checkpoints in {self.directory} (steps {', '.join(map(str, steps))}) can be "
-      "read; start a new run with another --out."
+      + (
+        "read; start a new run with another --out."
+        if self.read_only
+        else f"read (they are kept in {self.directory.name}.damaged); train again without --resume."
+      )
     )
+
+  def _move_aside(self, step: int) -> Path | None:
+    """Move a damaged step out of the way (never delete it): to ``checkpoints.damaged/`` beside
+    the checkpoints, so the run can save that step again. Not for readers (read_only), and
+    only process 0 moves it."""
+    if self.read_only:
+      return None
+    target = None
+    if jax.process_index() == 0:
+      aside = self.directory.with_name(self.directory.name + ".damaged")
+      target = aside / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+      try:
+        aside.mkdir(exist_ok=True)
+        (self.directory / str(step)).rename(target)
+      except OSError:
+        target = None
+    self.manager.reload()
+    return target
 
   def _check_shapes(self, step: int, saved, abstract: dict) -> None:
     if saved is None or "lora" not in saved or "opt_state" not in saved:

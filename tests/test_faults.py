@@ -6,6 +6,7 @@ Each must leave a checkpoint that loads and a sentence that says what happened.
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -231,25 +232,71 @@ def _corrupt(step_dir: Path) -> None:
       f.write_bytes(b"")
 
 
-def test_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
+def _truncate(step_dir: Path) -> None:
+  for f in step_dir.rglob("*"):
+    if f.is_file() and f.parent.name == "d":
+      f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _drop_chunks(step_dir: Path) -> None:
+  for d in [d for d in step_dir.rglob("d") if d.is_dir()]:
+    shutil.rmtree(d)
+
+
+def _drop_metadata(step_dir: Path) -> None:
+  for f in step_dir.rglob("_METADATA"):
+    f.unlink()
+
+
+DAMAGE = {"emptied": _corrupt, "truncated": _truncate, "chunks-deleted": _drop_chunks,
+          "metadata-deleted": _drop_metadata}  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_checkpoint_is_moved_aside_and_the_run_goes_on(tmp_path, capsys, damage):
   directory = tmp_path / "checkpoints"
   ckpts = checkpoint.Checkpoints(directory, keep=3)
   for v in (1.0, 2.0, 3.0):
     ckpts.save(int(v), _state(v))
-  _corrupt(directory / "3")
-  state, step = checkpoint.Checkpoints(directory).restore_latest(_state(0.0))
+  ckpts.close()
+  DAMAGE[damage](directory / "3")
+  before = sorted(p.relative_to(directory / "3") for p in (directory / "3").rglob("*"))
+  # A reader (export, generate) falls back too, and moves nothing.
+  reader = checkpoint.Checkpoints(directory, read_only=True)
+  assert reader.restore_latest(_state(0.0))[1] == 2 and (directory / "3").is_dir()
+  ckpts = checkpoint.Checkpoints(directory, keep=3)
+  state, step = ckpts.restore_latest(_state(0.0))
   assert step == 2
   _assert_state(state, 2.0)
   err = capsys.readouterr().err
+  (moved,) = (tmp_path / "checkpoints.damaged").iterdir()
   assert f"jaxtune: checkpoint 3 in {directory} cannot be read (" in err
-  assert err.strip().endswith("; using checkpoint 2 instead.")
+  assert f"; moved it to {moved}; using checkpoint 2 instead." in err
+  assert sorted(p.relative_to(moved) for p in moved.rglob("*")) == before  # kept, whole
+  # The run saves step 3 again, and resumes from it.
+  ckpts.save(3, _state(3.5))
+  state, step = checkpoint.Checkpoints(directory).restore_latest(_state(0.0))
+  assert step == 3
+  _assert_state(state, 3.5)
 
+
+def test_every_checkpoint_damaged_is_one_sentence(tmp_path):
+  directory = tmp_path / "checkpoints"
+  ckpts = checkpoint.Checkpoints(directory, keep=3)
+  for v in (1.0, 2.0):
+    ckpts.save(int(v), _state(v))
   for s in ("1", "2"):
     _corrupt(directory / s)
   with pytest.raises(
-    checkpoint.RestoreError, match=r"none of the checkpoints .* \(steps 3, 2, 1\)"
+    checkpoint.RestoreError,
+    match=r"none of the checkpoints .* \(steps 2, 1\) can be read \(they are kept in "
+    r"checkpoints\.damaged\); train again without --resume\.",
   ):
     checkpoint.Checkpoints(directory).restore_latest(_state(0.0))
+  assert sorted(p.name.split("-")[0] for p in (tmp_path / "checkpoints.damaged").iterdir()) == [
+    "1",
+    "2",
+  ]
 
 
 def test_checkpoint_of_other_shapes_is_refused(tmp_path):
