@@ -109,6 +109,60 @@ def tiny_llama_config(**overrides):
   return LlamaConfig(**kw)
 
 
+# Tiny configs of each family: norms, softcaps, windows, query scale and rope all differ from
+# the defaults enough to show a wrong implementation (test_families, test_gguf).
+FAMILY_COMMON = dict(
+  vocab_size=256,
+  hidden_size=128,
+  intermediate_size=192,
+  num_hidden_layers=4,
+  num_attention_heads=4,
+  max_position_embeddings=256,
+  rms_norm_eps=1e-6,
+)
+GEMMA3_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+_FAMILY = {
+  "llama": ("LlamaConfig", dict(num_key_value_heads=2, head_dim=32)),
+  "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+  "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=64, tie_word_embeddings=False)),
+  "gemma": ("GemmaConfig", dict(num_key_value_heads=1, head_dim=64)),
+  "gemma2": (
+    "Gemma2Config",
+    dict(
+      num_key_value_heads=2,
+      head_dim=64,
+      query_pre_attn_scalar=48,
+      sliding_window=8,
+      attn_logit_softcapping=5.0,
+      final_logit_softcapping=3.0,
+    ),
+  ),
+  "gemma3": (
+    "Gemma3TextConfig",
+    dict(
+      num_key_value_heads=2,
+      head_dim=64,
+      query_pre_attn_scalar=48,
+      sliding_window=8,
+      layer_types=GEMMA3_TYPES,
+      final_logit_softcapping=6.0,
+      rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+      },
+    ),
+  ),
+}
+
+
+def family_config(family: str, **overrides):
+  """A tiny transformers config of ``family``; ``overrides`` replace any field."""
+  import transformers as tf
+
+  cls, own = _FAMILY[family]
+  return getattr(tf, cls)(**{**FAMILY_COMMON, **own, **overrides})
+
+
 def build_hf_llama(seed=0, **overrides):
   """A random LlamaForCausalLM in fp32 with norm weights perturbed so a wrong norm shows."""
   from transformers import LlamaForCausalLM

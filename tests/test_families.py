@@ -10,62 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import copy_dequantized_into, max_rel_err, torch_logits
+from conftest import GEMMA3_TYPES, copy_dequantized_into, family_config, max_rel_err, torch_logits
 
 import jaxtune
 from jaxtune import runtime, trainer
 from jaxtune.data import Dataset
 from jaxtune.run_config import RunConfig
-
-COMMON = dict(
-  vocab_size=256,
-  hidden_size=128,
-  intermediate_size=192,
-  num_hidden_layers=4,
-  num_attention_heads=4,
-  max_position_embeddings=256,
-  rms_norm_eps=1e-6,
-)
-GEMMA3_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
-
-
-def _config(family):
-  import transformers as tf
-
-  if family == "llama":
-    return tf.LlamaConfig(**COMMON, num_key_value_heads=2, head_dim=32)
-  if family == "qwen2":
-    return tf.Qwen2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=True)
-  if family == "qwen3":
-    return tf.Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False)
-  if family == "gemma":
-    return tf.GemmaConfig(**COMMON, num_key_value_heads=1, head_dim=64)
-  if family == "gemma2":
-    return tf.Gemma2Config(
-      **COMMON,
-      num_key_value_heads=2,
-      head_dim=64,
-      query_pre_attn_scalar=48,
-      sliding_window=8,
-      attn_logit_softcapping=5.0,
-      final_logit_softcapping=3.0,
-    )
-  if family == "gemma3":
-    return tf.Gemma3TextConfig(
-      **COMMON,
-      num_key_value_heads=2,
-      head_dim=64,
-      query_pre_attn_scalar=48,
-      sliding_window=8,
-      layer_types=GEMMA3_TYPES,
-      final_logit_softcapping=6.0,
-      rope_parameters={
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
-      },
-    )
-  raise ValueError(family)
-
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"]
 
@@ -76,7 +26,7 @@ def family_dir(tmp_path):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    cfg = _config(family)
+    cfg = family_config(family)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
     with torch.no_grad():
       for name, p in model.named_parameters():

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import family_config
 from safetensors.numpy import load_file
 
 import jaxtune
@@ -29,54 +30,16 @@ from jaxtune.run_config import CHOICES, RunConfig
 gguf = pytest.importorskip("gguf")
 
 VOCAB = 512  # the built-in tokenizer's
-COMMON = dict(
-  vocab_size=VOCAB,
-  hidden_size=128,
-  intermediate_size=192,
-  num_hidden_layers=2,
-  num_attention_heads=4,
-  max_position_embeddings=256,
-  rms_norm_eps=1e-6,
-)
 LOADS_IN_TRANSFORMERS = ["llama", "qwen2", "qwen3", "gemma2", "gemma3"]
 
 
 def _hf_config(family, **overrides):
-  import transformers as tf
-
-  kw = {**COMMON, **overrides}
-  if family == "llama":
-    return tf.LlamaConfig(**{"num_key_value_heads": 2, "head_dim": 32, **kw})
-  if family == "qwen2":
-    return tf.Qwen2Config(**kw, num_key_value_heads=2, tie_word_embeddings=True)
-  if family == "qwen3":
-    return tf.Qwen3Config(**kw, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False)
-  if family == "gemma":
-    return tf.GemmaConfig(**kw, num_key_value_heads=1, head_dim=64)
-  if family == "gemma2":
-    return tf.Gemma2Config(
-      **kw,
-      num_key_value_heads=2,
-      head_dim=64,
-      query_pre_attn_scalar=48,
-      sliding_window=8,
-      attn_logit_softcapping=5.0,
-      final_logit_softcapping=3.0,
-    )
+  """Fewer layers than test_families' (two: one sliding, one full for Gemma 3), the built-in
+  tokenizer's vocabulary, no final softcap on Gemma 3."""
+  own = dict(vocab_size=VOCAB, num_hidden_layers=2)
   if family == "gemma3":
-    return tf.Gemma3TextConfig(
-      **kw,
-      num_key_value_heads=2,
-      head_dim=64,
-      query_pre_attn_scalar=48,
-      sliding_window=8,
-      layer_types=["sliding_attention", "full_attention"],
-      rope_parameters={
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
-      },
-    )
-  raise ValueError(family)
+    own.update(layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=None)
+  return family_config(family, **{**own, **overrides})
 
 
 @pytest.fixture(scope="module")
