@@ -31,11 +31,11 @@ def tiny_checkpoint(tmp_path_factory):
 def gemma3_checkpoint(tmp_path_factory):
   """Gemma 3: q/k norms and sandwich norms, whose backward reads the projections' outputs."""
   import torch
-  from test_families import _config
+  from conftest import family_config
   from transformers import AutoModelForCausalLM
 
   torch.manual_seed(0)
-  hf = AutoModelForCausalLM.from_config(_config("gemma3")).float().eval()
+  hf = AutoModelForCausalLM.from_config(family_config("gemma3")).float().eval()
   out = tmp_path_factory.mktemp("speed") / "gemma3"
   hf.save_pretrained(out)
   return out
