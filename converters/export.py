@@ -31,6 +31,23 @@ def _usual_modes(root: Path) -> None:
     path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
+# Bytes per parameter of each export (GGUF by --gguf-type: llama.cpp's block sizes), for the
+# free-space check before a run starts; close enough for that, not exact.
+_BYTES_PER_PARAM = {"merged": 2.0, "bnb4": 0.53}
+_GGUF_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32,
+               "q5_0": 22 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32}  # fmt: skip
+
+
+def estimated_bytes(fmt: str, num_params: int, lora_params: int, gguf_type: str = "f16") -> int:
+  """About how many bytes exporting a model of ``num_params`` (``lora_params`` of them
+  adapters) as ``fmt`` writes."""
+  if fmt == "peft":
+    return 4 * lora_params
+  if fmt == "gguf":
+    return int(_GGUF_BYTES.get(gguf_type, 2.0) * num_params)
+  return int(_BYTES_PER_PARAM.get(fmt, 2.0) * num_params)
+
+
 def check_destination(out: Path, overwrite: bool) -> None:
   """Refuse ``out`` before anything is loaded: a file, or a non-empty directory without
   ``overwrite``."""

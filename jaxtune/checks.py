@@ -4,8 +4,9 @@ Each raises a ``UserError`` (one sentence) naming what to change. The run-time l
 refusals (mesh, attention, pipeline, sequence parallelism) are in ``runtime.resolve``.
 """
 
+import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from jaxtune.errors import RunConfigError, UserError
 from jaxtune.run_config import RunConfig
@@ -19,12 +20,43 @@ def has_checkpoints(ckpt_dir: Path) -> bool:
   return ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
 
 
-# Settings a resumed run must share with the run that wrote the checkpoints.
-_RESUME_KEYS = ("model", "lora_rank", "lora_targets", "lora_rank_pattern")
+# Settings a resumed run must share with the run that wrote its checkpoints (they decide the
+# adapters' shapes, the examples and their order); --allow-changes lets them differ.
+RESUME_KEYS = (
+  "model", "quantization", "data", "data_config", "data_split", "data_format", "data_columns",
+  "train_on_prompt", "packing", "long_examples", "eval_split", "lora_rank", "lora_alpha",
+  "lora_targets", "lora_dropout", "rslora", "lora_rank_pattern", "lora_alpha_pattern",
+  "seq_len", "batch_size", "seed",
+)  # fmt: skip
 
 
-def check_resume(run: RunConfig, out: Path, model_path: Path | None, resume: bool) -> None:
-  """--resume needs checkpoints; a new run must not write over them."""
+class Resume(NamedTuple):
+  """What a resumed run continues: the settings it runs with (automatic ones taken from the
+  saved run), the saved run's settings and the settings that differ from them."""
+
+  run: RunConfig
+  saved: RunConfig | None
+  changes: dict[str, tuple[Any, Any]]  # name -> (saved, now)
+
+
+def _shown(key: str, value: Any) -> str:
+  if isinstance(value, tuple):
+    return ",".join(map(str, value))
+  if value is None and key == "data":
+    return "the built-in dataset"
+  return str(value)
+
+
+def check_resume(
+  run: RunConfig,
+  out: Path,
+  model_path: Path | None,
+  resume: bool,
+  allow_changes: bool = False,
+) -> Resume:
+  """--resume needs checkpoints and the settings that wrote them (see RESUME_KEYS); a new run
+  must not write over checkpoints. A resumed run leaving --seq-len or --steps unset continues
+  with the saved run's."""
   ckpt_dir = out / "checkpoints"
   has_ckpts = has_checkpoints(ckpt_dir)
   if not resume:
@@ -32,27 +64,38 @@ def check_resume(run: RunConfig, out: Path, model_path: Path | None, resume: boo
       raise UserError(
         f"{out} already holds checkpoints; pass --resume to continue, or a new --out."
       )
-    return
+    return Resume(run, None, {})
   if not has_ckpts:
     raise UserError(f"--resume: {ckpt_dir} holds no checkpoint; start without --resume.")
   saved_yaml = out / "config.yaml"
   if not saved_yaml.is_file():
-    return
+    return Resume(run, None, {})
   try:
     saved = RunConfig.from_yaml(saved_yaml).checked()
   except RunConfigError:
-    return  # the checkpoint's own shapes are checked when it is restored
-  now = run.replace(model=str(model_path))
-  for key in _RESUME_KEYS:
-    a, b = getattr(saved, key), getattr(now, key)
-    if key == "model":
+    return Resume(run, None, {})  # the checkpoint's own shapes are checked when it is restored
+  if run.seq_len is None:
+    run = run.replace(seq_len=saved.seq_len)
+  if run.steps is None and run.epochs == saved.epochs:
+    run = run.replace(steps=saved.steps)
+  now = run.replace(model=str(model_path) if model_path else run.model)
+  changes = {}
+  for f in dataclasses.fields(RunConfig):
+    a, b = getattr(saved, f.name), getattr(now, f.name)
+    if f.name == "model" and a and b:
       a, b = str(Path(a).resolve()), str(Path(b).resolve())
-    if a != b:
-      shown = lambda v: ",".join(v) if isinstance(v, tuple) else v  # noqa: E731
-      raise UserError(
-        f"--resume: the checkpoints in {out} were trained with {key} {shown(a)}, not "
-        f"{shown(b)}; resume with the same {key}, or start a new --out."
-      )
+    if f.name not in ("out", "dtype") and a != b:
+      changes[f.name] = (a, b)
+  refused = [k for k in RESUME_KEYS if k in changes]
+  if refused and not allow_changes:
+    listed = ", ".join(
+      f"{k} {_shown(k, changes[k][0])} (now {_shown(k, changes[k][1])})" for k in refused
+    )
+    raise UserError(
+      f"--resume: the checkpoints in {out} were trained with {listed}; resume with the "
+      "settings in its config.yaml, or pass --allow-changes to continue with these."
+    )
+  return Resume(run, saved, changes)
 
 
 def check_targets(run: RunConfig, cfg: "ModelConfig") -> None:

@@ -11,9 +11,12 @@ import math
 import os
 import secrets
 import sys
+import time
 from pathlib import Path
 
 import jax
+
+from jaxtune.run_dir import write_error
 
 
 def device_memory_gib() -> float | None:
@@ -94,15 +97,38 @@ class RunLog:
     self.total = total_steps
     self.enabled = enabled
     self.tty = sys.stderr.isatty()
-    self.metrics = open(Path(out) / "metrics.jsonl", "a") if enabled else None
+    self.path = Path(out) / "metrics.jsonl"
+    self.t0 = time.perf_counter()
+    self.first: tuple[int, float] | None = None  # (step, time) of the first step logged
+    self.metrics = None
     self.trackers = []
     if enabled:
-      kinds = {"tensorboard": _TensorBoard, "wandb": _WandB}
-      self.trackers = [kinds[n](Path(out), config or {}) for n in trackers(report_to)]
+      try:
+        self.metrics = open(self.path, "a")
+        kinds = {"tensorboard": _TensorBoard, "wandb": _WandB}
+        self.trackers = [kinds[n](Path(out), config or {}) for n in trackers(report_to)]
+      except OSError as e:
+        self.close()
+        raise write_error(self.path if self.metrics is None else Path(out), e) from e
 
   def _write(self, row: dict) -> None:
-    self.metrics.write(json.dumps(row) + "\n")
-    self.metrics.flush()
+    try:
+      self.metrics.write(json.dumps(row) + "\n")
+      self.metrics.flush()
+    except OSError as e:
+      raise write_error(self.path, e) from e
+
+  def _times(self, step: int) -> str:
+    """Elapsed time, and the time left at the pace of the steps since the first one logged
+    (which carries the compilation)."""
+    now = time.perf_counter()
+    text = f"{_clock(now - self.t0)}"
+    if self.first is None:
+      self.first = (step, now)
+    elif step > self.first[0] and step < self.total:
+      pace = (now - self.first[1]) / (step - self.first[0])
+      text += f" ETA {_clock(pace * (self.total - step))}"
+    return text
 
   def train(self, row: dict) -> None:
     if not self.enabled:
@@ -119,7 +145,7 @@ class RunLog:
     done = int(width * step / self.total)
     line = (
       f"step {step}/{self.total} [{'#' * done}{'.' * (width - done)}] loss {row['loss']:.4f} "
-      f"lr {row['lr']:.2e} {row['tokens_per_s']:.0f} tok/s"
+      f"lr {row['lr']:.2e} {row['tokens_per_s']:.0f} tok/s {self._times(step)}"
     )
     if self.tty:
       print("\r" + line, end="" if step < self.total else "\n", file=sys.stderr, flush=True)
@@ -147,10 +173,25 @@ class RunLog:
     )
 
   def close(self) -> None:
-    if self.enabled:
-      self.metrics.close()
-      for t in self.trackers:
-        t.close()
+    """Close the metrics file and the trackers. A failure to do so (a full disk) is raised as
+    one sentence, unless another error is already on its way out, which it must not hide."""
+    failed = None
+    closing_order = [(self.metrics, self.path), *((t, self.path.parent) for t in self.trackers)]
+    for closing, what in closing_order:
+      try:
+        if closing is not None:
+          closing.close()
+      except OSError as e:
+        failed = failed or write_error(what, e)
+    self.metrics, self.trackers = None, []
+    if failed is not None and sys.exc_info()[1] is None:
+      raise failed
+
+
+def _clock(seconds: float) -> str:
+  m, s = divmod(int(round(seconds)), 60)
+  h, m = divmod(m, 60)
+  return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
 def perplexity(loss: float) -> float:

@@ -5,6 +5,7 @@ Every input is checked before the model is loaded, and nothing is written to the
 directory until the model has loaded, so a bad input leaves no half-made run behind.
 """
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -20,7 +21,16 @@ from jax.sharding import Mesh
 from converters import export, hub, model_card
 from converters.hf_in import from_pretrained, resolve_checkpoint
 from converters.peft_in import is_adapter_dir, load_adapter, lora_settings, read_config
-from jaxtune import checkpoint, checks, default_model, distributed, runtime, step, trainer
+from jaxtune import (
+  checkpoint,
+  checks,
+  default_model,
+  distributed,
+  run_dir,
+  runtime,
+  step,
+  trainer,
+)
 from jaxtune import data as data_lib
 from jaxtune.config import ModelConfig
 from jaxtune.decoding import generate
@@ -195,11 +205,65 @@ def _steps(run: RunConfig, dataset) -> int:
 def _write_config(run: RunConfig, out: Path) -> None:
   """OUT/config.yaml: the run config as it runs (written by process 0, atomically)."""
   if distributed.is_main():
-    out.mkdir(parents=True, exist_ok=True)
     tmp = out / "config.yaml.tmp"
-    tmp.write_text(run.to_yaml())
-    tmp.replace(out / "config.yaml")
+    try:
+      tmp.write_text(run.to_yaml())
+      tmp.replace(out / "config.yaml")
+    except OSError as e:
+      tmp.unlink(missing_ok=True)
+      raise run_dir.write_error(out / "config.yaml", e) from e
   distributed.barrier("jaxtune run directory")
+
+
+def _start_header(resume: bool, previous: checks.Resume, allow_changes: bool) -> str:
+  """The comment atop this start's config-history file: when, and what changed."""
+  when = time.strftime("%Y-%m-%d %H:%M:%S")
+  if not resume:
+    return f"started {when}"
+  lines = [f"resumed {when}" + (" with --allow-changes" if allow_changes else "")]
+  for key, (was, now) in previous.changes.items():
+    lines.append(f"changed {key}: {was!r} -> {now!r}")
+  return "\n".join(lines)
+
+
+def _needs_room(run: RunConfig, cfg: ModelConfig, model: nnx.Module, resume: bool) -> dict:
+  """What the run will write, in bytes: its checkpoints (adapters and two Adam moments, all
+  float32; ``keep`` of them, one for a resumed run, which has the others already) and the
+  export."""
+  lora = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+  one = 3 * 4 * lora
+  needs = {"checkpoints": one * (1 if resume else run.keep_checkpoints)}
+  if run.export:
+    needs["the export"] = export.estimated_bytes(run.export, cfg.num_params(), lora, run.gguf_type)
+  return needs
+
+
+def _summary(history: list[dict], start_time: float, out: Path, run: RunConfig) -> str:
+  """The end-of-run line: losses, tokens, time, and where things are."""
+  took, out = _duration(time.perf_counter() - start_time), out.resolve()
+  if not history:
+    return f"jaxtune: nothing left to train (step {run.steps} was reached before); {took}"
+  train = [r for r in history if "loss" in r]
+  tokens = sum(r["tokens"] for r in train)
+  first, last = train[0], train[-1]
+  parts = [
+    f"trained steps {first['step']}-{last['step']} of {run.steps} in {took}",
+    f"loss {first['loss']:.4f} -> {last['loss']:.4f}",
+  ]
+  evals = [r for r in history if "eval_loss" in r]
+  if evals:
+    parts.append(f"eval loss {evals[-1]['eval_loss']:.4f} (perplexity {evals[-1]['eval_ppl']:.2f})")
+  parts.append(f"{tokens:,} trained tokens")
+  where = [f"checkpoints in {out / 'checkpoints'}", f"metrics in {out / 'metrics.jsonl'}"]
+  if run.export:
+    where.append(f"{run.export} export in {out / 'export'}")
+  return "jaxtune: " + ", ".join(parts) + "; " + ", ".join(where)
+
+
+def _duration(seconds: float) -> str:
+  m, s = divmod(int(round(seconds)), 60)
+  h, m = divmod(m, 60)
+  return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 class Trained(NamedTuple):
@@ -215,23 +279,45 @@ def run_training(
   data: Any = None,
   eval_data: Any = None,
   command: str | None = None,
+  allow_changes: bool = False,
 ) -> Trained:
   """Train as ``run`` says (``resume``: from OUT/checkpoints); returns (OUT, model).
 
   ``data``/``eval_data``: examples given as objects (a datasets.Dataset, an iterable of dicts)
   in place of run.data/run.eval_data. ``command``: how the run was started, for the model card.
+  ``allow_changes``: resume even where the settings differ from the saved run's.
+  One run at a time holds OUT (``run_dir.Lock``).
   """
   run = run.checked()
   checks.check_data_settings(run, given=data is not None)
   checks.check_export_settings(run)
   checks.check_report_to(run)
   out = Path(run.out)
+  run_dir.check_place(out, run.export)
   model_path = (
     resolve_checkpoint(run.model) if run.model else default_model.ensure_default_checkpoint()
   )
   if run.init_adapter:  # its LoRA settings are the run's (checked, recorded in config.yaml)
     run = run.replace(**lora_settings(run.init_adapter, model_path))
-  checks.check_resume(run, out, model_path, resume)
+  lock = run_dir.Lock(out, command) if distributed.is_main() else contextlib.nullcontext()
+  with lock:
+    if isinstance(lock, run_dir.Lock) and lock.took_over:
+      say(f"jaxtune: took over {out} from a run that is no longer running ({lock.took_over})")
+    previous = checks.check_resume(run, out, model_path, resume, allow_changes)
+    return _run_locked(previous, resume, model_path, data, eval_data, command, allow_changes)
+
+
+def _run_locked(
+  previous: checks.Resume,
+  resume: bool,
+  model_path: Path,
+  data: Any,
+  eval_data: Any,
+  command: str | None,
+  allow_changes: bool,
+) -> Trained:
+  t_start = time.perf_counter()
+  run, out = previous.run, Path(previous.run.out)
   cfg = ModelConfig.from_hf(model_path)
   checks.check_targets(run, cfg)
   prompts = checks.read_eval_prompts(run, has_eval=eval_data is not None or bool(run.eval_split))
@@ -245,11 +331,18 @@ def run_training(
   model = build_model(run, model_path, rt.mesh, dtype=rt.dtype)
   jax.block_until_ready(nnx.state(model))
   load_s = time.perf_counter() - t_load
-  _write_config(run.replace(model=str(model_path), dtype=rt.dtype), out)
   if distributed.is_main():
+    run_dir.check_room(out, _needs_room(run, cfg, model, resume))
+  recorded = run.replace(model=str(model_path), dtype=rt.dtype)
+  _write_config(recorded, out)
+  if distributed.is_main():
+    run_dir.record_start(out, recorded.to_yaml(), _start_header(resume, previous, allow_changes))
     hardware = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
     given = run.data if data is None else f"a {type(data).__name__} given from Python"
     model_card.write_run_info(out, command or _python_command(run), run.model, given, hardware)
+  if previous.changes and resume:
+    changed = ", ".join(f"{k} {v[0]} -> {v[1]}" for k, v in previous.changes.items())
+    say(f"jaxtune: resuming with changed settings: {changed}")
   say(f"jaxtune: {report.line()}")
   rows = "" if run.data_streaming else f"{len(dataset)} rows of {run.seq_len} tokens, "
   epochs = (
@@ -266,9 +359,12 @@ def run_training(
   ckpt_dir = out / "checkpoints"
   ckpts = checkpoint.Checkpoints(ckpt_dir, keep=run.keep_checkpoints)
   sample_fn = make_sample_fn(prompts, tokenizer)
+  was_steps = previous.saved.steps if previous.saved is not None else None
   try:
     with trainer.StopSignals() as stop:
-      model, _ = trainer.train(model, dataset, run, rt, ckpts, eval_dataset, sample_fn, stop)
+      model, history = trainer.train(
+        model, dataset, run, rt, ckpts, eval_dataset, sample_fn, stop, previous_steps=was_steps
+      )
   except TrainingError as e:
     reason = str(e).rstrip(".")
     raise TrainingError(f"{reason} (checkpoints saved before it are in {ckpt_dir}).") from e
@@ -286,6 +382,7 @@ def run_training(
         url = hub.push(out / "export", run.push_to_hub, private=run.hub_private)
         say(f"jaxtune: pushed the export to {url}")
     distributed.barrier("jaxtune export")
+  say(_summary(history, t_start, out, run))
   return Trained(out, model)
 
 
@@ -302,6 +399,7 @@ def train(
   *,
   eval_data: Any = None,
   resume: bool = False,
+  allow_changes: bool = False,
   **settings: Any,
 ) -> Trained:
   """Fine-tune from Python (notebooks, scripts): the command line's run, in this process.
@@ -330,4 +428,6 @@ def train(
     run, data = run.replace(data=str(data)), None
   if isinstance(eval_data, str | Path):
     run, eval_data = run.replace(eval_data=str(eval_data)), None
-  return run_training(run, resume=resume, data=data, eval_data=eval_data)
+  return run_training(
+    run, resume=resume, data=data, eval_data=eval_data, allow_changes=allow_changes
+  )

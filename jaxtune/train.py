@@ -123,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--config", help="YAML file of run settings; flags override it")
   p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints")
+  p.add_argument(
+    "--allow-changes",
+    action="store_true",
+    help="with --resume: continue even where the data, model, LoRA, seq-len, batch or seed "
+    "settings differ from the run's config.yaml (recorded in OUT/config-history)",
+  )
   defaults = RunConfig()
   for f in dataclasses.fields(RunConfig):
     flag = "--" + f.name.replace("_", "-")
@@ -139,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_config(argv: Sequence[str] | None = None) -> tuple[RunConfig, bool]:
-  """The run's settings (YAML, then flags) and whether to resume; RunConfigError if wrong."""
+  """The run's settings (YAML, then flags) and whether to resume; RunConfigError if wrong.
+  (``--allow-changes``: ``build_parser().parse_args``.)"""
   args = build_parser().parse_args(argv)
   settings = RunConfig.read_yaml(args.config) if args.config else {}
   overrides = {
@@ -169,12 +176,15 @@ def allow_host_memory_for_offload(
 def main(argv: Sequence[str] | None = None) -> int:
   try:
     run, resume = resolve_config(argv)
+    allow_changes = build_parser().parse_args(argv).allow_changes
+    if allow_changes and not resume:
+      raise UserError("--allow-changes is for --resume; pass --resume too, or drop it.")
     allow_host_memory_for_offload(run)  # before the GPU client starts
     distributed.initialize()  # before anything asks JAX for its devices
     command = shlex.join(
       ["python", "-m", "jaxtune.train", *(sys.argv[1:] if argv is None else argv)]
     )
-    out, _ = run_training(run, resume=resume, command=command)
+    out, _ = run_training(run, resume=resume, command=command, allow_changes=allow_changes)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -186,7 +196,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         file=sys.stderr,
       )
     return 128 + e.signum
-  say(f"done: outputs in {Path(out).resolve()}")
   return 0
 
 

@@ -136,6 +136,7 @@ def train(
   sample_fn: Callable[[nnx.Module], list[tuple[str, str]]] | None = None,
   stop: StopSignals | None = None,
   loss_scale: step.LossScale | None = None,
+  previous_steps: int | None = None,
 ) -> tuple[nnx.Module, list[dict]]:
   """Run the loop under ``runtime``; returns (trained model, list of per-step metrics).
 
@@ -143,7 +144,8 @@ def train(
   ``sample_fn(model) -> [(prompt, text)]`` adds a few generations to each evaluation. A
   float16 ``runtime.dtype`` scales the loss dynamically (``loss_scale``, default
   ``LossScale()``). With ``stop``, a SIGTERM/SIGINT saves a checkpoint after the current step
-  and raises ``Stopped``.
+  and raises ``Stopped``. ``previous_steps``: the length of the run being resumed, when known
+  (the resume line then says how its schedule changed).
   """
   graphdef, lora, frozen = step.place(model, runtime)
   if loss_scale is None and runtime.dtype == "float16":
@@ -152,6 +154,8 @@ def train(
   lora, opt_state, key, start, where = _start(
     lora, tx, runtime, loss_scale, checkpoints, run.seed, dataset
   )
+  if start and distributed.is_main():
+    print(_resume_line(start, run, schedule, previous_steps), file=sys.stderr, flush=True)
   replicated = runtime.sharding()
   out_shardings = None if replicated is None else (where["lora"], where["opt_state"], replicated)
   step_fn = step.make_train_step(graphdef, tx, runtime, loss_scale, out_shardings)
@@ -202,6 +206,22 @@ def train(
   finally:
     log.close()
   return nnx.merge(graphdef, lora, frozen), history
+
+
+def _resume_line(start: int, run: RunConfig, schedule, previous_steps: int | None) -> str:
+  """ "resuming from step N of M", and where the learning-rate schedule continues."""
+  line = f"jaxtune: resuming from step {start} of {run.steps}"
+  if start >= run.steps:
+    return line + "; nothing left to train."
+  lr = float(schedule(start))
+  line += f"; the {run.schedule} schedule continues at learning rate {lr:.3g}"
+  if previous_steps is not None and previous_steps != run.steps:
+    _, before = step.make_optimizer(run.replace(steps=previous_steps))
+    line += (
+      f" (the run was for {previous_steps} steps, where step {start + 1} had "
+      f"{float(before(start)):.3g}: the schedule now spans {run.steps} steps)"
+    )
+  return line + "."
 
 
 def _hardware() -> str:
