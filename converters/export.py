@@ -5,11 +5,15 @@ complete, so a failed or interrupted export never leaves a half-written model; a
 non-empty ``out`` is replaced only with ``overwrite``.
 """
 
+import errno
+import glob
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from safetensors import SafetensorError
 
 from converters.gguf_out import export_gguf
 from converters.hf_out import export_bnb4, export_merged, export_peft
@@ -48,11 +52,45 @@ def estimated_bytes(fmt: str, num_params: int, lora_params: int, gguf_type: str 
   return int(_BYTES_PER_PARAM.get(fmt, 2.0) * num_params)
 
 
+def _first_line(e: BaseException) -> str:
+  return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def remove_stale_temporaries(out: Path) -> list[Path]:
+  """Remove what exports into ``out`` that were killed left beside it (``.NAME.PID-*.tmp``
+  and their ``.old`` copies) when their process is gone; returns what was removed."""
+  removed = []
+  for tmp in out.parent.glob(f".{glob.escape(out.name)}.*.tmp*"):
+    pid = tmp.name[len(out.name) + 2 :].split("-")[0]
+    if not tmp.name.endswith((".tmp", ".tmp.old")) or (pid.isdigit() and _alive(int(pid))):
+      continue
+    shutil.rmtree(tmp, ignore_errors=True)
+    removed.append(tmp)
+  return removed
+
+
 def check_destination(out: Path, overwrite: bool) -> None:
   """Refuse ``out`` before anything is loaded: a file, or a non-empty directory without
   ``overwrite``."""
   if out.exists() and not out.is_dir():
     raise ExportError(f"--out {out} is a file; pass a directory.")
+  base = out.absolute()
+  while not base.exists() and base != base.parent:
+    base = base.parent
+  if not base.is_dir():
+    raise ExportError(f"--out {out} is under {base}, which is a file; pass a directory.")
+  if not os.access(base, os.W_OK | os.X_OK):
+    raise ExportError(f"--out {out}: {base} is not writable; choose another --out.")
   if out.is_dir() and any(out.iterdir()) and not overwrite:
     raise ExportError(
       f"--out {out} is not empty; pass --overwrite to replace it, or choose another directory."
@@ -77,7 +115,10 @@ def write(
   check_destination(out, overwrite)
   try:
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    remove_stale_temporaries(out)
+    tmp = Path(
+      tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}-", suffix=".tmp", dir=out.parent)
+    )
   except OSError as e:
     raise ExportError(
       f"cannot write into {out.parent} ({e.strerror}); choose another --out."
@@ -106,10 +147,14 @@ def write(
       if old is not None:
         old.rename(out)
       raise
-  except OSError as e:
+  except (OSError, SafetensorError) as e:
+    if isinstance(e, SafetensorError) and "I/O error" not in str(e):
+      raise  # not the disk: a bug
+    full = getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
+    why = "the disk is full" if full else (getattr(e, "strerror", None) or _first_line(e))
     raise ExportError(
-      f"writing the export to {out} failed ({e.strerror or e}); nothing was changed there: "
-      "free some space or choose another --out."
+      f"writing the export to {out} failed ({why}); nothing was changed there: free some "
+      "space or choose another --out."
     ) from e
   finally:
     if tmp.exists():

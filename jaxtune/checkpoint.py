@@ -13,6 +13,8 @@ coordinates the collective write); the directory must be on storage all of them 
 """
 
 import errno
+import logging
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -33,10 +35,32 @@ def _say(message: str) -> None:
     print(f"jaxtune: {message}", file=sys.stderr, flush=True)
 
 
+class _HandledHere(logging.Filter):
+  """orbax logs a failed write or read with its traceback (and asyncio its closed event loops)
+  before the error reaches us, where it becomes one sentence: drop those records, and absl's
+  warning that a reader's directory is read only (it is meant to be)."""
+
+  NOISE = ("Given directory is read only", "Event loop is closed")
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno >= logging.ERROR and "/orbax/" in record.pathname.replace("\\", "/"):
+      return False
+    message = record.getMessage()
+    return not any(n in message for n in self.NOISE)
+
+
+def _quiet_orbax() -> None:
+  for name in ("absl", "asyncio"):
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, _HandledHere) for f in logger.filters):
+      logger.addFilter(_HandledHere())
+
+
 class Checkpoints:
   def __init__(self, directory: str | Path, keep: int = 2, read_only: bool = False):
     """``read_only``: for readers of a run (export, generate), which may run while it trains
     and must not clean up its checkpoint in progress (nor move a damaged one aside)."""
+    _quiet_orbax()
     self.directory = Path(directory).absolute()
     self.read_only = read_only
     self.manager = ocp.CheckpointManager(
@@ -69,6 +93,7 @@ class Checkpoints:
         force=True,
       )
     except (OSError, ValueError, RuntimeError) as e:
+      self._remove_partial(step)
       kept = f"checkpoint {previous} is intact" if previous is not None else "no earlier checkpoint"
       full = getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
       if full:
@@ -79,6 +104,14 @@ class Checkpoints:
       raise SaveError(
         f"checkpoint {step} could not be written to {self.directory} ({_first_line(e)}); {kept}."
       ) from e
+
+  def _remove_partial(self, step: int) -> None:
+    """Remove what a failed save of ``step`` left (orbax's temporary directory), from
+    process 0, so a full disk gets its space back and nothing half-written stays."""
+    if jax.process_index() != 0:
+      return
+    for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+      shutil.rmtree(partial, ignore_errors=True)
 
   def close(self) -> None:
     self.manager.close()

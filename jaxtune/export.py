@@ -13,6 +13,7 @@ from pathlib import Path
 
 from converters import export, hub, model_card
 from converters.gguf_out import check_gguf_type
+from jaxtune import run_log
 from jaxtune.errors import ExportError, UserError
 from jaxtune.session import load_trained
 
@@ -39,6 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     help="with --format gguf: f16, bf16, f32, q8_0, q5_1, q5_0, "
     "q4_1 or q4_0 (written as OUT/model-TYPE.gguf)",
   )
+  run_log.quiet_third_party()
   args = p.parse_args(argv)
   try:
     out = Path(args.out)

@@ -10,12 +10,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from jaxtune import run_log
 from jaxtune.decoding import generate, generate_ids
 from jaxtune.errors import UserError
 from jaxtune.session import load_run_model, load_tokenizer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  run_log.quiet_third_party()
   p = argparse.ArgumentParser(
     prog="python -m jaxtune.generate",
     description=__doc__,

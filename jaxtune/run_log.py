@@ -19,6 +19,13 @@ import jax
 from jaxtune.run_dir import write_error
 
 
+def quiet_third_party() -> None:
+  """For the command lines: no advice from transformers on a normal run (e.g. "PyTorch was not
+  found", which is expected: jaxtune uses it for tokenizers only). orbax's noise is filtered in
+  checkpoint.py."""
+  os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
 def device_memory_gib() -> float | None:
   """The peak memory of this process's busiest device so far (None where not kept, e.g. CPU)."""
   peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]

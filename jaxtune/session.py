@@ -226,11 +226,16 @@ def _start_header(resume: bool, previous: checks.Resume, allow_changes: bool) ->
   return "\n".join(lines)
 
 
-def _needs_room(run: RunConfig, cfg: ModelConfig, model: nnx.Module, resume: bool) -> dict:
-  """What the run will write, in bytes: its checkpoints (adapters and two Adam moments, all
-  float32; ``keep`` of them, one for a resumed run, which has the others already) and the
-  export."""
-  lora = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+def _needs_room(run: RunConfig, cfg: ModelConfig, resume: bool) -> dict:
+  """What the run will write, in bytes, from its settings alone (before anything loads): its
+  checkpoints (adapters and two Adam moments, all float32, stored at the largest rank; ``keep``
+  of them, one for a resumed run, which has the others already) and the export."""
+  shapes = {**cfg.linear_shapes(), "lm_head": (cfg.vocab_size, cfg.hidden_size)}
+  rank = max([run.lora_rank, *parse_pattern(run.lora_rank_pattern).values()])
+  per_layer = sum(rank * sum(shapes[t]) for t in run.lora_targets if t != "lm_head")
+  lora = cfg.num_layers * per_layer
+  if "lm_head" in run.lora_targets:
+    lora += rank * sum(shapes["lm_head"])
   one = 3 * 4 * lora
   needs = {"checkpoints": one * (1 if resume else run.keep_checkpoints)}
   if run.export:
@@ -320,6 +325,8 @@ def _run_locked(
   run, out = previous.run, Path(previous.run.out)
   cfg = ModelConfig.from_hf(model_path)
   checks.check_targets(run, cfg)
+  if distributed.is_main():
+    run_dir.check_room(out, _needs_room(run, cfg, resume))
   prompts = checks.read_eval_prompts(run, has_eval=eval_data is not None or bool(run.eval_split))
   runtime.resolve(run, cfg, packed=run.packing)  # its refusals before the data is read
   tokenizer = load_tokenizer(model_path)
@@ -331,8 +338,6 @@ def _run_locked(
   model = build_model(run, model_path, rt.mesh, dtype=rt.dtype)
   jax.block_until_ready(nnx.state(model))
   load_s = time.perf_counter() - t_load
-  if distributed.is_main():
-    run_dir.check_room(out, _needs_room(run, cfg, model, resume))
   recorded = run.replace(model=str(model_path), dtype=rt.dtype)
   _write_config(recorded, out)
   if distributed.is_main():

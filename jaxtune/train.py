@@ -16,10 +16,10 @@ import sys
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 
-from jaxtune import distributed
+from jaxtune import distributed, run_log
 from jaxtune.errors import UserError
 from jaxtune.run_config import OPTIONAL_NUMBERS, RunConfig
-from jaxtune.session import run_training, say
+from jaxtune.session import run_training
 from jaxtune.trainer import Stopped
 
 _HELP = {
@@ -174,6 +174,7 @@ def allow_host_memory_for_offload(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  run_log.quiet_third_party()
   try:
     run, resume = resolve_config(argv)
     allow_changes = build_parser().parse_args(argv).allow_changes
