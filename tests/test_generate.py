@@ -140,6 +140,7 @@ def test_cli_generates_from_a_trained_run(default_run, cli_generation):
   assert train.returncode == 0, train.stderr[-2000:]
   proc, bad = cli_generation
   assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stderr == ""  # quiet: no third-party warnings
   assert "### What is 2 plus 3?" in proc.stdout
   assert bad.returncode == 2 and "pass --model" in bad.stderr
 

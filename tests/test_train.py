@@ -349,7 +349,12 @@ def _default_run_export(directory, runs):
 def test_default_run_learns_and_exports(default_run, default_run_export):
   out, proc = default_run  # `python -m jaxtune.train --out OUT --steps 40`, see conftest.py
   assert proc.returncode == 0, proc.stderr[-2000:]
-  assert "outputs in" in proc.stdout
+  # A quiet run: our lines only (no third-party warnings), ending in the run's summary.
+  ours = ("jaxtune: ", "step ", "eval at step ")
+  assert [x for x in proc.stderr.splitlines() if not x.startswith(ours)] == []
+  summary = proc.stdout.strip().splitlines()[-1]
+  assert summary.startswith("jaxtune: trained steps 1-40 of 40 in ")
+  assert f"merged export in {out.resolve() / 'export'}" in summary
   rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
   assert len(rows) == 40
   first, last = np.mean([r["loss"] for r in rows[:5]]), np.mean([r["loss"] for r in rows[-5:]])
@@ -359,6 +364,7 @@ def test_default_run_learns_and_exports(default_run, default_run_export):
   # The export CLI rebuilds the model from the run directory and writes the same weights.
   again, cli = default_run_export
   assert cli.returncode == 0, cli.stderr[-2000:]
+  assert cli.stderr == ""  # no absl warning that the run's checkpoints are read only
   from safetensors.numpy import load_file
 
   a, b = load_file(out / "export" / "model.safetensors"), load_file(again / "model.safetensors")
