@@ -173,6 +173,17 @@ def _remove(w: Work, *names: str) -> list[str]:
   return w.train_args()
 
 
+_HELD = []  # locks held by cases (released when the test process ends)
+
+
+def _hold_lock(w: Work) -> bool:
+  """Another run holding w.out (a lock of this process: the run under test opens its own)."""
+  from jaxtune.run_dir import Lock
+
+  _HELD.append(Lock(w.out, command="python -m jaxtune.train --out run").acquire())
+  return True
+
+
 def _run_without_checkpoints(w: Work) -> list[str]:
   w.out.mkdir()
   (w.out / "config.yaml").write_text(RunConfig(model=str(w.model)).to_yaml())
@@ -543,13 +554,53 @@ CASES = [
   ),
   Case(
     "resume-other-lora-rank",
-    lambda w: w.fake_run(lora_rank=8) and w.train_args("--resume", "--lora-rank", "16"),
-    r"--resume: the checkpoints in .* were trained with lora_rank 8, not 16",
+    lambda w: (
+      w.fake_run(lora_rank=8, data=str(w.data)) and w.train_args("--resume", "--lora-rank", "16")
+    ),
+    r"--resume: the checkpoints in .* were trained with lora_rank 8 \(now 16\).* pass "
+    r"--allow-changes to continue with these",
   ),
   Case(
     "resume-other-model",
-    lambda w: w.fake_run(model=str(w.root / "other")) and w.train_args("--resume"),
-    r"--resume: the checkpoints in .* were trained with model .*other, not",
+    lambda w: (
+      w.fake_run(model=str(w.root / "other"), data=str(w.data)) and w.train_args("--resume")
+    ),
+    r"--resume: the checkpoints in .* were trained with model .*other \(now .*model\); resume",
+  ),
+  Case(
+    "resume-other-seed-and-batch",
+    lambda w: (
+      w.fake_run(data=str(w.data), seq_len=64)
+      and w.train_args("--resume", "--seed", "3", "--batch-size", "4", "--seq-len", "64")
+    ),
+    r"were trained with batch_size 8 \(now 4\), seed 0 \(now 3\); resume with the settings "
+    r"in its config\.yaml, or pass --allow-changes",
+  ),
+  Case(
+    "allow-changes-without-resume",
+    lambda w: w.train_args("--allow-changes"),
+    r"--allow-changes is for --resume; pass --resume too, or drop it",
+  ),
+  Case(
+    "out-is-a-file",
+    lambda w: w.train_args("--out", str(w.file("out.txt", "notes"))),
+    r"--out .*out\.txt is a file; pass a directory",
+  ),
+  Case(
+    "out-under-a-file",
+    lambda w: w.train_args("--out", str(w.file("out.txt", "notes") / "run")),
+    r"--out .*out\.txt/run is under .*out\.txt, which is a file; pass a directory",
+  ),
+  Case(
+    "export-place-is-a-file",
+    lambda w: _mkdir(w.out) and w.file("run/export", "notes") and w.train_args("--export", "peft"),
+    r"run/export is a file, where the export is written; move it away or choose another --out",
+  ),
+  Case(
+    "out-in-use",
+    lambda w: _hold_lock(w) and w.train_args(),
+    r"run is in use by another run \(pid \d+ on .*\); wait for it to finish, or choose "
+    r"another --out",
   ),
   Case(
     "export-into-non-empty-dir",
@@ -562,6 +613,12 @@ CASES = [
       str(w.file("keep.txt", "mine").parent),
     ],
     r"--out .* is not empty; pass --overwrite to replace it",
+    entry="export",
+  ),
+  Case(
+    "export-out-under-a-file",
+    lambda w: ["--checkpoint", str(w.fake_run()), "--out", str(w.file("f.txt", "x") / "e")],
+    r"--out .*f\.txt/e is under .*f\.txt, which is a file; pass a directory",
     entry="export",
   ),
   Case(
