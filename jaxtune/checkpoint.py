@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxtune.errors import RestoreError, SaveError
@@ -56,6 +58,34 @@ def _quiet_orbax() -> None:
       logger.addFilter(_HandledHere())
 
 
+@jax.jit
+def _sums(leaves: list) -> jax.Array:
+  """[n, 2] uint32: per array, the sum of its 32-bit words and the sum weighted by position
+  (both wrapping), so a changed, lost or moved value changes them."""
+  out = []
+  for x in leaves:
+    if x.dtype == jnp.bool_:
+      words = x.astype(jnp.uint32)
+    else:
+      bits = jnp.dtype(x.dtype).itemsize * 8
+      words = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{bits}")).astype(jnp.uint32)
+    words = words.reshape(-1)
+    position = jnp.arange(1, words.size + 1, dtype=jnp.uint32)
+    out.append(jnp.stack([words.sum(dtype=jnp.uint32), (words * position).sum(dtype=jnp.uint32)]))
+  return jnp.stack(out) if out else jnp.zeros((0, 2), jnp.uint32)
+
+
+def checksum(state: dict) -> list[list[int]]:
+  """The checksum saved with a checkpoint (in its JSON metadata) and compared on restore: two
+  32-bit sums per array, computed where the arrays are (sharded arrays too)."""
+  sums = _sums(jax.tree.leaves(state))
+  if not sums.is_fully_addressable:  # several processes: every one gets the whole (tiny) array
+    from jax.experimental import multihost_utils
+
+    sums = multihost_utils.process_allgather(sums, tiled=True)
+  return np.asarray(jax.device_get(sums)).tolist()
+
+
 class Checkpoints:
   def __init__(self, directory: str | Path, keep: int = 2, read_only: bool = False):
     """``read_only``: for readers of a run (export, generate), which may run while it trains
@@ -84,7 +114,7 @@ class Checkpoints:
     state = {**state, "key": jax.random.key_data(state["key"])}
     # The data position is the step (batches are a pure function of it: data.Dataset.batch),
     # and for a stream where it stands in the source.
-    meta = {"step": step, "data_position": step, "data": data}
+    meta = {"step": step, "data_position": step, "data": data, "checksum": checksum(state)}
     previous = self.manager.latest_step()
     try:
       self.manager.save(
@@ -153,6 +183,15 @@ class Checkpoints:
         )
         continue
       state = dict(restored["state"])
+      saved_sum = restored["meta"].get("checksum")
+      if saved_sum is not None and checksum(state) != saved_sum:
+        moved = self._move_aside(step)
+        where = f"; moved it to {moved}" if moved else ""
+        _say(
+          f"checkpoint {step} in {self.directory} reads back other values than were saved "
+          f"(its checksum differs){where}" + (f"; {instead}." if instead else ".")
+        )
+        continue
       state["key"] = jax.random.wrap_key_data(state["key"])
       state["data"] = restored["meta"].get("data")
       return state, int(restored["meta"]["step"])

@@ -370,3 +370,23 @@ def test_export_is_atomic_and_replaces_only_when_asked(hf_llama_dir, tmp_path, m
   export.write(model, "merged", out, overwrite=True)
   assert (out / "model.safetensors").is_file() and not (out / "adapter_model.safetensors").exists()
   assert sorted(os.listdir(root)) == ["export"]
+
+
+def test_a_checkpoint_that_reads_back_other_values_is_not_trusted(tmp_path, capsys):
+  """Damage that still decodes (here checkpoint 3's arrays replaced by another save's, a
+  well-formed checkpoint of other values) is caught by the checksum saved in its metadata."""
+  directory = tmp_path / "checkpoints"
+  ckpts = checkpoint.Checkpoints(directory, keep=5)
+  for v in (1.0, 2.0, 3.0, 9.0):
+    ckpts.save(int(v), _state(v))
+  ckpts.close()
+  shutil.rmtree(directory / "3" / "state")
+  shutil.move(directory / "9" / "state", directory / "3" / "state")
+  shutil.rmtree(directory / "9")
+  state, step = checkpoint.Checkpoints(directory, keep=5).restore_latest(_state(0.0))
+  assert step == 2
+  _assert_state(state, 2.0)
+  err = capsys.readouterr().err
+  assert f"checkpoint 3 in {directory} reads back other values than were saved (its" in err
+  assert "; using checkpoint 2 instead." in err
+  assert (tmp_path / "checkpoints.damaged").is_dir()
