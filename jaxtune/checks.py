@@ -194,3 +194,18 @@ def read_eval_prompts(run: RunConfig, has_eval: bool = False) -> list[str]:
   if not prompts:
     raise UserError(f"eval prompts file {path} holds no prompts (one per line).")
   return prompts
+
+
+def check_vocabulary(tokenizer: Any, cfg: "ModelConfig", model_path: Path) -> None:
+  """The tokenizer's ids must all be rows of the model's embedding: an id past the end trains
+  to NaN (out-of-range gathers), which would then look like an overflow."""
+  vocab = tokenizer.get_vocab()
+  top = max(vocab.values(), default=-1)
+  if top >= cfg.vocab_size:
+    beyond = sum(1 for i in vocab.values() if i >= cfg.vocab_size)
+    raise UserError(
+      f"the tokenizer of {model_path} has ids up to {top}, but the model's vocabulary "
+      f"(vocab_size in config.json) is {cfg.vocab_size}: {beyond} token(s) have no embedding; "
+      "use the tokenizer that belongs to this checkpoint."
+    )
+

@@ -330,6 +330,7 @@ def _run_locked(
   prompts = checks.read_eval_prompts(run, has_eval=eval_data is not None or bool(run.eval_split))
   runtime.resolve(run, cfg, packed=run.packing)  # its refusals before the data is read
   tokenizer = load_tokenizer(model_path)
+  checks.check_vocabulary(tokenizer, cfg, model_path)
   dataset, eval_dataset, report = _load_data(run, tokenizer, cfg, data, eval_data)
   run = run.replace(seq_len=dataset.seq_len, steps=_steps(run, dataset))
   packed = dataset.packed or (eval_dataset is not None and eval_dataset.packed)

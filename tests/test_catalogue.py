@@ -582,6 +582,12 @@ CASES = [
     r"--allow-changes is for --resume; pass --resume too, or drop it",
   ),
   Case(
+    "tokenizer-beyond-vocabulary",
+    lambda w: w.config(vocab_size=200) or w.train_args(),
+    r"the tokenizer of .*model has ids up to \d+, but the model's vocabulary \(vocab_size in "
+    r"config\.json\) is 200: \d+ token\(s\) have no embedding; use the tokenizer",
+  ),
+  Case(
     "out-is-a-file",
     lambda w: w.train_args("--out", str(w.file("out.txt", "notes"))),
     r"--out .*out\.txt is a file; pass a directory",
