@@ -1,7 +1,8 @@
 """Damaged or hostile inputs are refused where they are parsed, with one sentence naming the
-file and the field: safetensors headers (converters/safetensors_read.py). The files are
-written byte by byte here, so each test controls exactly what the header says; nothing
-compiles. The same inputs through the command line are in tests/test_catalogue.py.
+file and the field: safetensors headers (converters/safetensors_read.py) and config.json
+(jaxtune/config.py). The files are written byte by byte here, so each test controls exactly
+what the header says; nothing compiles. The same inputs through the command line are in
+tests/test_catalogue.py.
 """
 
 import contextlib
@@ -16,7 +17,8 @@ import numpy as np
 import pytest
 
 from converters.safetensors_read import Prefetcher, iter_tensors, safetensors_files
-from jaxtune.errors import CheckpointError
+from jaxtune.config import ModelConfig
+from jaxtune.errors import CheckpointError, ConfigError
 
 A = np.arange(2, dtype=np.float32)  # tensor a: F32 [2], 8 bytes
 B = np.arange(4, dtype=np.float16).reshape(2, 2) * 0.5  # tensor b: F16 [2, 2], 8 bytes
@@ -282,3 +284,219 @@ def test_a_damaged_index_is_refused(tmp_path, index):
   with pytest.raises(CheckpointError) as e:
     safetensors_files(tmp_path)
   _assert_sentence(e.value, r"model\.safetensors\.index\.json is not a valid safetensors index")
+
+
+# --- config.json ------------------------------------------------------------------------
+
+LLAMA = {
+  "model_type": "llama",
+  "vocab_size": 256,
+  "hidden_size": 64,
+  "intermediate_size": 128,
+  "num_hidden_layers": 2,
+  "num_attention_heads": 4,
+  "num_key_value_heads": 2,
+  "rms_norm_eps": 1e-5,
+  "rope_theta": 10000.0,
+  "max_position_embeddings": 128,
+}
+GEMMA2 = {**LLAMA, "model_type": "gemma2", "head_dim": 16, "sliding_window": 32}
+
+
+def _config(tmp_path: Path, config) -> Path:
+  path = tmp_path / "config.json"
+  path.write_text(json.dumps(config))
+  return path
+
+
+def test_a_good_config_reads(tmp_path):
+  cfg = ModelConfig.from_hf(_config(tmp_path, LLAMA))
+  assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2, 4, 2, 16)
+  assert cfg.rope.theta == 10000.0 and cfg.rms_norm_eps == 1e-5
+  # null means "not set" for optional fields, as transformers reads it
+  cfg = ModelConfig.from_hf({**LLAMA, "num_key_value_heads": None, "head_dim": None})
+  assert (cfg.num_kv_heads, cfg.head_dim) == (4, 16)
+
+
+WHOLE = r"must be a whole number >= 1, got "
+CONFIGS = [
+  (
+    "layers-a-billion",
+    {"num_hidden_layers": 10**9},
+    r"num_hidden_layers",
+    r"from 1 to 100000, got 1000000000",
+  ),
+  (
+    "layers-minus-one",
+    {"num_hidden_layers": -1},
+    r"num_hidden_layers",
+    r"from 1 to 100000, got -1",
+  ),
+  ("layers-zero", {"num_hidden_layers": 0}, r"num_hidden_layers", r"from 1 to 100000, got 0"),
+  ("layers-null", {"num_hidden_layers": None}, r"num_hidden_layers", r", got null"),
+  ("layers-a-string", {"num_hidden_layers": "2"}, r"num_hidden_layers", r', got "2"'),
+  ("layers-a-boolean", {"num_hidden_layers": True}, r"num_hidden_layers", r", got true"),
+  ("layers-a-float", {"num_hidden_layers": 2.5}, r"num_hidden_layers", r", got 2\.5"),
+  ("vocab-minus-one", {"vocab_size": -1}, r"vocab_size", WHOLE + "-1"),
+  ("hidden-zero", {"hidden_size": 0}, r"hidden_size", WHOLE + "0"),
+  ("heads-zero", {"num_attention_heads": 0}, r"num_attention_heads", WHOLE + "0"),
+  ("heads-a-list", {"num_attention_heads": [4]}, r"num_attention_heads", WHOLE + r"\[4\]"),
+  ("kv-heads-zero", {"num_key_value_heads": 0}, r"num_key_value_heads", WHOLE + "0"),
+  ("kv-heads-a-string", {"num_key_value_heads": "2"}, r"num_key_value_heads", WHOLE + '"2"'),
+  ("head-dim-negative", {"head_dim": -16}, r"head_dim", WHOLE + "-16"),
+  ("intermediate-zero", {"intermediate_size": 0}, r"intermediate_size", WHOLE + "0"),
+  ("intermediate-negative", {"intermediate_size": -128}, r"intermediate_size", WHOLE + "-128"),
+  ("positions-zero", {"max_position_embeddings": 0}, r"max_position_embeddings", r"from 1 to"),
+  (
+    "positions-beyond-int32",
+    {"max_position_embeddings": 2**31},
+    r"max_position_embeddings",
+    r"got 2147483648",
+  ),
+  ("rope-theta-negative", {"rope_theta": -1.0}, r"rope_theta", r"a finite number > 0, got -1\.0"),
+  ("rope-theta-zero", {"rope_theta": 0}, r"rope_theta", r"a finite number > 0, got 0"),
+  ("rope-theta-infinite", {"rope_theta": float("inf")}, r"rope_theta", r"got Infinity"),
+  ("rope-theta-nan", {"rope_theta": float("nan")}, r"rope_theta", r"got NaN"),
+  ("rope-theta-a-string", {"rope_theta": "1e4"}, r"rope_theta", r'got "1e4"'),
+  ("eps-negative", {"rms_norm_eps": -1e-5}, r"rms_norm_eps", r"a finite number >= 0, got -1e-05"),
+  ("eps-nan", {"rms_norm_eps": float("nan")}, r"rms_norm_eps", r"got NaN"),
+  ("eps-infinite", {"rms_norm_eps": float("-inf")}, r"rms_norm_eps", r"got -Infinity"),
+  (
+    "tie-a-string",
+    {"tie_word_embeddings": "false"},
+    r"tie_word_embeddings",
+    r'true or false, got "false"',
+  ),
+  ("bias-a-number", {"attention_bias": 1}, r"attention_bias", r"true or false, got 1"),
+  ("rope-scaling-a-list", {"rope_scaling": [1]}, r"rope_scaling", r"an object, got \[1\]"),
+  (
+    "rope-factor-negative",
+    {"rope_scaling": {"rope_type": "linear", "factor": -2.0}},
+    r"rope_scaling\.factor",
+    r"a finite number > 0, got -2\.0",
+  ),
+  (
+    "rope-original-positions-a-string",
+    {
+      "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": "8192",
+      }
+    },
+    r"rope_scaling\.original_max_position_embeddings",
+    r"a whole number from 1 to 2147483647, got \"8192\"",
+  ),
+]
+
+
+@pytest.mark.parametrize(
+  "changes, field, allowed", [c[1:] for c in CONFIGS], ids=[c[0] for c in CONFIGS]
+)
+def test_an_absurd_config_value_is_refused_naming_the_field(tmp_path, changes, field, allowed):
+  path = _config(tmp_path, {**LLAMA, **changes})
+  with pytest.raises(ConfigError) as e:
+    ModelConfig.from_hf(tmp_path)
+  _assert_sentence(e.value, rf"^{field} in {re.escape(str(path))} must be ", allowed)
+
+
+@pytest.mark.parametrize(
+  "changes, match",
+  [
+    ({"sliding_window": 0}, r"^sliding_window in .*config\.json must be a whole number from 1"),
+    ({"sliding_window": None}, r"config\.json lacks the key 'sliding_window' that a gemma2 needs"),
+    ({"layer_types": ["full_attention"]}, r"^layer_types in .* must be a list of full_attention"),
+    ({"layer_types": ["sliding_attention", "global"]}, r"^layer_types in .* for each of the 2 "),
+    ({"attn_logit_softcapping": -50.0}, r"^attn_logit_softcapping in .* finite number > 0"),
+    (
+      {"query_pre_attn_scalar": "16"},
+      r"^query_pre_attn_scalar in .* finite number > 0, got \"16\"",
+    ),
+    ({"sliding_window_pattern": 0}, r"^sliding_window_pattern in .* whole number from 1"),
+  ],
+)
+def test_an_absurd_gemma2_value_is_refused(tmp_path, changes, match):
+  _config(tmp_path, {k: v for k, v in {**GEMMA2, **changes}.items() if v is not None})
+  with pytest.raises(ConfigError) as e:
+    ModelConfig.from_hf(tmp_path)
+  _assert_sentence(e.value, match)
+
+
+def test_hidden_not_a_multiple_of_heads_without_head_dim(tmp_path):
+  path = _config(tmp_path, {**LLAMA, "hidden_size": 66})
+  with pytest.raises(ConfigError) as e:
+    ModelConfig.from_hf(path)
+  _assert_sentence(
+    e.value,
+    rf"hidden_size=66 in {re.escape(str(path))} is not a multiple of num_attention_heads=4, "
+    "and it sets no head_dim",
+  )
+  assert ModelConfig.from_hf({**LLAMA, "hidden_size": 66, "head_dim": 16}).head_dim == 16
+
+
+def test_kv_heads_not_dividing_heads_names_both(tmp_path):
+  path = _config(tmp_path, {**LLAMA, "num_key_value_heads": 3, "head_dim": 16})
+  with pytest.raises(ConfigError) as e:
+    ModelConfig.from_hf(path)
+  _assert_sentence(
+    e.value, rf"num_attention_heads=4 is not a multiple of num_key_value_heads=3 \({path}\)"
+  )
+
+
+@pytest.mark.parametrize(
+  "changes, count",
+  [
+    # q and o d x d, k and v d x d/2: 3 x 10^18 a layer, 2 layers; the rest is small
+    ({"hidden_size": 10**9}, "6e+18"),
+    ({"vocab_size": 10**13}, "1.28e+15"),  # embeddings and lm_head, 10^13 x 64 each
+    ({"intermediate_size": 10**12, "num_hidden_layers": 100}, "1.92e+16"),  # 3 x 64 x 10^14
+  ],
+  ids=["hidden", "vocab", "mlp"],
+)
+def test_a_model_no_machine_holds_is_refused_before_anything_is_built(tmp_path, changes, count):
+  path = _config(tmp_path, {**LLAMA, **changes})
+  with pytest.raises(ConfigError) as e:
+    ModelConfig.from_hf(path)
+  _assert_sentence(e.value, rf"^{re.escape(str(path))} describes a model of {re.escape(count)} ")
+  assert "more than the 1e+13 any machine holds" in str(e.value)
+
+
+def test_the_largest_real_models_are_not_refused():
+  """Llama 3.1 405B's config: 4.1e11 parameters, far below the limit."""
+  cfg = ModelConfig.from_hf(
+    {
+      **LLAMA,
+      "vocab_size": 128256,
+      "hidden_size": 16384,
+      "intermediate_size": 53248,
+      "num_hidden_layers": 126,
+      "num_attention_heads": 128,
+      "num_key_value_heads": 8,
+    }
+  )
+  assert 4.0e11 < cfg.num_params() < 4.2e11
+
+
+@pytest.mark.parametrize(
+  "text, match",
+  [
+    ("[1, 2]", r"config\.json holds a JSON list, not an object of settings"),
+    ('"llama"', r"config\.json holds a JSON string, not an object of settings"),
+    ("null", r"config\.json holds a JSON null, not an object of settings"),
+  ],
+  ids=["list", "string", "null"],
+)
+def test_a_config_that_is_not_an_object_is_refused(tmp_path, text, match):
+  (tmp_path / "config.json").write_text(text)
+  with pytest.raises(ConfigError) as e:
+    ModelConfig.from_hf(tmp_path)
+  _assert_sentence(e.value, match)
+
+
+def test_a_config_that_is_not_text_is_refused(tmp_path):
+  (tmp_path / "config.json").write_bytes(b"\xff\xfe{}")
+  with pytest.raises(ConfigError) as e:
+    ModelConfig.from_hf(tmp_path)
+  _assert_sentence(e.value, r"config\.json is not valid JSON")
