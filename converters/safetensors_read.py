@@ -9,8 +9,10 @@ caller converts earlier tensors, at most ``PREFETCH_BYTES`` (or one tensor) ahea
 
 import contextlib
 import json
+import math
 import os
 import queue
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,12 +29,21 @@ def safetensors_files(ckpt: Path) -> list[Path]:
   """The checkpoint's safetensors files, from model.safetensors.index.json when sharded."""
   index = ckpt / "model.safetensors.index.json"
   if index.is_file():
+    invalid = CheckpointError(f"{index} is not a valid safetensors index; re-download it.")
     try:
-      weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError) as e:
-      raise CheckpointError(f"{index} is not a valid safetensors index; re-download it.") from e
+      content = json.loads(index.read_text())
+    except OSError as e:
+      raise _unreadable(index, e) from e
+    except ValueError as e:  # not JSON, or not UTF-8
+      raise invalid from e
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+      isinstance(name, str) and "/" not in name for name in weight_map.values()
+    ):  # an index names files beside it
+      raise invalid
     files = [ckpt / name for name in dict.fromkeys(weight_map.values())]
-    missing = [f.name for f in files if not f.is_file()]
+    # A link or a directory in a listed file's place is not missing: opening it says what it is.
+    missing = [f.name for f in files if not (f.exists() or f.is_symlink())]
     if missing:
       raise CheckpointError(
         f"{ckpt} lacks {', '.join(missing)} listed in its index; the download is incomplete."
@@ -86,28 +97,30 @@ def iter_tensors(
 def _entries(files: list[Path]) -> Iterator[tuple[Path, int, _Entry]]:
   """(file, open descriptor, entry) of every tensor, in file order, each entry checked."""
   for file in files:
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-      header = _read_header(f, file, size)
-      for name, info in header.items():
-        if name == "__header_size__":
-          continue
-        try:
-          dtype = np.dtype(_ST_DTYPES[info["dtype"]])
-          begin, end = (int(x) for x in info["data_offsets"])
-          shape = tuple(int(x) for x in info["shape"])
-        except (KeyError, TypeError, ValueError) as e:
-          raise CheckpointError(
-            f"{file} is truncated or corrupt (bad entry {name}); re-download it."
-          ) from e
-        start = 8 + header["__header_size__"] + begin
-        nbytes = end - begin
-        if start + nbytes > size or nbytes != int(np.prod(shape)) * dtype.itemsize:
-          raise CheckpointError(
-            f"{file} is truncated or corrupt (tensor {name} runs past the end of the file or has "
-            "the wrong size); re-download it."
-          )
-        yield file, f.fileno(), _Entry(name, start, nbytes, dtype, shape)
+    with _open(file) as f:
+      for entry in _read_header(f, file, os.fstat(f.fileno()).st_size):
+        yield file, f.fileno(), entry
+
+
+def _open(file: Path):
+  """The file opened for reading; a directory, a device, a link loop or a file without read
+  permission is refused with one sentence (and a FIFO is never opened: that would block)."""
+  try:
+    if not stat.S_ISREG(file.stat().st_mode):
+      kind = "a directory" if file.is_dir() else "not a regular file"
+      raise CheckpointError(
+        f"cannot read {file} (it is {kind}); replace it with the checkpoint's file."
+      )
+    return open(file, "rb")
+  except OSError as e:
+    raise _unreadable(file, e) from e
+
+
+def _unreadable(file: Path, e: OSError) -> CheckpointError:
+  return CheckpointError(
+    f"cannot read {file} ({e.strerror or type(e).__name__}); make it a readable file "
+    "(fix its permissions or link, or re-download it)."
+  )
 
 
 def _read(fd: int, file: Path, entry: _Entry, pool: ThreadPoolExecutor | None) -> np.ndarray:
@@ -119,7 +132,11 @@ def _read(fd: int, file: Path, entry: _Entry, pool: ThreadPoolExecutor | None) -
     return _pread_into(fd, view[span[0] : span[1]], entry.start + span[0])
 
   done = pool.map(read, spans) if pool is not None and len(spans) > 1 else map(read, spans)
-  if not all(list(done)):
+  try:
+    complete = all(list(done))
+  except OSError as e:  # an I/O error of the disk or a network file system
+    raise _unreadable(file, e) from e
+  if not complete:
     raise CheckpointError(f"{file} is truncated or corrupt (short read); re-download it.")
   return buffer.view(entry.dtype).reshape(entry.shape)
 
@@ -199,26 +216,121 @@ class Prefetcher:
       self._out.put(None)
 
 
-def _read_header(f, file: Path, size: int) -> dict:
+HEADER_LIMIT = 100_000_000  # bytes, the limit of the safetensors library
+
+
+def _read_header(f, file: Path, size: int) -> list[_Entry]:
+  """The tensors of an open safetensors file of ``size`` bytes, in file order.
+
+  Every field is checked before any tensor is read: a damaged or hostile header (offsets
+  outside the data, overlapping or leaving gaps, a shape that does not match its bytes, an
+  unknown dtype) is refused with one sentence naming the file and the tensor, as the
+  safetensors library itself refuses it, so header bytes are never read as weights.
+  """
+
+  def corrupt(detail: str) -> CheckpointError:
+    return CheckpointError(f"{file} is truncated or corrupt ({detail}); re-download it.")
+
   raw = f.read(8)
   if len(raw) < 8:
-    raise CheckpointError(f"{file} is truncated or corrupt (no header); re-download it.")
+    raise corrupt(f"it holds {size} bytes, too few for the 8-byte header length")
   n = int.from_bytes(raw, "little")
-  if n <= 0 or 8 + n > size or n > 100_000_000:
-    raise CheckpointError(f"{file} is truncated or corrupt (bad header size); re-download it.")
-  try:
+  if n == 0 or n > size - 8 or n > HEADER_LIMIT:
+    raise corrupt(
+      f"its header length field says {n} bytes, but {size - 8} bytes follow it"
+      if n > size - 8
+      else f"its header length field says {n} bytes, outside 1..{HEADER_LIMIT}"
+    )
+  try:  # JSONDecodeError and UnicodeDecodeError are ValueErrors; deep nesting recurses
     header = json.loads(f.read(n))
-    if not isinstance(header, dict):
-      raise ValueError("header is not a JSON object")
-  except (ValueError, UnicodeDecodeError) as e:
-    raise CheckpointError(
-      f"{file} is truncated or corrupt (unreadable header); re-download it."
-    ) from e
-  header.pop("__header_size__", None)
-  header["__header_size__"] = n
-  # Entries in file order, so reads move forward through the file.
-  ordered = sorted(
-    (k for k in header if not k.startswith("__")),
-    key=lambda k: header[k].get("data_offsets", [0])[0] if isinstance(header[k], dict) else 0,
+  except (ValueError, RecursionError) as e:
+    raise corrupt("its header is not valid JSON") from e
+  if not isinstance(header, dict):
+    raise corrupt(f"its header is a JSON {_json_kind(header)}, not an object")
+  metadata = header.pop("__metadata__", {})
+  if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+    raise corrupt("its __metadata__ is not an object of strings")
+  data = size - 8 - n  # bytes of tensor data after the header
+  entries = sorted(
+    (_entry(file, name, info, 8 + n, data, corrupt) for name, info in header.items()),
+    key=lambda e: (e.start, e.nbytes),
   )
-  return {"__header_size__": n, **{k: header[k] for k in ordered}}
+  # The tensors must tile the data exactly, as the safetensors library requires: an overlap
+  # or a gap means a damaged (or deliberately crafted) file.
+  end, before = 8 + n, None
+  for entry in entries:
+    if entry.start < end:
+      raise corrupt(
+        f"tensor {_shown(entry.name)}'s data_offsets {_span(entry, 8 + n)} overlap tensor "
+        f"{_shown(before.name)}'s {_span(before, 8 + n)}"
+      )
+    if entry.start > end:
+      where = f"before tensor {_shown(entry.name)}"
+      raise corrupt(f"{entry.start - end} bytes {where} belong to no tensor")
+    end, before = entry.start + entry.nbytes, entry
+  if end != size:
+    raise corrupt(f"its last {size - end} bytes belong to no tensor")
+  return entries
+
+
+def _entry(file: Path, name: str, info, data_start: int, data: int, corrupt) -> _Entry:
+  """One header entry, checked against the ``data`` bytes that start at ``data_start``."""
+  tensor = f"tensor {_shown(name)}"
+  if not isinstance(info, dict):
+    raise corrupt(f"{tensor} is a JSON {_json_kind(info)}, not an object")
+  for key in ("dtype", "shape", "data_offsets"):
+    if key not in info:
+      raise corrupt(f"{tensor} has no {key}")
+  dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+  if (
+    not isinstance(dtype, str) or dtype not in _ST_DTYPES
+  ):  # a damaged entry, or a format (fp8, fp4) jaxtune cannot read
+    raise CheckpointError(
+      f"{file} holds {tensor} in the dtype {_shown(json.dumps(dtype))}, which jaxtune does not "
+      f"read (it reads {', '.join(_ST_DTYPES)}); re-download the file, or convert the "
+      "checkpoint to BF16, F16 or F32."
+    )
+  itemsize = np.dtype(_ST_DTYPES[dtype]).itemsize
+  if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+    raise corrupt(f"{tensor} has the shape {_shown(json.dumps(shape))}, not a list of sizes >= 0")
+  if math.prod(max(d, 1) for d in shape) * itemsize >= 2**63:
+    raise corrupt(f"{tensor} has the shape {_shown(json.dumps(shape))}, too large for any file")
+  if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_count, offsets)):
+    raise corrupt(
+      f"{tensor} has the data_offsets {_shown(json.dumps(offsets))}, not two offsets >= 0"
+    )
+  begin, end = offsets
+  if end < begin:
+    raise corrupt(f"{tensor} has the data_offsets [{begin}, {end}], which end before they begin")
+  if end > data:
+    raise corrupt(
+      f"{tensor} runs past the end of the file: its data_offsets end at {end}, the data holds "
+      f"{data} bytes"
+    )
+  if end - begin != math.prod(shape) * itemsize:
+    raise corrupt(
+      f"{tensor} has {end - begin} bytes, but its shape {tuple(shape)} of {dtype} needs "
+      f"{math.prod(shape) * itemsize}"
+    )
+  return _Entry(name, data_start + begin, end - begin, np.dtype(_ST_DTYPES[dtype]), tuple(shape))
+
+
+def _span(entry: _Entry, data_start: int) -> list[int]:
+  return [entry.start - data_start, entry.start - data_start + entry.nbytes]
+
+
+def _is_count(x) -> bool:
+  """A whole number >= 0 (JSON true is a Python bool, an int; 4.0 and "4" are not counts)."""
+  return type(x) is int and x >= 0
+
+
+def _json_kind(value) -> str:
+  return {list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
+    type(value), "number"
+  )
+
+
+def _shown(text: str, limit: int = 80) -> str:
+  """A name or value from the file as a message can show it: printable, not too long."""
+  text = text if text.isprintable() else repr(text)
+  return text if len(text) <= limit else text[: limit - 3] + "..."

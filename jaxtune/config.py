@@ -6,6 +6,7 @@ RunConfig. This dataclass is frozen so it can be a static argument of jitted fun
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,13 @@ class ModelConfig:
 
   @classmethod
   def from_hf(cls, config: dict[str, Any] | str | Path) -> "ModelConfig":
-    """Build from a HF config dict, a config.json path, or a checkpoint directory."""
+    """Build from a HF config dict, a config.json path, or a checkpoint directory.
+
+    Every value is checked for its type and range as it is read, and the whole for a size a
+    machine can hold, before anything is allocated: a damaged or hostile config.json gets one
+    sentence naming the file and the field.
+    """
+    source = "config.json"
     if not isinstance(config, dict):
       path = Path(config)
       if path.is_dir():
@@ -110,10 +117,21 @@ class ModelConfig:
         raise ConfigError(
           f"no config.json at {path}; point to a Hugging Face checkpoint directory."
         )
+      source = str(path)
       try:
         config = json.loads(path.read_text())
-      except json.JSONDecodeError as e:
+      except OSError as e:
+        raise ConfigError(
+          f"cannot read {path} ({e.strerror or type(e).__name__}); make it a readable file."
+        ) from e
+      except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError: not text
         raise ConfigError(f"{path} is not valid JSON ({e}); re-download the checkpoint.") from e
+      if not isinstance(config, dict):
+        raise ConfigError(
+          f"{path} holds a JSON {_JSON_KINDS.get(type(config), 'number')}, not an object of "
+          "settings; "
+          "re-download the checkpoint."
+        )
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
       raise ConfigError(
@@ -125,110 +143,206 @@ class ModelConfig:
         "this is a multimodal Gemma 3 checkpoint; jaxtune fine-tunes Gemma 3 text models "
         "(model_type gemma3_text, e.g. google/gemma-3-1b-it)."
       )
-    try:
-      cfg = cls(**_family_fields(model_type, config))
-    except KeyError as e:
-      raise ConfigError(
-        f"config.json lacks the key {e.args[0]!r} that a {model_type} needs."
-      ) from e
+    cfg = cls(**_family_fields(_Fields(config, source, model_type)))
     if cfg.num_heads % cfg.num_kv_heads:
       raise ConfigError(
         f"num_attention_heads={cfg.num_heads} is not a multiple of "
-        f"num_key_value_heads={cfg.num_kv_heads}."
+        f"num_key_value_heads={cfg.num_kv_heads} ({source}); re-download the checkpoint."
+      )
+    if cfg.num_params() > MAX_PARAMS:
+      raise ConfigError(
+        f"{source} describes a model of {cfg.num_params():.3g} parameters "
+        f"(num_hidden_layers={cfg.num_layers}, hidden_size={cfg.hidden_size}, "
+        f"intermediate_size={cfg.intermediate_size}, vocab_size={cfg.vocab_size}), more than "
+        f"the {MAX_PARAMS:.0e} any machine holds; the file is damaged, re-download it."
       )
     return cfg
+
+
+MAX_LAYERS = 100_000
+MAX_PARAMS = 10**13  # 25 times the largest open model; more means a damaged config.json
+_INT32 = 2**31 - 1  # sizes used as int32 on the device (positions, window)
+_REQUIRED = object()
+_JSON_KINDS = {list: "list", str: "string", bool: "boolean", type(None): "null"}
+
+
+class _Fields:
+  """The values of a config.json (or of one of its objects, ``prefix``), each checked for its
+  type and range as it is read; a wrong one raises one sentence naming the file and key."""
+
+  def __init__(self, config: dict[str, Any], source: str, model_type: str, prefix: str = ""):
+    self.config, self.source, self.model_type, self.prefix = config, source, model_type, prefix
+
+  def has(self, key: str) -> bool:
+    return self.config.get(key) is not None
+
+  def raw(self, key: str, default: Any = None) -> Any:
+    value = self.config.get(key)
+    return default if value is None else value
+
+  def count(self, key: str, default: Any = _REQUIRED, high: int | None = None) -> int:
+    """A whole number >= 1 (and <= ``high``); null means absent, as transformers reads it."""
+    value = self._get(key, default)
+    if type(value) is not int or value < 1 or (high is not None and value > high):
+      allowed = "a whole number >= 1" if high is None else f"a whole number from 1 to {high}"
+      raise self.wrong(key, allowed, value)
+    return value
+
+  def number(self, key: str, default: Any = _REQUIRED, zero: bool = False) -> float | None:
+    """A finite number > 0 (>= 0 with ``zero``); None where absent and ``default`` is None."""
+    value = self._get(key, default)
+    if value is None and default is None:
+      return None
+    ok = type(value) in (int, float) and math.isfinite(value) and (value > 0 or zero and value == 0)
+    if not ok:
+      raise self.wrong(key, f"a finite number {'>=' if zero else '>'} 0", value)
+    return float(value)
+
+  def flag(self, key: str, default: bool) -> bool:
+    value = self._get(key, default)
+    if type(value) is not bool:
+      raise self.wrong(key, "true or false", value)
+    return value
+
+  def mapping(self, key: str) -> "_Fields":
+    """A nested object (rope_scaling, ...); null or absent reads as empty."""
+    value = self._get(key, {})
+    if not isinstance(value, dict):
+      raise self.wrong(key, "an object", value)
+    return _Fields(value, self.source, self.model_type, f"{self.prefix}{key}.")
+
+  def _get(self, key: str, default: Any) -> Any:
+    if key not in self.config and default is _REQUIRED:
+      raise ConfigError(
+        f"{self.source} lacks the key {self.prefix + key!r} that a {self.model_type} needs."
+      )
+    value = self.config[key] if key in self.config else None
+    return default if value is None and default is not _REQUIRED else value  # null: a wrong type
+
+  def wrong(self, key: str, allowed: str, value: Any) -> ConfigError:
+    shown = json.dumps(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    return ConfigError(
+      f"{self.prefix}{key} in {self.source} must be {allowed}, got {shown}; fix or "
+      "re-download the file."
+    )
 
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
-def _family_fields(model_type: str, config: dict[str, Any]) -> dict[str, Any]:
-  hidden = int(config["hidden_size"])
-  heads = int(config["num_attention_heads"])
-  layers = int(config["num_hidden_layers"])
+def _family_fields(c: _Fields) -> dict[str, Any]:
+  model_type = c.model_type
+  hidden = c.count("hidden_size")
+  heads = c.count("num_attention_heads")
+  layers = c.count("num_hidden_layers", high=MAX_LAYERS)
+  if not c.has("head_dim") and hidden % heads:
+    raise ConfigError(
+      f"hidden_size={hidden} in {c.source} is not a multiple of num_attention_heads={heads}, "
+      "and it sets no head_dim; fix or re-download the file."
+    )
   gemma = model_type.startswith("gemma")
-  act_name = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+  act_name = c.raw("hidden_activation") or c.raw("hidden_act") or "silu"
   if gemma and act_name == "gelu":  # Gemma 1 configs say gelu but mean the tanh approximation
     act_name = "gelu_pytorch_tanh"
-  if act_name not in _ACTIVATIONS:
-    raise ConfigError(f"hidden activation {act_name!r} of this {model_type} is not supported.")
-  attention_bias = bool(config.get("attention_bias", False))
+  if not isinstance(act_name, str) or act_name not in _ACTIVATIONS:
+    raise ConfigError(
+      f"hidden activation {act_name!r} in {c.source} is not supported for a {model_type}."
+    )
+  attention_bias = c.flag("attention_bias", False)
   fields = dict(
     model_type=model_type,
-    vocab_size=int(config["vocab_size"]),
+    vocab_size=c.count("vocab_size"),
     hidden_size=hidden,
-    intermediate_size=int(config["intermediate_size"]),
+    intermediate_size=c.count("intermediate_size"),
     num_layers=layers,
     num_heads=heads,
-    num_kv_heads=int(config.get("num_key_value_heads") or heads),
-    head_dim=int(config.get("head_dim") or hidden // heads),
-    rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-    max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-    tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
+    num_kv_heads=c.count("num_key_value_heads", heads),
+    head_dim=c.count("head_dim", hidden // heads),
+    rms_norm_eps=c.number("rms_norm_eps", 1e-6, zero=True),
+    max_position_embeddings=c.count("max_position_embeddings", 2048, high=_INT32),
+    tie_word_embeddings=c.flag("tie_word_embeddings", gemma),
     hidden_act=_ACTIVATIONS[act_name],
     qkv_bias=attention_bias or model_type == "qwen2",
     o_bias=attention_bias,
-    mlp_bias=bool(config.get("mlp_bias", False)),
+    mlp_bias=c.flag("mlp_bias", False),
     qk_norm=model_type in ("qwen3", "gemma3_text"),
     norm_plus_one=gemma,
     embed_scale=gemma,
     sandwich_norms=model_type in ("gemma2", "gemma3_text"),
   )
-  if model_type.startswith("qwen") and config.get("use_sliding_window"):
+  if model_type.startswith("qwen") and c.flag("use_sliding_window", False):
     raise ConfigError(
       f"this {model_type} config enables use_sliding_window, which jaxtune does not support "
       "for Qwen; set it to false (the released Qwen checkpoints do)."
     )
-  rope_params = config.get("rope_parameters") or {}
+  rope_params = c.mapping("rope_parameters")
   if model_type in ("gemma2", "gemma3_text"):
-    pattern = int(
-      config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 2
-    )
+    pattern_key = "sliding_window_pattern"
+    if not c.has(pattern_key) and c.has("_sliding_window_pattern"):
+      pattern_key = "_sliding_window_pattern"
+    pattern = c.count(pattern_key, 2, high=_INT32)
     default_types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+    layer_types = c.raw("layer_types") or default_types
+    if (
+      not isinstance(layer_types, list)
+      or len(layer_types) != layers
+      or not all(t in (SLIDING, FULL) for t in layer_types)
+    ):
+      raise c.wrong(
+        "layer_types",
+        f"a list of {FULL} or {SLIDING} for each of the {layers} layers",
+        layer_types,
+      )
     fields.update(
-      query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or fields["head_dim"]),
-      attn_logit_softcap=_optional_float(config.get("attn_logit_softcapping")),
-      final_logit_softcap=_optional_float(config.get("final_logit_softcapping")),
-      layer_types=tuple(config.get("layer_types") or default_types),
-      sliding_window=int(config["sliding_window"]),
+      query_pre_attn_scalar=c.number("query_pre_attn_scalar", fields["head_dim"]),
+      attn_logit_softcap=c.number("attn_logit_softcapping", None),
+      final_logit_softcap=c.number("final_logit_softcapping", None),
+      layer_types=tuple(layer_types),
+      sliding_window=c.count("sliding_window", high=_INT32),
     )
-  if model_type == "gemma3_text" and FULL in rope_params:
+  if model_type == "gemma3_text" and rope_params.has(FULL):
     # transformers >= 5: one rope dict per layer type.
-    fields["rope"] = _rope_from_hf({"rope_parameters": rope_params[FULL]})
-    fields["rope_local"] = _rope_from_hf({"rope_parameters": rope_params[SLIDING]})
+    fields["rope"] = _rope_from_hf(rope_params.mapping(FULL))
+    fields["rope_local"] = _rope_from_hf(rope_params.mapping(SLIDING))
   elif model_type == "gemma3_text":
-    fields["rope"] = _rope_from_hf(config)  # global layers: rope_theta and rope_scaling
-    fields["rope_local"] = RopeConfig(theta=float(config.get("rope_local_base_freq", 10000.0)))
+    fields["rope"] = _rope_from_hf(c)  # global layers: rope_theta and rope_scaling
+    fields["rope_local"] = RopeConfig(theta=c.number("rope_local_base_freq", 10000.0))
   else:
-    fields["rope"] = _rope_from_hf(config)
+    fields["rope"] = _rope_from_hf(c)
   return fields
 
 
-def _optional_float(value) -> float | None:
-  return None if value is None else float(value)
-
-
-def _rope_from_hf(config: dict[str, Any]) -> RopeConfig:
+def _rope_from_hf(c: _Fields) -> RopeConfig:
   # transformers >= 5 writes rope_parameters (theta inside); older checkpoints write
   # rope_theta at the top level and an optional rope_scaling dict ("type" or "rope_type").
-  params = dict(config.get("rope_parameters") or {})
-  scaling = config.get("rope_scaling") or {}
-  params = {**scaling, **params}
-  theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-  kind = params.get("rope_type", params.get("type", "default"))
-  if kind in (None, "default"):
+  # Inside a per-layer-type dict (Gemma 3), ``c`` is that dict itself.
+  if c.prefix:
+    params = c
+  else:
+    name = "rope_parameters" if c.has("rope_parameters") else "rope_scaling"
+    params = c.mapping(name)
+    if name == "rope_parameters" and c.has("rope_scaling"):
+      merged = {**c.mapping("rope_scaling").config, **params.config}
+      params = _Fields(merged, c.source, c.model_type, params.prefix)
+  theta = params.number("rope_theta", 10000.0 if c.prefix else c.number("rope_theta", 10000.0))
+  kind = params.raw("rope_type", params.raw("type", "default"))
+  if kind == "default":
     return RopeConfig(theta=theta)
   if kind == "linear":
-    return RopeConfig(theta=theta, kind="linear", factor=float(params["factor"]))
+    return RopeConfig(theta=theta, kind="linear", factor=params.number("factor"))
   if kind == "llama3":
     return RopeConfig(
       theta=theta,
       kind="llama3",
-      factor=float(params["factor"]),
-      low_freq_factor=float(params["low_freq_factor"]),
-      high_freq_factor=float(params["high_freq_factor"]),
-      original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+      factor=params.number("factor"),
+      low_freq_factor=params.number("low_freq_factor"),
+      high_freq_factor=params.number("high_freq_factor"),
+      original_max_position_embeddings=params.count(
+        "original_max_position_embeddings", high=_INT32
+      ),
     )
   raise ConfigError(
-    f"rope scaling type {kind!r} is not supported; jaxtune supports default, linear and llama3."
+    f"rope scaling type {kind!r} in {c.source} is not supported; jaxtune supports default, "
+    "linear and llama3."
   )
