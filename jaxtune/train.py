@@ -4,7 +4,9 @@ With no --model and no --data it fine-tunes the built-in default (a small Llama 
 locally in HF format, on a bundled chat dataset) through the same path as a real run.
 
 Several processes (hosts) form one run when launched with JAXTUNE_COORDINATOR=host:port,
-JAXTUNE_NUM_PROCESSES and JAXTUNE_PROCESS_ID, or under srun (SLURM) or mpirun (Open MPI).
+JAXTUNE_NUM_PROCESSES and JAXTUNE_PROCESS_ID, under srun (SLURM) or mpirun/mpiexec (Open MPI;
+other MPIs through mpi4py), or in any other cluster jax.distributed.initialize detects
+(Kubernetes indexed Jobs, Cloud TPU); see jaxtune/distributed.py.
 SIGTERM or Ctrl-C saves a checkpoint after the current step, then exits; --resume continues.
 """
 

@@ -4,6 +4,7 @@ On CPU each process fakes its own devices (XLA_FLAGS) and the processes talk thr
 GPU processes would through NCCL.
 """
 
+import importlib.util
 import itertools
 import json
 import os
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from conftest import background_run, compile_cache_env, finish, start_cli
@@ -80,10 +82,29 @@ def _losses(out: Path) -> list[float]:
     ),
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_NODELIST": "gpu01"}, None),
     ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"}, (2, 1, None, None)),
+    # A Kubernetes indexed Job with our coordinator (no kubernetes package needed).
+    (
+      {
+        "JAXTUNE_COORDINATOR": "job-0.svc:1",
+        "JAXTUNE_NUM_PROCESSES": "4",
+        "JOB_COMPLETION_INDEX": "2",
+      },
+      (4, 2, "job-0.svc:1", None),
+    ),
+    # JAXTUNE_NUM_PROCESSES=1 overrides the launcher: one process.
+    (
+      {
+        "JAXTUNE_NUM_PROCESSES": "1",
+        "SLURM_PROCID": "3",
+        "SLURM_STEP_NUM_TASKS": "16",
+        "SLURM_STEP_NODELIST": "gpu[01-02]",
+      },
+      None,
+    ),
   ],
 )
 def test_launch_from_env(env, want):
-  launch = distributed.launch_from_env(env)
+  launch = distributed.launch_from_env(env, clusters=())
   if want is None:
     assert launch is None
   else:
@@ -106,7 +127,202 @@ def test_launch_from_env(env, want):
 )
 def test_incomplete_launch_is_one_sentence(env, match):
   with pytest.raises(distributed.DistributedError, match=match):
-    distributed.launch_from_env(env)
+    distributed.launch_from_env(env, clusters=())
+
+
+# Launches JAX detects by itself, asked through its cluster classes (private: jax 0.11.2).
+
+
+def test_jax_clusters_are_jax_own():
+  """The classes jax.distributed.initialize tries, in its order, are the ones jaxtune asks."""
+  from jax._src import clusters
+
+  got = distributed.jax_clusters()
+  assert got == tuple(clusters.ClusterEnv._cluster_types)
+  assert {clusters.K8sCluster, clusters.Mpi4pyCluster, clusters.GkeTpuCluster} <= set(got)
+
+
+def _fake(monkeypatch, cluster, present=True, **methods):
+  """Make one of JAX's cluster classes answer as it would inside its cluster."""
+  monkeypatch.setattr(cluster, "is_env_present", classmethod(lambda cls: present))
+  for name, value in methods.items():
+    monkeypatch.setattr(cluster, name, classmethod(lambda cls, v=value: v))
+
+
+class _Calls(list):
+  """jax.distributed.initialize's keyword arguments, call by call, and the process count JAX
+  then reports."""
+
+  process_count = 1
+
+
+@pytest.fixture
+def calls(monkeypatch):
+  """A JAX whose distributed.initialize only records its arguments."""
+  got = _Calls()
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: got.append(kw))
+  monkeypatch.setattr(jax, "process_count", lambda: got.process_count)
+  return got
+
+
+def test_kubernetes_job_through_jax(monkeypatch, calls):
+  """A Kubernetes indexed Job of 4 pods: JAX's K8sCluster says so (its API answers faked, the
+  pod's index read by JAX from JOB_COMPLETION_INDEX), and JAX finds the coordinator itself."""
+  from jax._src.clusters import K8sCluster
+
+  monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+  monkeypatch.setenv("JOB_COMPLETION_INDEX", "2")
+  _fake(monkeypatch, K8sCluster, get_process_count=4)
+  calls.process_count = 4
+  launch = distributed.initialize({})
+  assert (launch.num_processes, launch.process_id, launch.coordinator) == (4, 2, None)
+  assert launch.source == "JAX's K8sCluster"
+  want = dict(
+    coordinator_address=None,
+    num_processes=4,
+    process_id=2,
+    local_device_ids=None,
+    cluster_detection_method=None,  # K8sCluster has no name in jax 0.11.2: JAX picks it
+  )
+  assert calls == [want]
+
+
+def test_one_pod_is_one_process(monkeypatch, calls):
+  from jax._src.clusters import K8sCluster
+
+  _fake(monkeypatch, K8sCluster, get_process_count=1)
+  assert distributed.initialize({}) is None
+  assert calls == []
+
+
+def test_our_variables_override_jax_detection(monkeypatch, calls):
+  from jax._src.clusters import K8sCluster
+
+  _fake(monkeypatch, K8sCluster, get_process_count=4, get_process_id=0)
+  assert distributed.initialize({"JAXTUNE_NUM_PROCESSES": "1"}) is None
+  env = {"JAXTUNE_COORDINATOR": "h0:9", "JAXTUNE_NUM_PROCESSES": "2", "JAXTUNE_PROCESS_ID": "1"}
+  calls.process_count = 2
+  assert distributed.initialize(env).source == "JAXTUNE_* variables"
+  assert calls == [
+    dict(
+      coordinator_address="h0:9",
+      num_processes=2,
+      process_id=1,
+      local_device_ids=None,
+      cluster_detection_method=None,
+    )
+  ]
+
+
+def test_cluster_that_cannot_be_read_is_one_sentence(monkeypatch, calls):
+  """A pod that is not in a Job (JAX's own error) fails before training, saying how out."""
+  from jax._src.clusters import K8sCluster
+
+  def no_job(cls):
+    raise RuntimeError("In K8s, cluster automatic bootstrap only supports Job/JobSet.")
+
+  _fake(monkeypatch, K8sCluster)
+  monkeypatch.setattr(K8sCluster, "get_process_count", classmethod(no_job))
+  with pytest.raises(distributed.DistributedError) as e:
+    distributed.initialize({})
+  assert str(e.value) == (
+    "JAX's K8sCluster sees this process in its cluster but cannot read the launch (In K8s, "
+    "cluster automatic bootstrap only supports Job/JobSet.); fix the job as that says, or run "
+    "one process with JAXTUNE_NUM_PROCESSES=1, or give every process JAXTUNE_COORDINATOR, "
+    "JAXTUNE_NUM_PROCESSES and JAXTUNE_PROCESS_ID."
+  )
+  assert calls == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kubernetes") is not None, reason="kubernetes")
+def test_kubernetes_without_its_package_warns(monkeypatch, calls):
+  """JAX cannot read a Kubernetes launch without the kubernetes package; its warning says so
+  and the run is one process (a Job of parallelism 1 is common, so no error)."""
+  monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+  with pytest.warns(UserWarning, match="kubernetes"):
+    assert distributed.initialize({}) is None
+  assert calls == []
+
+
+def test_mpi_through_mpi4py(monkeypatch, calls):
+  """mpiexec of MPICH or Intel MPI: JAX bootstraps through mpi4py (opt-in, so asked for)."""
+  from jax._src.clusters import Mpi4pyCluster
+
+  _fake(monkeypatch, Mpi4pyCluster)
+  calls.process_count = 4
+  launch = distributed.initialize({"PMI_SIZE": "4", "PMI_RANK": "1"})
+  assert (launch.num_processes, launch.process_id, launch.cluster) == (4, 1, "mpi4py")
+  assert calls == [
+    dict(
+      coordinator_address=None,
+      num_processes=4,
+      process_id=1,
+      local_device_ids=None,
+      cluster_detection_method="mpi4py",
+    )
+  ]
+  assert distributed.initialize({"PMI_SIZE": "1", "PMI_RANK": "0"}) is None
+  assert len(calls) == 1
+
+
+def test_mpi_without_mpi4py_is_one_sentence(monkeypatch, calls):
+  from jax._src.clusters import Mpi4pyCluster
+
+  _fake(monkeypatch, Mpi4pyCluster, present=False)
+  with pytest.raises(distributed.DistributedError) as e:
+    distributed.initialize({"MV2_COMM_WORLD_SIZE": "8", "MV2_COMM_WORLD_RANK": "0"})
+  assert str(e.value) == (
+    "MV2_COMM_WORLD_SIZE=8 says the MPI launcher started 8 processes, but JAX can join them "
+    "only through mpi4py and mpi4py is not installed; pip install mpi4py, or give every process "
+    "JAXTUNE_COORDINATOR=host:port and JAXTUNE_NUM_PROCESSES=8."
+  )
+  assert calls == []
+
+
+def test_slurm_initialize_arguments(calls):
+  calls.process_count = 16
+  env = {"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "16", "SLURM_STEP_NODELIST": "gpu[01-02]"}
+  assert distributed.initialize(env, clusters=()).source == "SLURM"
+  assert calls == [
+    dict(
+      coordinator_address=None,
+      num_processes=16,
+      process_id=3,
+      local_device_ids=None,
+      cluster_detection_method="slurm",
+    )
+  ]
+
+
+def test_several_processes_initialised_as_one_is_an_error(calls):
+  """The launcher says 2 processes but JAX came up with 1: an error, not 2 unrelated runs."""
+  calls.process_count = 1
+  env = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}
+  with pytest.raises(distributed.DistributedError) as e:
+    distributed.initialize(env, clusters=())
+  assert str(e.value) == (
+    "the launcher says 2 processes (Open MPI) but JAX initialised 1, so each would train alone; "
+    "use a JAX backend that spans processes (JAX_PLATFORMS cuda, rocm, tpu or cpu), or run one "
+    "process with JAXTUNE_NUM_PROCESSES=1."
+  )
+  assert len(calls) == 1
+
+
+def test_jax_without_its_cluster_classes(monkeypatch, capsys, calls):
+  """A JAX that moved jax._src.clusters: one line says so; jaxtune's own readings still work."""
+  monkeypatch.setitem(sys.modules, "jax._src.clusters", None)  # its import now fails
+  distributed.jax_clusters.cache_clear()
+  try:
+    assert distributed.jax_clusters() is None
+    assert distributed.jax_clusters() is None  # said once
+    assert capsys.readouterr().err.count("has no jax._src.clusters.ClusterEnv") == 1
+    env = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"}
+    assert distributed.launch_from_env(env).cluster == "ompi"
+    assert distributed.launch_from_env({}) is None
+    with pytest.raises(distributed.DistributedError, match="this JAX has no mpi4py detection"):
+      distributed.launch_from_env({"PMI_SIZE": "2", "PMI_RANK": "0"})
+  finally:
+    distributed.jax_clusters.cache_clear()
 
 
 @background_run("two_processes")
