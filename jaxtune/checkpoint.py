@@ -59,31 +59,33 @@ def _quiet_orbax() -> None:
 
 
 @jax.jit
-def _sums(leaves: list) -> jax.Array:
-  """[n, 2] uint32: per array, the sum of its 32-bit words and the sum weighted by position
-  (both wrapping), so a changed, lost or moved value changes them."""
-  out = []
-  for x in leaves:
-    if x.dtype == jnp.bool_:
-      words = x.astype(jnp.uint32)
-    else:
-      bits = jnp.dtype(x.dtype).itemsize * 8
-      words = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{bits}")).astype(jnp.uint32)
-    words = words.reshape(-1)
-    position = jnp.arange(1, words.size + 1, dtype=jnp.uint32)
-    out.append(jnp.stack([words.sum(dtype=jnp.uint32), (words * position).sum(dtype=jnp.uint32)]))
-  return jnp.stack(out) if out else jnp.zeros((0, 2), jnp.uint32)
+def _sum(x: jax.Array) -> jax.Array:
+  """[2] uint32: the sum of the array's 32-bit words and the sum weighted by position (both
+  wrapping), so a changed, lost or moved value changes them."""
+  if x.dtype == jnp.bool_:
+    words = x.astype(jnp.uint32)
+  else:
+    bits = jnp.dtype(x.dtype).itemsize * 8
+    words = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{bits}")).astype(jnp.uint32)
+  words = words.reshape(-1)
+  position = jnp.arange(1, words.size + 1, dtype=jnp.uint32)
+  return jnp.stack([words.sum(dtype=jnp.uint32), (words * position).sum(dtype=jnp.uint32)])
 
 
 def checksum(state: dict) -> list[list[int]]:
   """The checksum saved with a checkpoint (in its JSON metadata) and compared on restore: two
   32-bit sums per array, computed where the arrays are (sharded arrays too)."""
-  sums = _sums(jax.tree.leaves(state))
-  if not sums.is_fully_addressable:  # several processes: every one gets the whole (tiny) array
-    from jax.experimental import multihost_utils
+  # One program per array: the arrays of a state may sit on different devices (a restored
+  # PRNG key on one, the sharded LoRA on the mesh), which one program cannot take together.
+  out = []
+  for leaf in jax.tree.leaves(state):
+    sums = _sum(leaf)
+    if not sums.is_fully_addressable:  # several processes: every one gets the (tiny) array
+      from jax.experimental import multihost_utils
 
-    sums = multihost_utils.process_allgather(sums, tiled=True)
-  return np.asarray(jax.device_get(sums)).tolist()
+      sums = multihost_utils.process_allgather(sums, tiled=True)
+    out.append(np.asarray(jax.device_get(sums)).tolist())
+  return out
 
 
 class Checkpoints:

@@ -208,4 +208,3 @@ def check_vocabulary(tokenizer: Any, cfg: "ModelConfig", model_path: Path) -> No
       f"(vocab_size in config.json) is {cfg.vocab_size}: {beyond} token(s) have no embedding; "
       "use the tokenizer that belongs to this checkpoint."
     )
-

@@ -54,10 +54,17 @@ def load_tokenizer(ckpt: Path) -> Any:
     ) from e
   try:
     return AutoTokenizer.from_pretrained(str(ckpt))
-  except (OSError, ValueError, TypeError) as e:
+  except Exception as e:  # a damaged file raises anything (KeyError, tokenizers' own Exception)
+    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    present = [name for name in names if (ckpt / name).exists()]
+    if not present:
+      raise UserError(
+        f"cannot load a tokenizer from {ckpt} ({type(e).__name__}); the checkpoint needs its "
+        "tokenizer files (tokenizer.json or tokenizer.model, tokenizer_config.json)."
+      ) from e
     raise UserError(
-      f"cannot load a tokenizer from {ckpt} ({type(e).__name__}); the checkpoint needs its "
-      "tokenizer files (tokenizer.json or tokenizer.model, tokenizer_config.json)."
+      f"cannot load a tokenizer from {ckpt} ({type(e).__name__} reading "
+      f"{', '.join(present)}); the files are damaged or incomplete, re-download them."
     ) from e
 
 

@@ -10,9 +10,12 @@ directory written by ``datasets.save_to_disk``, a Hub dataset id (``org/name``),
 import codecs
 import glob
 import os
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from jaxtune.errors import DataError
 
@@ -24,6 +27,13 @@ BUILDERS = {
   ".csv": "csv",
   ".arrow": "arrow",
 }
+# The deepest a row may nest [ and { : Arrow, where datasets keeps the examples, holds 64
+# levels (datasets 4 / pyarrow: a row of 63 reads, 64 fails with "Recursion level in
+# ArrowSchema struct exceeded", and around 10,000 pyarrow's JSON reader crashes the process).
+MAX_DEPTH = 63
+# An escape of half a UTF-16 surrogate pair, \uD800-\uDBFF (high) or \uDC00-\uDFFF (low).
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_LOW = re.compile(rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 
 
 def _datasets():
@@ -124,20 +134,122 @@ def _load_files(ds, files: list[Path], name: str, streaming: bool):
 
 
 def _check_text_file(path: Path, builder: str) -> None:
-  """UTF-8, and for JSON lines each line an object: checked here so that the error names the
-  line (arrow's reader names neither, and reads some invalid UTF-8 without a word)."""
+  """UTF-8, and for JSON no lone surrogate and no row nested deeper than Arrow holds: checked
+  here so that the error names the line (arrow's reader names neither, reads some invalid UTF-8
+  without a word, and crashes on very deep nesting before any error can be caught)."""
   if builder not in ("json", "csv"):
     return
   decoder = codecs.getincrementaldecoder("utf-8")()
+  nesting = _Nesting(per_line=_suffix(path) == ".jsonl") if builder == "json" else None
   line = 1
   with open(path, "rb") as f:
-    while chunk := f.read(1 << 24):
+    while chunk := f.read(1 << 24) + f.readline():  # whole lines: no escape is cut in two
       try:
         decoder.decode(chunk)
       except UnicodeDecodeError as e:
         line += chunk[: e.start].count(b"\n")
         raise DataError(f"{path}:{line} is not UTF-8 text; save the file as UTF-8.") from None
+      if nesting is not None:
+        if (at := _lone_surrogate(chunk)) is not None:
+          escape = chunk[at : at + 6].decode()
+          line += chunk[:at].count(b"\n")
+          raise DataError(
+            f"{path}:{line} holds {escape}, half of a UTF-16 surrogate pair without its other "
+            "half, which is no character (often a string cut inside an emoji); remove it or "
+            "complete the pair."
+          )
+        if (at := nesting.too_deep(chunk)) is not None:
+          line += chunk[:at].count(b"\n")
+          raise DataError(
+            f"{path}:{line} nests [ and {{ more than {MAX_DEPTH} levels deep, more than datasets "
+            "can hold; flatten that row, keep its deep part as a JSON string, or remove it."
+          )
       line += chunk.count(b"\n")
+
+
+def _lone_surrogate(chunk: bytes) -> int | None:
+  """Where ``chunk`` (whole lines of JSON) has an escape of half a surrogate pair without its
+  other half: valid JSON, but no character (pyarrow refuses the file, Python's json reads it).
+  None: nowhere. An escape after an escaped backslash (``\\\\ud800``) is text, not an escape."""
+  paired = -1  # where the low half of the last pair starts
+  for m in _SURROGATE.finditer(chunk):
+    at = m.start()
+    if at == paired:
+      continue
+    run = at - len(chunk[:at].rstrip(b"\\")) if chunk[at - 1 : at] == b"\\" else 0
+    if run % 2:
+      continue
+    if chunk[at + 3] in b"89abAB" and _LOW.match(chunk, at + 6):
+      paired = at + 6
+      continue
+    return at
+  return None
+
+
+# +1 for [ and {, -1 for ] and }, by byte value.
+_STEP = np.zeros(256, np.int32)
+_STEP[[ord("["), ord("{")]] = 1
+_STEP[[ord("]"), ord("}")]] = -1
+
+
+class _Nesting:
+  """How deep a JSON text nests [ and { outside its strings, read a piece at a time with numpy;
+  ``per_line``: JSON lines, every line from depth 0.
+
+  The state between pieces: the depth, whether a string is open, and how many backslashes
+  ended the last piece. A raw newline is never inside a JSON string, so each line starts
+  outside one. A top-level array's own level (a .json file of rows) is not counted.
+  """
+
+  def __init__(self, per_line: bool):
+    self.per_line, self.depth, self.inside, self.backslashes = per_line, 0, False, 0
+    self.outer = None if not per_line else 0  # 1 when the file is one array of rows
+
+  def too_deep(self, chunk: bytes) -> int | None:
+    """Where in ``chunk`` (whole lines) a row first nests deeper than MAX_DEPTH; None: nowhere."""
+    if not self.per_line:
+      if self.outer is None and chunk.strip():
+        self.outer = int(chunk.lstrip()[:1] == b"[")
+      return self._pieces(chunk)
+    # Only a line of more than MAX_DEPTH opening brackets can nest deeper: scan just those.
+    start = 0
+    for line in chunk.split(b"\n"):
+      if line.count(b"[") + line.count(b"{") > MAX_DEPTH:
+        at = _Nesting(per_line=True)._pieces(line)
+        if at is not None:
+          return start + at
+      start += len(line) + 1
+    return None
+
+  def _pieces(self, text: bytes, piece: int = 1 << 20) -> int | None:
+    for start in range(0, len(text), piece):
+      at = self._scan(np.frombuffer(text, np.uint8, min(piece, len(text) - start), start))
+      if at is not None:
+        return start + at
+    return None
+
+  def _scan(self, a: np.ndarray) -> int | None:
+    i = np.arange(len(a), dtype=np.int32)
+    newline = a == ord("\n")
+    # A quote opens or closes a string unless an odd run of backslashes escapes it.
+    backslash = a == ord("\\")
+    last_other = np.maximum.accumulate(np.where(backslash, -1, i))
+    run = np.empty_like(i)  # backslashes just before each byte
+    run[0] = self.backslashes
+    run[1:] = i[:-1] - last_other[:-1] + np.where(last_other[:-1] < 0, self.backslashes, 0)
+    quote = (a == ord('"')) & (run % 2 == 0)
+    quotes = np.cumsum(quote, dtype=np.int32)
+    since_newline = quotes - np.maximum.accumulate(np.where(newline, quotes, 0))
+    first_line = ~np.maximum.accumulate(newline)
+    inside = (since_newline + (first_line & self.inside)) % 2 == 1
+    depth = np.cumsum(np.where(inside, 0, _STEP[a]), dtype=np.int32) + self.depth
+    if self.per_line:  # each line from 0 (a damaged line does not shift the next)
+      last_newline = np.maximum.accumulate(np.where(newline, i, -1))
+      depth -= np.where(last_newline < 0, 0, depth[last_newline])
+    self.depth, self.inside = int(depth[-1]), bool(inside[-1])
+    self.backslashes = int(run[-1] + 1) if backslash[-1] else 0
+    deeper = np.flatnonzero(depth > MAX_DEPTH + (self.outer or 0))
+    return int(deeper[0]) if len(deeper) else None
 
 
 def _bad_line(files: list[Path], builder: str) -> str | None:

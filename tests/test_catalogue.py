@@ -14,6 +14,7 @@ import hashlib
 import json
 import re
 import shutil
+import struct
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -184,6 +185,42 @@ def _hold_lock(w: Work) -> bool:
   return True
 
 
+def _edit_header(w: Work, change: Callable[[dict, list[str]], None]) -> list[str]:
+  """model.safetensors with its JSON header changed in place by ``change(header, names)``
+  (names: the tensors in the order of their bytes), the tensor data as it was."""
+  f = w.model / "model.safetensors"
+  raw = f.read_bytes()
+  n = struct.unpack("<Q", raw[:8])[0]
+  header = json.loads(raw[8 : 8 + n])
+  names = sorted(
+    (k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"]
+  )
+  change(header, names)
+  text = json.dumps(header).encode()
+  f.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+  return w.train_args()
+
+
+def _offsets_into_header(header: dict, names: list[str]) -> None:
+  """The first tensor starts 64 bytes before the data: in the header's own JSON."""
+  first = header[names[0]]
+  first["data_offsets"] = [first["data_offsets"][0] - 64, first["data_offsets"][1] - 64]
+
+
+def _overlapping_tensors(header: dict, names: list[str]) -> None:
+  """The second tensor starts 4 bytes before the first ends."""
+  first, second = header[names[0]], header[names[1]]
+  size = second["data_offsets"][1] - second["data_offsets"][0]
+  second["data_offsets"] = [first["data_offsets"][1] - 4, first["data_offsets"][1] - 4 + size]
+
+
+def _weights_link_loop(w: Work) -> list[str]:
+  f = w.model / "model.safetensors"
+  f.unlink()
+  f.symlink_to(f.name)
+  return w.train_args()
+
+
 def _run_without_checkpoints(w: Work) -> list[str]:
   w.out.mkdir()
   (w.out / "config.yaml").write_text(RunConfig(model=str(w.model)).to_yaml())
@@ -228,6 +265,38 @@ CASES = [
     r"num_attention_heads=3 is not a multiple of num_key_value_heads=2",
   ),
   Case(
+    "config-not-an-object",
+    lambda w: (w.model / "config.json").write_text("[]") and w.train_args(),
+    r"config\.json holds a JSON list, not an object of settings",
+  ),
+  Case(
+    "config-layers-absurd",
+    lambda w: w.config(num_hidden_layers=10**9) or w.train_args(),
+    r"num_hidden_layers in .*config\.json must be a whole number from 1 to 100000, got 1000000000",
+  ),
+  Case(
+    "config-value-wrong-type",
+    lambda w: w.config(num_attention_heads="4") or w.train_args(),
+    r'num_attention_heads in .*config\.json must be a whole number >= 1, got "4"',
+  ),
+  Case(
+    "config-rope-theta-negative",
+    lambda w: w.config(rope_theta=-10000.0) or w.train_args(),
+    r"rope_theta in .*config\.json must be a finite number > 0, got -10000\.0",
+  ),
+  Case(
+    "config-hidden-not-multiple-of-heads",
+    lambda w: w.config(hidden_size=66, head_dim=None) or w.train_args(),
+    r"hidden_size=66 in .*config\.json is not a multiple of num_attention_heads=4, and it sets "
+    r"no head_dim",
+  ),
+  Case(
+    "config-model-too-large",
+    lambda w: w.config(hidden_size=10**11) or w.train_args(),
+    r"config\.json describes a model of \d(\.\d+)?e\+\d+ parameters .*, more than the 1e\+13 any "
+    r"machine holds",
+  ),
+  Case(
     "weights-none",
     lambda w: _remove(w, "model.safetensors"),
     r"no \*\.safetensors files in .*; jaxtune reads safetensors checkpoints only",
@@ -246,6 +315,36 @@ CASES = [
     "weights-garbage",
     lambda w: (w.model / "model.safetensors").write_bytes(b"\xff" * 64) and w.train_args(),
     r"model\.safetensors is truncated or corrupt",
+  ),
+  Case(
+    "weights-offsets-into-header",
+    lambda w: _edit_header(w, _offsets_into_header),
+    r"model\.safetensors is truncated or corrupt \(tensor \S+ has the data_offsets "
+    r"\[-64, \d+\], not two offsets >= 0\); re-download it",
+  ),
+  Case(
+    "weights-tensors-overlap",
+    lambda w: _edit_header(w, _overlapping_tensors),
+    r"model\.safetensors is truncated or corrupt \(tensor \S+'s data_offsets \[\d+, \d+\] "
+    r"overlap tensor \S+'s \[\d+, \d+\]\)",
+  ),
+  Case(
+    "weights-unknown-dtype",
+    lambda w: _edit_header(w, lambda header, names: header[names[0]].update(dtype="F8_E4M3")),
+    r"model\.safetensors holds tensor \S+ in the dtype \"F8_E4M3\", which jaxtune does "
+    r"not read \(it reads F32, F16, BF16",
+  ),
+  Case(
+    "weights-not-a-file",
+    lambda w: (
+      _remove(w, "model.safetensors") and _mkdir(w.model / "model.safetensors") and w.train_args()
+    ),
+    r"cannot read .*model\.safetensors \(it is a directory\); replace it",
+  ),
+  Case(
+    "weights-symlink-loop",
+    _weights_link_loop,
+    r"cannot read .*model\.safetensors \(Too many levels of symbolic links\)",
   ),
   Case(
     "tensor-wrong-shape",
@@ -272,6 +371,12 @@ CASES = [
     "tokenizer-missing",
     lambda w: _remove(w, "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"),
     r"cannot load a tokenizer from .*; the checkpoint needs its tokenizer files",
+  ),
+  Case(
+    "tokenizer-empty-json",
+    lambda w: (w.model / "tokenizer.json").write_text("{}") and w.train_args(),
+    r"cannot load a tokenizer from .*model \(KeyError reading tokenizer\.json, "
+    r"tokenizer_config\.json\); the files are damaged or incomplete",
   ),
   # The data
   Case(
@@ -302,6 +407,32 @@ CASES = [
       "--data", str(w.file("latin.jsonl", '{"text": "caf\xe9"}\n'.encode("latin-1")))
     ),
     r"latin\.jsonl:1 is not UTF-8 text",
+  ),
+  Case(
+    "data-lone-surrogate-in-text",
+    lambda w: w.train_args("--data", str(w.file("s.jsonl", '{"text": "cut \\ud83d here"}\n'))),
+    r"s\.jsonl:1 holds \\ud83d, half of a UTF-16 surrogate pair without its other half",
+  ),
+  Case(
+    "data-lone-surrogate-in-chat",
+    lambda w: w.train_args(
+      "--data",
+      str(
+        w.file(
+          "c.jsonl",
+          _messages("user", "assistant")
+          + '\n{"messages": [{"role": "user", "content": "\\udc00"}]}\n',
+        )
+      ),
+    ),
+    r"c\.jsonl:2 holds \\udc00, half of a UTF-16 surrogate pair",
+  ),
+  Case(
+    "data-nested-too-deep",
+    lambda w: w.train_args(
+      "--data", str(w.file("d.jsonl", '{"text": "x", "y": ' + "[" * 5000 + "]" * 5000 + "}\n"))
+    ),
+    r"d\.jsonl:1 nests \[ and \{ more than 63 levels deep, more than datasets can hold",
   ),
   Case(
     "data-columns-match-no-format",
@@ -675,7 +806,10 @@ MAINS = {"train": train_main, "export": export.main}
 def _snapshot(root: Path) -> dict:
   """Every path under root, files with their size and hash: what a case must not change."""
   return {
-    str(p.relative_to(root)): (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+    str(p.relative_to(root)): (
+      p.stat().st_size,
+      hashlib.sha256(p.read_bytes()).hexdigest(),
+    )
     if p.is_file()
     else "dir"
     for p in sorted(root.rglob("*"))

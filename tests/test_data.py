@@ -373,3 +373,73 @@ assert "torch" not in sys.modules
 """
   child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
   assert child.returncode == 0, child.stderr[-2000:]
+
+
+def _row(value) -> str:
+  return json.dumps({"text": value}, ensure_ascii=True) + "\n"
+
+
+SURROGATES = {
+  # text of the "text" field as it is written in the file -> whether it must be refused
+  "a-pair": (r"smile \ud83d\ude00", False),
+  "high-alone": (r"cut \ud83d here", True),
+  "low-alone": (r"cut \ude00 here", True),
+  "high-at-the-end": (r"cut \ud83d", True),
+  "escaped-backslash": (r"a path C:\\ud800 is text", False),
+  "odd-backslashes": (r"\\\ud800 is an escape", True),
+  "two-highs": (r"\ud83d\ud83d\ude00", True),
+}
+
+
+@pytest.mark.parametrize("case", SURROGATES)
+def test_a_lone_surrogate_is_named_by_file_and_line(tmp_path, case):
+  raw, refused = SURROGATES[case]
+  path = tmp_path / "s.jsonl"
+  path.write_text(_row("fine") * 2 + '{"text": "' + raw + '"}\n' + _row("fine"))
+  assert json.loads(path.read_text().splitlines()[2])  # the line is valid JSON either way
+  if not refused:
+    from jaxtune.sources import _check_text_file
+
+    _check_text_file(path, "json")
+    return
+  from jaxtune import sources
+
+  with pytest.raises(DataError, match=rf"^{path}:3 holds \\u[dD][89a-fA-F]\w\w, half of a UTF-16"):
+    sources._check_text_file(path, "json")
+
+
+def _nested(depth: int) -> str:
+  """A messages row whose content is a list nested ``depth`` levels deep in all (the row's own
+  object is level 1), with brackets inside a string that must not count."""
+  inner = "[" * (depth - 1) + '"[[{{ \\" ]"' + "]" * (depth - 1)
+  return '{"text": "x", "extra": ' + inner + "}\n"
+
+
+def test_rows_nested_deeper_than_arrow_holds_are_named_and_the_limit_is_arrows(tmp_path):
+  from jaxtune import sources
+
+  deep = sources.MAX_DEPTH
+  ok = tmp_path / "ok.jsonl"
+  ok.write_text(_row("a") + _nested(deep) + _row("b"))
+  sources._check_text_file(ok, "json")
+  too = tmp_path / "too.jsonl"
+  too.write_text(_row("a") * 4 + _nested(deep + 1) + _row("b"))
+  with pytest.raises(DataError, match=rf"^{too}:5 nests \[ and {{ more than {deep} levels deep"):
+    sources._check_text_file(too, "json")
+  # A file that is one JSON array of rows: the array's own level is not the row's.
+  array = tmp_path / "rows.json"
+  array.write_text("[\n" + ",\n".join([_row("a").strip(), _nested(deep).strip()]) + "\n]\n")
+  sources._check_text_file(array, "json")
+  array.write_text("[\n" + ",\n".join([_row("a").strip(), _nested(deep + 1).strip()]) + "\n]\n")
+  with pytest.raises(DataError, match=rf"^{array}:3 nests"):
+    sources._check_text_file(array, "json")
+  # The limit is datasets' own: the deepest row passed reads, one level more does not.
+  ds = pytest.importorskip("datasets")
+  assert ds.load_dataset("json", data_files=str(ok), split="train").num_rows == 3
+  with pytest.raises(Exception) as e:
+    ds.load_dataset("json", data_files=str(too), split="train", cache_dir=str(tmp_path / "c"))
+  causes, error = [], e.value
+  while error is not None:
+    causes.append(str(error))
+    error = error.__cause__ or error.__context__
+  assert any("Recursion level" in cause for cause in causes), causes
