@@ -4,7 +4,7 @@ Writes a random-weight HF checkpoint of --shape (with the built-in model's token
 JSONL of synthetic documents of mixed lengths, then runs the CLI once per entry of --runs, each
 in a process of its own, exactly as a user would (packing on, the default attention for the
 mesh, LoRA r=16 on all seven projections, plus --flags, by default the speed setting
-`--remat dots_no_batch`; the CLI's own default, full remat, keeps memory low). Per run it
+`--remat dots_no_batch`; `--flags=` runs the CLI's own default, `--remat auto`). Per run it
 records:
 
   tokens_per_s      median over the steps after --warmup of the CLI's own tokens/s (global:
@@ -61,8 +61,10 @@ TINY = dict(  # CPU smoke shape: 8 heads and 8 KV heads so tensor=8 divides, 4 l
   tie_word_embeddings=False,
 )
 START_LINE = re.compile(
-  r"\((?P<fill>\d+)% tokens.*attention (?P<attention>\w+), remat \w+[^;]*; "
-  r"loaded in (?P<load>[\d.]+)s"
+  r"(?P<fill>\d+)% tokens.*attention (?P<attention>\w+), "
+  r"remat (?P<remat>\w+(?:, loss chunk \d+)?)(?: \((?:auto: )?planned (?P<plan>[\d.]+ [GM]iB))?"
+  r"[^;]*; loaded in (?P<load>[\d.]+)s(?:, compiled in (?P<compile>[\d.]+)s"
+  r"(?P<cached> \(from the compilation cache\))?)?"
 )
 
 
@@ -190,6 +192,10 @@ def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
     "ms_per_step": 1e3 * batch * args.seq / statistics.median(timed),
     "peak_gib": steps[-1].get("memory_gib"),
     "load_s": start and float(start["load"]),
+    "remat": start and start["remat"],
+    "planned": start and start["plan"],
+    "compile_s": start and start["compile"] and float(start["compile"]),
+    "compile_cached": bool(start and start["cached"]),
     "first_step_s": first_step[0] if first_step else None,
     "wall_s": wall,
     "loss_first": steps[0]["loss"],
@@ -276,14 +282,17 @@ def main():
     device=device,
   )
   print(
-    "\n| run | GPUs | batch | attention | tokens/s | efficiency | peak GiB | load s | 1st step s |"
+    "\n| run | GPUs | batch | attention | remat (plan) | tokens/s | efficiency | peak GiB | "
+    "load s | compile s | 1st step s |"
   )
-  print("|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     eff = f"{r['efficiency']:.3f}" if r["efficiency"] else "-"
+    cached = " (cache)" if r["compile_cached"] else ""
     print(
       f"| {r['mesh']} {r['flags']} | {r['devices']} | {r['batch']} | {r['attention']} | "
-      f"{r['tokens_per_s']:.0f} | {eff} | {r['peak_gib'] or 0:.1f} | {r['load_s']} | "
+      f"{r['remat']} ({r['planned']}) | {r['tokens_per_s']:.0f} | {eff} | "
+      f"{r['peak_gib'] or 0:.1f} | {r['load_s']} | {r['compile_s']}{cached} | "
       f"{r['first_step_s']:.0f} |"
     )
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from converters import export, hub, model_card
 from converters.gguf_out import check_gguf_type
-from jaxtune import run_log
+from jaxtune import plan, run_log
 from jaxtune.errors import ExportError, UserError
 from jaxtune.session import load_trained
 
@@ -41,7 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     "q4_1 or q4_0 (written as OUT/model-TYPE.gguf)",
   )
   run_log.quiet_third_party()
+  p.add_argument("--no-compile-cache", action="store_true", help=plan.CACHE_HELP)
   args = p.parse_args(argv)
+  plan.use_compile_cache(not args.no_compile_cache)
   try:
     out = Path(args.out)
     export.check_destination(out, args.overwrite)  # before loading anything

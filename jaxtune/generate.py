@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from jaxtune import run_log
+from jaxtune import plan, run_log
 from jaxtune.decoding import generate, generate_ids
 from jaxtune.errors import UserError
 from jaxtune.session import load_run_model, load_tokenizer
@@ -38,7 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--quantization", default="nf4", help="nf4 or none")
   p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--no-compile-cache", action="store_true", help=plan.CACHE_HELP)
   args = p.parse_args(argv)
+  plan.use_compile_cache(not args.no_compile_cache)
   try:
     if not args.model and not args.adapter:
       raise UserError("pass --model DIR|HUB_ID, or --adapter RUN_DIR|PEFT_DIR.")

@@ -11,6 +11,10 @@ from jaxtune.errors import RunConfigError
 
 # Activation checkpointing per layer (models/decoder.py REMAT_POLICIES holds what each keeps).
 REMAT = ("none", "full", "activations", "dots", "dots_no_batch", "offload")
+# --remat auto tries these, fastest first (plan.py keeps the first whose memory plan fits).
+AUTO_REMAT = ("activations", "dots_no_batch", "full", "offload")
+# The loss chunk --loss-chunk unset falls back to where the whole logits do not fit.
+AUTO_LOSS_CHUNK = 1024
 # What --attention may ask for; None lets runtime.resolve pick the fastest exact one.
 ATTENTION_CHOICES = ("xla", "fused", "pallas")
 
@@ -24,7 +28,7 @@ CHOICES = {
   "nf4_matmul": ("kernel", "xla", None),
   "data_format": ("text", "messages", "conversations", "alpaca", "prompt_completion", None),
   "long_examples": ("truncate", "drop"),
-  "remat": REMAT,
+  "remat": (*REMAT, "auto"),
   "attention": (*ATTENTION_CHOICES, None),
 }
 # Smallest allowed value of numeric settings (None: any value).
@@ -39,6 +43,7 @@ MINIMUM = {
   "grad_accum": 1,
   "seq_len": 2,
   "loss_chunk": 0,
+  "memory_limit": 0.0,  # exclusive
   "mlp_chunk": 0,
   "microbatches": 0,
   "eval_every": 0,
@@ -49,9 +54,23 @@ MINIMUM = {
   "save_every": 1,
   "keep_checkpoints": 1,
 }
-EXCLUSIVE = {"learning_rate", "max_grad_norm", "lora_alpha", "epochs", "eval_split"}
+EXCLUSIVE = {
+  "learning_rate",
+  "max_grad_norm",
+  "lora_alpha",
+  "epochs",
+  "eval_split",
+  "memory_limit",
+}
 # Numeric settings whose default is None (unset: decided from the data or the other settings).
-OPTIONAL_NUMBERS = {"steps": int, "epochs": float, "seq_len": int, "eval_split": float}
+OPTIONAL_NUMBERS = {
+  "steps": int,
+  "epochs": float,
+  "seq_len": int,
+  "eval_split": float,
+  "loss_chunk": int,
+  "memory_limit": float,
+}
 # The built-in default run (no --model): settings fit for its small model, under the user's.
 DEFAULT_RUN = Path(__file__).parent / "configs" / "default-run.yaml"
 
@@ -111,7 +130,8 @@ class RunConfig:
   lora_alpha_pattern: str | None = None  # the same keys, alphas
   init_adapter: str | None = None  # PEFT adapter dir to continue training (sets the lora_*)
   skip_nonfinite: bool = False  # skip (count) steps with NaN/inf/zero loss instead of stopping
-  remat: str = "full"  # REMAT (what each keeps: models/decoder.py); "activations": speed
+  # REMAT (what each keeps: models/decoder.py), or "auto": the fastest whose memory plan fits
+  remat: str = "auto"
   microbatches: int = 0  # pipeline micro-batches per step (mesh pipe > 1); 0: automatic
   shard_frozen: bool = False  # also split the frozen NF4 weights over data (FSDP-style)
   sequence_parallel: bool = False  # residual stream's tokens split over tensor between matmuls
@@ -119,7 +139,10 @@ class RunConfig:
   # NF4 linear layers: the Pallas kernel or XLA's dequantize-then-dot; None: per shape (the
   # kernel for at most 64 tokens on one Hopper GPU, where it measured faster)
   nf4_matmul: str | None = None
-  loss_chunk: int = 0  # > 0: float32 logits for this many tokens per row at a time; 0: all
+  # > 0: float32 logits for this many tokens per row at a time; 0: all at once; None: all at
+  # once unless that does not fit (then AUTO_LOSS_CHUNK)
+  loss_chunk: int | None = None
+  memory_limit: float | None = None  # GiB per device the step may plan for; None: the device's
   mlp_chunk: int = 0  # > 0: the MLP runs this many tokens per row at a time (long contexts)
   # Output
   log_every: int = 1

@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtune import mesh as meshlib
 from jaxtune import pipeline, sharding
 from jaxtune.errors import MeshError, UserError
-from jaxtune.run_config import REMAT, RunConfig
+from jaxtune.run_config import AUTO_LOSS_CHUNK, AUTO_REMAT, REMAT, RunConfig
 from pallas_kernels.flash_attention import mosaic_supports
 
 if TYPE_CHECKING:
@@ -59,6 +59,10 @@ class Runtime:
   sequence_parallel: bool = False  # the residual stream's tokens split over tensor
   shard_frozen: bool = False  # NF4 storage also split over data, gathered per layer
   scan_layers: bool = True  # False: a Python loop over the layers (tests, profiles)
+  # (remat, loss_chunk) settings to choose from by their memory plan, fastest first (plan.py);
+  # remat and loss_chunk hold the first until the choice. Empty: nothing to choose.
+  candidates: tuple[tuple[str, int], ...] = ()
+  memory_limit: float | None = None  # GiB per device the choice must fit; None: the device's
   notes: tuple[str, ...] = ()  # why a choice differs from what was asked
 
   def __post_init__(self):
@@ -109,14 +113,18 @@ class Runtime:
     mesh = self.mesh if here.empty else here
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, self.spec(*names)))
 
-  def describe(self) -> str:
-    """The start line's account of the runtime."""
-    parts = [f"attention {self.attention}", f"remat {self.remat}", f"dtype {self.dtype}"]
+  def describe(self, remat_note: str = "") -> str:
+    """The start line's account of the runtime; ``remat_note``: how the remat setting was
+    chosen (plan.Plan.note), in brackets after it."""
+    remat = "auto" if self.candidates else self.remat
+    if self.loss_chunk and not self.candidates:
+      remat += f", loss chunk {self.loss_chunk}"
+    remat += f" ({remat_note})" if remat_note else ""
+    parts = [f"attention {self.attention}", f"remat {remat}", f"dtype {self.dtype}"]
     if self.nf4_matmul != "auto":
       parts.append(f"nf4 matmul {self.nf4_matmul}")
-    for name in ("loss_chunk", "mlp_chunk"):
-      if getattr(self, name):
-        parts.append(f"{name.replace('_', ' ')} {getattr(self, name)}")
+    if self.mlp_chunk:
+      parts.append(f"mlp chunk {self.mlp_chunk}")
     if self.sequence_parallel:
       parts.append("sequence parallel")
     if self.shard_frozen:
@@ -240,6 +248,7 @@ def resolve(
   if pp > 1:
     per_shard = max(1, micro_batch // mesh.shape["data"])
     microbatches = pipeline.num_microbatches(per_shard, run.microbatches)
+  candidates = remat_candidates(run, pipelined=pp > 1)
   dtype, dtype_note = compute_dtype(run.dtype, devices)
   attention, attention_note = resolve_attention(
     run.attention, cfg, dtype=dtype, packed=packed, pipelined=pp > 1, device=devices[0]
@@ -247,13 +256,30 @@ def resolve(
   return Runtime(
     mesh=mesh if mesh.size > 1 else None,
     dtype=dtype,
-    remat=run.remat,
+    remat=candidates[0][0],
     attention=attention,
     nf4_matmul=run.nf4_matmul or "auto",
-    loss_chunk=run.loss_chunk,
+    loss_chunk=candidates[0][1],
+    candidates=candidates if len(candidates) > 1 else (),
+    memory_limit=run.memory_limit,
     mlp_chunk=run.mlp_chunk,
     microbatches=microbatches,
     sequence_parallel=run.sequence_parallel,
     shard_frozen=run.shard_frozen,
     notes=tuple(n for n in (dtype_note, attention_note) if n),
   )
+
+
+def remat_candidates(run: RunConfig, pipelined: bool = False) -> tuple[tuple[str, int], ...]:
+  """The (remat, loss_chunk) settings ``run`` leaves open, fastest first: every one of
+  AUTO_REMAT under ``--remat auto`` (offload not inside a pipeline), each with the logits
+  whole, then in chunks of AUTO_LOSS_CHUNK, where ``--loss-chunk`` is unset."""
+  remats = [r for r in AUTO_REMAT if not (pipelined and r == "offload")]
+  remats = remats if run.remat == "auto" else [run.remat]
+  chunks = [0, AUTO_LOSS_CHUNK] if run.loss_chunk is None else [run.loss_chunk]
+  out = []
+  for remat in remats:
+    # Offloading is for the leanest memory: with the logits in pieces only.
+    for chunk in chunks[-1:] if remat == "offload" and run.remat == "auto" else chunks:
+      out.append((remat, chunk))
+  return tuple(out)

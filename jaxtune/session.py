@@ -26,6 +26,7 @@ from jaxtune import (
   checks,
   default_model,
   distributed,
+  plan,
   run_dir,
   runtime,
   step,
@@ -361,14 +362,25 @@ def _run_locked(
   epochs = (
     "" if run.data_streaming else f" ({run.steps * run.batch_size / len(dataset):.2g} epochs)"
   )
-  say(
+  shape = (
     f"jaxtune: {cfg.model_type} {cfg.num_layers} layers, {rows}"
     f"{dataset.packing_efficiency:.0%} tokens ({'packed' if run.packing else 'not packed'}), "
     f"{run.steps} steps{epochs}, "
     f"mesh {rt.mesh_shape} on {jax.device_count()} {jax.devices()[0].platform} device(s)"
     + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
-    + f"; {rt.describe()}; loaded in {load_s:.1f}s"
   )
+
+  def announce(chosen: plan.Plan | None) -> None:
+    """The start line, once the step is compiled: the settings it runs with and their plan."""
+    if chosen is None:
+      say(f"{shape}; {rt.describe()}; loaded in {load_s:.1f}s")
+      return
+    cached = " (from the compilation cache)" if chosen.cache_hits else ""
+    say(
+      f"{shape}; {chosen.runtime.describe(chosen.note())}; loaded in {load_s:.1f}s, "
+      f"compiled in {chosen.compile_s:.1f}s{cached}"
+    )
+
   ckpt_dir = out / "checkpoints"
   ckpts = checkpoint.Checkpoints(ckpt_dir, keep=run.keep_checkpoints)
   sample_fn = make_sample_fn(prompts, tokenizer)
@@ -376,7 +388,16 @@ def _run_locked(
   try:
     with trainer.StopSignals() as stop:
       model, history = trainer.train(
-        model, dataset, run, rt, ckpts, eval_dataset, sample_fn, stop, previous_steps=was_steps
+        model,
+        dataset,
+        run,
+        rt,
+        ckpts,
+        eval_dataset,
+        sample_fn,
+        stop,
+        previous_steps=was_steps,
+        announce=announce,
       )
   except TrainingError as e:
     reason = str(e).rstrip(".")

@@ -18,7 +18,7 @@ import sys
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 
-from jaxtune import distributed, run_log
+from jaxtune import distributed, plan, run_log
 from jaxtune.errors import UserError
 from jaxtune.run_config import OPTIONAL_NUMBERS, RunConfig
 from jaxtune.session import run_training
@@ -76,9 +76,11 @@ _HELP = {
   "rslora replace the --lora-* settings",
   "skip_nonfinite": "skip steps whose loss is NaN, inf or exactly 0 (counted in metrics) "
   "instead of stopping the run",
-  "remat": "activation checkpointing per layer: full (least memory), activations (fastest: "
-  "keeps what each layer's backward reads, recomputes only norms, rope and the activation), "
-  "none, dots, dots_no_batch, offload (layer inputs kept in host memory)",
+  "remat": "activation checkpointing per layer: auto (the fastest of activations, "
+  "dots_no_batch, full and offload whose compiled memory plan fits the device: the start line "
+  "names the choice), activations (fastest: keeps what each layer's backward reads, "
+  "recomputes only norms, rope and the activation), full (least memory on the device), none, "
+  "dots, dots_no_batch, offload (layer inputs kept in host memory)",
   "microbatches": "pipeline micro-batches per step when the mesh has pipe > 1 (0: one per "
   "sequence of a data shard)",
   "shard_frozen": "also split the frozen NF4 weights over the data axis, gathered per layer "
@@ -93,7 +95,10 @@ _HELP = {
   "nf4_matmul": "NF4 linear layers: kernel (Pallas, Hopper GPUs) or xla (dequantize then "
   "dot); unset: the kernel for at most 64 tokens on one Hopper GPU, XLA otherwise",
   "loss_chunk": "compute the loss N tokens per row at a time (the float32 logits of the "
-  "whole sequence never exist; the output layer runs twice); 0: all at once",
+  "whole sequence never exist; the output layer runs twice); 0: all at once; unset: all at "
+  "once where that fits the device, else 1024",
+  "memory_limit": "GiB of device memory per device the training step may plan for (--remat "
+  "auto and an unset --loss-chunk choose within it); unset: what the device can allocate",
   "mlp_chunk": "run each MLP N tokens per row at a time, recomputed in the backward pass, so "
   "its [tokens, intermediate] temporaries exist for one piece at a time (long contexts); "
   "0: all at once",
@@ -131,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     help="with --resume: continue even where the data, model, LoRA, seq-len, batch or seed "
     "settings differ from the run's config.yaml (recorded in OUT/config-history)",
   )
+  p.add_argument("--no-compile-cache", action="store_true", help=plan.CACHE_HELP)
   defaults = RunConfig()
   for f in dataclasses.fields(RunConfig):
     flag = "--" + f.name.replace("_", "-")
@@ -167,9 +173,9 @@ def allow_host_memory_for_offload(
 ) -> None:
   """--remat offload keeps every layer's input in pinned host memory, a pool that PJRT caps at
   64 GB unless told otherwise (long contexts need more: 32 layers x 409,600 tokens x 4,096 x
-  2 bytes is 100 GiB): let it use 90% of the machine's memory. Set before the GPU client
-  starts; a limit the user set stays."""
-  if run.remat != "offload" or HOST_LIMIT_VAR in environ:
+  2 bytes is 100 GiB): let it use 90% of the machine's memory (also under --remat auto, which
+  may choose offload). Set before the GPU client starts; a limit the user set stays."""
+  if run.remat not in ("offload", "auto") or HOST_LIMIT_VAR in environ:
     return
   total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   environ[HOST_LIMIT_VAR] = str(max(64, int(0.9 * total / 2**30)))
@@ -179,10 +185,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   run_log.quiet_third_party()
   try:
     run, resume = resolve_config(argv)
-    allow_changes = build_parser().parse_args(argv).allow_changes
+    flags = build_parser().parse_args(argv)
+    allow_changes = flags.allow_changes
     if allow_changes and not resume:
       raise UserError("--allow-changes is for --resume; pass --resume too, or drop it.")
     allow_host_memory_for_offload(run)  # before the GPU client starts
+    plan.use_compile_cache(not flags.no_compile_cache)
     distributed.initialize()  # before anything asks JAX for its devices
     command = shlex.join(
       ["python", "-m", "jaxtune.train", *(sys.argv[1:] if argv is None else argv)]

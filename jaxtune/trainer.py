@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxtune import distributed, run_log, step
+from jaxtune import distributed, plan, run_log, step
 from jaxtune.data import Dataset, StreamingDataset
 from jaxtune.errors import TrainingError
 from jaxtune.run_config import RunConfig
@@ -137,6 +137,7 @@ def train(
   stop: StopSignals | None = None,
   loss_scale: step.LossScale | None = None,
   previous_steps: int | None = None,
+  announce: Callable[[plan.Plan | None], None] | None = None,
 ) -> tuple[nnx.Module, list[dict]]:
   """Run the loop under ``runtime``; returns (trained model, list of per-step metrics).
 
@@ -145,7 +146,9 @@ def train(
   float16 ``runtime.dtype`` scales the loss dynamically (``loss_scale``, default
   ``LossScale()``). With ``stop``, a SIGTERM/SIGINT saves a checkpoint after the current step
   and raises ``Stopped``. ``previous_steps``: the length of the run being resumed, when known
-  (the resume line then says how its schedule changed).
+  (the resume line then says how its schedule changed). ``announce(plan)`` is called once
+  the step is compiled, before the first step (the start line); ``announce(None)`` when no
+  step is left to train.
   """
   graphdef, lora, frozen = step.place(model, runtime)
   if loss_scale is None and runtime.dtype == "float16":
@@ -158,9 +161,25 @@ def train(
     print(_resume_line(start, run, schedule, previous_steps), file=sys.stderr, flush=True)
   replicated = runtime.sharding()
   out_shardings = None if replicated is None else (where["lora"], where["opt_state"], replicated)
-  step_fn = step.make_train_step(graphdef, tx, runtime, loss_scale, out_shardings)
-  eval_step = step.make_eval_step(graphdef, runtime) if eval_dataset is not None else None
   batch_at, eval_at = runtime.sharding("accum", "batch", "length"), runtime.sharding("batch")
+  first = None
+  if start < run.steps:
+    # The step compiled for the run's real first arguments, its remat and loss chunk chosen
+    # by their memory plan where the settings leave a choice (plan.py).
+    first = _batch(dataset, start, run, batch_at)
+    step_fn, chosen = plan.choose(
+      lambda rt: step.make_train_step(graphdef, tx, rt, loss_scale, out_shardings),
+      (lora, opt_state, frozen, first, jax.random.fold_in(key, start)),
+      runtime,
+      plan.device_budget(runtime.memory_limit),
+      logits_bytes=_logits_bytes(model, first, runtime),
+    )
+    runtime = chosen.runtime
+    if announce is not None:
+      announce(chosen)
+  elif announce is not None:
+    announce(None)
+  eval_step = step.make_eval_step(graphdef, runtime) if eval_dataset is not None else None
   history, counts = [], {"skipped_steps": 0, "overflow_steps": 0}
   log = run_log.RunLog(
     Path(run.out),
@@ -181,10 +200,9 @@ def train(
   try:
     for i in range(start, run.steps):
       t0 = time.perf_counter()
-      host = dataset.batch(i, run.batch_size, run.grad_accum, run.seed)
-      batch = {k: distributed.global_batch(v, batch_at) for k, v in host.items()}
+      batch, first = first if first is not None else _batch(dataset, i, run, batch_at), None
       lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jax.random.fold_in(key, i))
-      row = _row(i, m, schedule, int(np.prod(host["input_ids"].shape)), t0)
+      row = _row(i, m, schedule, int(np.prod(batch["input_ids"].shape)), t0)
       _count_bad_step(row, m, run, loss_scale, counts)
       history.append(row)
       last = i + 1 == run.steps
@@ -206,6 +224,18 @@ def train(
   finally:
     log.close()
   return nnx.merge(graphdef, lora, frozen), history
+
+
+def _logits_bytes(model: nnx.Module, batch: dict, runtime: Runtime) -> int:
+  """The float32 logits of one micro-batch on one device."""
+  _, micro, length = batch["input_ids"].shape
+  return micro * length * model.config.vocab_size * 4 // runtime.size("data")
+
+
+def _batch(dataset, i: int, run: RunConfig, batch_at) -> dict[str, jax.Array]:
+  """Step ``i``'s batch, placed as the step takes it ([accum, micro, T] leaves)."""
+  host = dataset.batch(i, run.batch_size, run.grad_accum, run.seed)
+  return {k: distributed.global_batch(v, batch_at) for k, v in host.items()}
 
 
 def _resume_line(start: int, run: RunConfig, schedule, previous_steps: int | None) -> str:

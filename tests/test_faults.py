@@ -6,6 +6,7 @@ Each must leave a checkpoint that loads and a sentence that says what happened.
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -98,6 +99,10 @@ def test_sigterm_saves_then_resume_reproduces_the_run(sigterm_and_resume, tmp_pa
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f"jaxtune: resuming from step {stopped} of 12; the cosine schedule continues" in (
     resumed.stderr
+  )
+  # The same step as the stopped run's: read from the command line's compilation cache.
+  assert re.search(r"compiled in [\d.]+s \(from the compilation cache\)", resumed.stdout), (
+    resumed.stdout
   )
   assert len(_metrics(full)) == 12
   np.testing.assert_allclose(_metrics(cut), _metrics(full), rtol=1e-6)

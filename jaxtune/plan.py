@@ -1,0 +1,255 @@
+"""The memory plan of the training step: with ``--remat auto``, the fastest setting that fits.
+
+Before the first step the candidate settings (``Runtime.candidates``: remat policy and loss
+chunk, fastest first) are compiled one at a time, XLA's memory plan of each read
+(``Compiled.memory_analysis``: arguments + outputs - donated + temporaries, per device), and
+the first whose plan fits the budget with a margin is kept: compiled once, that program is
+the one the run calls. The budget is ``--memory-limit`` when given, else what the device can
+allocate (``memory_stats()["bytes_limit"]``, which ``XLA_PYTHON_CLIENT_MEM_FRACTION`` lowers),
+else (CPU) the machine's memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxtune.errors import UserError
+from jaxtune.runtime import Runtime
+
+GIB = 2**30
+# Kept free beside the step's plan: the allocator's fragmentation, the evaluation step, the
+# next batch in flight and the runtime's own buffers.
+MARGIN_FRACTION = 0.08
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The chosen setting, what it plans to use, and what was tried before it."""
+
+  runtime: Runtime
+  planned: int  # bytes per device: arguments + outputs - donated + temporaries
+  budget: int | None  # bytes per device it had to fit; None: nothing to choose between
+  budget_source: str
+  rejected: tuple[tuple[str, int], ...]  # (setting, planned bytes) that did not fit
+  compile_s: float
+  cache_hits: int  # programs read from the persistent compilation cache while compiling
+
+  def note(self) -> str:
+    """What the start line says of the choice, after the remat setting it names."""
+    if self.budget is None:
+      return f"planned {_size(self.planned)}"
+    note = f"auto: planned {_size(self.planned)} of {_size(self.budget)} ({self.budget_source})"
+    if self.rejected:
+      name, size = self.rejected[-1]
+      note += f", {name} would plan {_size(size)}"
+    return note
+
+
+def _size(n: int) -> str:
+  return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.0f} MiB"
+
+
+def planned_bytes(compiled: Any) -> int | None:
+  """Device bytes a compiled program holds at its peak, as XLA planned it (None: unknown)."""
+  m = compiled.memory_analysis()
+  if m is None:
+    return None
+  return (
+    m.argument_size_in_bytes
+    + m.output_size_in_bytes
+    - m.alias_size_in_bytes
+    + m.temp_size_in_bytes
+    + m.generated_code_size_in_bytes
+  )
+
+
+def device_budget(limit_gib: float | None, devices: Sequence | None = None) -> tuple[int, str]:
+  """(bytes per device the step may plan for, where that number comes from)."""
+  if limit_gib is not None:
+    return int(limit_gib * GIB), "--memory-limit"
+  devices = list(devices if devices is not None else jax.local_devices())
+  limits = []
+  for d in devices:
+    stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+      limits.append(int(stats["bytes_limit"]))
+  if limits:
+    return min(limits), devices[0].device_kind
+  total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  return int(total), "host memory"
+
+
+def fits(planned: int, budget: int) -> bool:
+  return planned <= budget * (1 - MARGIN_FRACTION)
+
+
+def choose(
+  build: Callable[[Runtime], Any],
+  args: tuple,
+  runtime: Runtime,
+  budget: tuple[int, str],
+  logits_bytes: int = 0,
+) -> tuple[Any, Plan]:
+  """(compiled step, plan): the first of ``runtime.candidates`` whose compiled plan fits
+  ``budget``; ``build(runtime)`` returns the jitted step, lowered and compiled here with
+  ``args`` (the real first arguments, so the program's layouts are the run's).
+  ``logits_bytes``: the float32 logits of one micro-batch on one device; a loss-chunked
+  candidate is not compiled when its unchunked twin would not fit even without 4 times that
+  (the logits, their gradient and the softmax's temporaries are what chunking saves).
+
+  Raises a ``UserError`` naming the leanest plan and the levers when none fits.
+  """
+  candidates = runtime.candidates or ((runtime.remat, runtime.loss_chunk),)
+  choosing = len(candidates) > 1
+  limit, source = budget
+  rejected: list[tuple[str, int]] = []
+  t0, hits = time.perf_counter(), _CacheHits()
+  with hits, _DamagedCacheEntries():
+    whole: dict[str, int] = {}  # remat -> planned bytes with the logits whole
+    for remat, loss_chunk in candidates:
+      if loss_chunk and logits_bytes and remat in whole:
+        if not fits(whole[remat] - 4 * logits_bytes, limit):
+          continue
+      rt = runtime.replace(remat=remat, loss_chunk=loss_chunk, candidates=())
+      compiled = build(rt).lower(*args).compile()
+      planned = planned_bytes(compiled)
+      if not choosing or planned is None or fits(planned, limit):
+        plan = Plan(
+          rt,
+          planned or 0,
+          limit if choosing else None,
+          source,
+          tuple(rejected),
+          time.perf_counter() - t0,
+          hits.count,
+        )
+        return compiled, plan
+      rejected.append((_setting(rt), planned))
+      if not loss_chunk:
+        whole[remat] = planned
+  name, size = min(rejected, key=lambda r: r[1])
+  offload = "" if any(r == "offload" for r, _ in candidates) else "use --remat offload, "
+  raise UserError(
+    f"the training step does not fit the {_size(limit)} of device memory ({source}): the "
+    f"leanest setting tried, {name}, plans {_size(size)} per device; {offload}lower "
+    "--batch-size (with --grad-accum to keep the batch) or --seq-len, or split the model over "
+    "more devices with --mesh."
+  )
+
+
+def _setting(rt: Runtime) -> str:
+  return f"remat {rt.remat}" + (f", loss chunk {rt.loss_chunk}" if rt.loss_chunk else "")
+
+
+class _DamagedCacheEntries:
+  """While open, JAX's warning that a compilation cache entry cannot be read (cut short by a
+  killed run: JAX skips it, compiles anew and, since the file exists, never rewrites it) is
+  answered by removing that program's entries, so the next run writes them whole."""
+
+  PATTERN = re.compile(r"Error reading persistent compilation cache entry for '([^']+)'")
+
+  def __enter__(self):
+    self._catch = warnings.catch_warnings(record=True)
+    self._seen = self._catch.__enter__()
+    warnings.simplefilter("always")
+    return self
+
+  def __exit__(self, *exc):
+    self._catch.__exit__(*exc)
+    directory = jax.config.jax_compilation_cache_dir
+    for w in self._seen:
+      m = self.PATTERN.search(str(w.message))
+      if m is None or not directory:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        continue
+      for entry in Path(directory).glob(f"{glob.escape(m.group(1))}-*"):
+        entry.unlink(missing_ok=True)
+      print(
+        f"jaxtune: the compilation cache {directory} held a damaged entry for {m.group(1)} "
+        "(a run stopped while writing it); compiled anew and removed it.",
+        file=sys.stderr,
+        flush=True,
+      )
+
+
+class _CacheHits:
+  """Counts the persistent compilation cache's hits while open (jax.monitoring events)."""
+
+  EVENT = "/jax/compilation_cache/cache_hits"
+
+  def __init__(self):
+    self.count, self._open = 0, False
+
+  def _listen(self, event: str, **kwargs) -> None:
+    if self._open and event == self.EVENT:
+      self.count += 1
+
+  def __enter__(self):
+    if not getattr(_CacheHits, "_registered", False):
+      jax.monitoring.register_event_listener(_CacheHits._dispatch)
+      _CacheHits._registered = True
+    _CacheHits._current = self
+    self._open = True
+    return self
+
+  def __exit__(self, *exc):
+    self._open = False
+    _CacheHits._current = None
+
+  @staticmethod
+  def _dispatch(event: str, **kwargs) -> None:
+    current = getattr(_CacheHits, "_current", None)
+    if current is not None:
+      current._listen(event, **kwargs)
+
+
+CACHE_GIB = 16  # the cache's size limit
+CACHE_VAR = "JAXTUNE_COMPILE_CACHE"  # a directory for the compiled programs; "" turns it off
+CACHE_HELP = (
+  "compile everything anew: without it, compiled programs are kept in "
+  "~/.cache/jaxtune/xla ($JAXTUNE_COMPILE_CACHE) and a second run, a resume, an export or a "
+  "generate of the same shapes reads them from there"
+)
+
+
+def use_compile_cache(enabled: bool = True) -> Path | None:
+  """Turn on JAX's persistent compilation cache for the command lines (a second run, a
+  resume, an export or a generate of the same shapes skips compiling); returns its directory.
+
+  The directory: ``$JAXTUNE_COMPILE_CACHE``, else JAX's own setting
+  (``JAX_COMPILATION_CACHE_DIR``) when the user made one, else ``~/.cache/jaxtune/xla``
+  (``$XDG_CACHE_HOME``). Runs may share it: with a size limit (CACHE_GIB, least recently used
+  entries evicted; ``JAX_COMPILATION_CACHE_MAX_SIZE`` overrides) jax 0.11.2 reads and writes
+  entries under a file lock, where without one it writes in place, unguarded. An entry cut
+  short (a run killed while writing it) is skipped with a warning and compiled anew.
+  ``enabled=False`` (``--no-compile-cache``) or an empty ``$JAXTUNE_COMPILE_CACHE`` leave the
+  cache off.
+  """
+  place = os.environ.get(CACHE_VAR)
+  if not enabled or place == "":
+    return None
+  if place is None:
+    place = jax.config.jax_compilation_cache_dir
+  if not place:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    place = os.path.join(base, "jaxtune", "xla")
+  try:
+    os.makedirs(place, exist_ok=True)
+  except OSError:
+    return None  # a read-only home: compile as without the cache
+  jax.config.update("jax_compilation_cache_dir", place)
+  if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
+    jax.config.update("jax_compilation_cache_max_size", CACHE_GIB * GIB)
+  # Programs that took at least a second to compile (JAX's default) and their autotuning.
+  return Path(place)

@@ -1,0 +1,243 @@
+"""--remat auto and an unset --loss-chunk: the fastest setting whose compiled memory plan fits
+(plan.py), the refusal when none does, and the persistent compilation cache of the command
+lines. The real step's plans are checked in test_train (a run under --memory-limit)."""
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtune import plan
+from jaxtune.errors import UserError
+from jaxtune.run_config import AUTO_LOSS_CHUNK, RunConfig
+from jaxtune.runtime import Runtime, remat_candidates
+
+MIB = 2**20
+GIB = 2**30
+
+
+class FakeStep:
+  """A step whose compiled programs report the planned sizes given per (remat, loss_chunk),
+  recording which settings were compiled."""
+
+  def __init__(self, sizes: dict[tuple[str, int], int]):
+    self.sizes, self.compiled = sizes, []
+
+  def build(self, rt: Runtime):
+    setting = (rt.remat, rt.loss_chunk)
+
+    def lower(*args):
+      def compile():
+        self.compiled.append(setting)
+        size = self.sizes[setting]
+        stats = SimpleNamespace(
+          argument_size_in_bytes=size // 2,
+          output_size_in_bytes=size // 4,
+          alias_size_in_bytes=size // 4,  # the donated state: arguments and outputs share it
+          temp_size_in_bytes=size // 2,
+          generated_code_size_in_bytes=0,
+        )
+        return SimpleNamespace(memory_analysis=lambda: stats, setting=setting)
+
+      return SimpleNamespace(compile=compile)
+
+    return SimpleNamespace(lower=lower)
+
+
+AUTO = Runtime(remat="activations", candidates=remat_candidates(RunConfig(remat="auto")))
+SIZES = {
+  ("activations", 0): 100 * MIB,
+  ("activations", AUTO_LOSS_CHUNK): 90 * MIB,
+  ("dots_no_batch", 0): 80 * MIB,
+  ("dots_no_batch", AUTO_LOSS_CHUNK): 70 * MIB,
+  ("full", 0): 50 * MIB,
+  ("full", AUTO_LOSS_CHUNK): 40 * MIB,
+  ("offload", AUTO_LOSS_CHUNK): 30 * MIB,
+}
+
+
+def test_candidates_are_fastest_first_and_follow_what_is_set():
+  assert remat_candidates(RunConfig(remat="auto")) == (
+    ("activations", 0),
+    ("activations", AUTO_LOSS_CHUNK),
+    ("dots_no_batch", 0),
+    ("dots_no_batch", AUTO_LOSS_CHUNK),
+    ("full", 0),
+    ("full", AUTO_LOSS_CHUNK),
+    ("offload", AUTO_LOSS_CHUNK),
+  )
+  assert remat_candidates(RunConfig(remat="full")) == (("full", 0), ("full", AUTO_LOSS_CHUNK))
+  assert remat_candidates(RunConfig(remat="auto", loss_chunk=0))[-1] == ("offload", 0)
+  assert remat_candidates(RunConfig(remat="dots", loss_chunk=256)) == (("dots", 256),)
+
+
+@pytest.mark.parametrize(
+  "budget_mib, chosen",
+  [
+    (1000, ("activations", 0)),
+    (100, ("activations", AUTO_LOSS_CHUNK)),  # 100 MiB leave no margin, 90 do
+    (80, ("dots_no_batch", AUTO_LOSS_CHUNK)),
+    (60, ("full", 0)),
+    (35, ("offload", AUTO_LOSS_CHUNK)),
+  ],
+)
+def test_the_first_setting_that_fits_is_compiled_once_and_kept(budget_mib, chosen):
+  fake = FakeStep(SIZES)
+  budget = budget_mib * MIB
+  compiled, chosen_plan = plan.choose(fake.build, (), AUTO, (budget, "--memory-limit"))
+  assert compiled.setting == chosen == (chosen_plan.runtime.remat, chosen_plan.runtime.loss_chunk)
+  assert chosen_plan.runtime.candidates == ()
+  # Every setting before the chosen one compiled (and refused), none after it.
+  order = list(SIZES)
+  assert fake.compiled == order[: order.index(chosen) + 1]
+  assert SIZES[chosen] <= budget * (1 - plan.MARGIN_FRACTION)
+  assert all(SIZES[s] > budget * (1 - plan.MARGIN_FRACTION) for s in fake.compiled[:-1])
+  assert chosen_plan.planned == SIZES[chosen]
+  note = chosen_plan.note()
+  assert note.startswith(f"auto: planned {SIZES[chosen] // MIB} MiB of {budget_mib} MiB"), note
+
+
+def test_a_chunked_twin_is_not_compiled_when_chunking_cannot_save_enough():
+  fake = FakeStep(SIZES)
+  # Logits of 2 MiB: chunking saves at most 8 MiB, so no chunked twin of a setting that misses
+  # a 55 MiB budget (50.6 usable) by more is compiled.
+  compiled, _ = plan.choose(fake.build, (), AUTO, (55 * MIB, "test"), logits_bytes=2 * MIB)
+  assert compiled.setting == ("full", 0)
+  assert fake.compiled == [("activations", 0), ("dots_no_batch", 0), ("full", 0)]
+
+
+def test_nothing_fits_is_one_sentence_naming_the_leanest_and_the_levers():
+  fake = FakeStep(SIZES)
+  with pytest.raises(UserError) as e:
+    plan.choose(fake.build, (), AUTO, (20 * MIB, "H100"))
+  message = str(e.value)
+  assert re.fullmatch(
+    r"the training step does not fit the 20 MiB of device memory \(H100\): the leanest "
+    r"setting tried, remat offload, loss chunk 1024, plans 30 MiB per device; lower "
+    r"--batch-size .* or --seq-len, or split the model over more devices with --mesh\.",
+    message,
+  ), message
+  forced = Runtime(remat="full", candidates=(("full", 0), ("full", AUTO_LOSS_CHUNK)))
+  with pytest.raises(UserError, match=r"remat full, loss chunk 1024, plans 40 MiB per device; "
+                     r"use --remat offload, lower --batch-size"):  # fmt: skip
+    plan.choose(FakeStep(SIZES).build, (), forced, (20 * MIB, "H100"))
+
+
+def test_a_single_setting_is_compiled_without_a_budget_check():
+  fake = FakeStep({("full", 0): 500 * MIB})
+  compiled, chosen = plan.choose(fake.build, (), Runtime(remat="full"), (MIB, "test"))
+  assert compiled.setting == ("full", 0) and chosen.budget is None
+  assert chosen.note() == "planned 500 MiB"
+
+
+def test_the_plan_of_a_real_program_counts_what_it_holds():
+  """planned_bytes of a real compiled program: its argument, output and temporaries."""
+  x = jax.numpy.ones((256, 256))
+
+  def compiled(stack: bool):
+    def f(x):
+      ys = [jax.numpy.tanh(x @ x + i) for i in range(8)]
+      return jax.numpy.stack(ys) if stack else ys[-1]
+
+    return jax.jit(f).lower(x).compile()
+
+  one, eight = plan.planned_bytes(compiled(False)), plan.planned_bytes(compiled(True))
+  assert one >= 2 * 256 * 256 * 4  # its argument and output
+  assert eight >= one + 7 * 256 * 256 * 4  # seven more outputs
+
+
+def test_the_command_lines_compile_cache_follows_its_settings(tmp_path, monkeypatch):
+  saved = (jax.config.jax_compilation_cache_dir, jax.config.jax_compilation_cache_max_size)
+  try:
+    monkeypatch.setenv(plan.CACHE_VAR, str(tmp_path / "cache"))
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_MAX_SIZE", raising=False)
+    assert plan.use_compile_cache(True) == tmp_path / "cache"
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "cache")
+    # A size limit: jax then takes a file lock around every read and write of the cache.
+    assert jax.config.jax_compilation_cache_max_size == plan.CACHE_GIB * 2**30
+    jax.config.update("jax_compilation_cache_dir", None)
+    assert plan.use_compile_cache(False) is None  # --no-compile-cache
+    monkeypatch.setenv(plan.CACHE_VAR, "")
+    assert plan.use_compile_cache(True) is None
+    assert jax.config.jax_compilation_cache_dir is None
+    monkeypatch.delenv(plan.CACHE_VAR)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert plan.use_compile_cache(True) == tmp_path / "xdg" / "jaxtune" / "xla"
+  finally:
+    jax.config.update("jax_compilation_cache_dir", saved[0])
+    jax.config.update("jax_compilation_cache_max_size", saved[1])
+
+
+def test_a_damaged_cache_entry_is_removed_with_one_line(capsys):
+  """A cache entry cut short (a run killed while writing it) warns and is compiled anew by
+  jax, which never rewrites it: plan.choose removes it so the next run writes it whole."""
+  directory = jax.config.jax_compilation_cache_dir
+  if not directory:
+    pytest.skip("the persistent compilation cache is off (JAXTUNE_TEST_COMPILE_CACHE=0)")
+  x = jax.numpy.arange(7.0)
+
+  def damaged_cache_probe(x):
+    return jax.numpy.cumsum(x * 3.0) - 1.0
+
+  expected = jax.jit(damaged_cache_probe)(x)
+  entries = sorted(Path(directory).glob("jit_damaged_cache_probe-*-cache"))
+  assert len(entries) == 1, entries
+  entries[0].write_bytes(entries[0].read_bytes()[:40])
+  jax.clear_caches()
+  fake = FakeStep({("full", 0): MIB})
+  with plan._DamagedCacheEntries():
+    got = jax.jit(damaged_cache_probe)(x)  # read from the damaged entry: jax warns
+    plan.choose(fake.build, (), Runtime(remat="full"), (GIB, "test"))
+  assert (got == expected).all()
+  assert not list(Path(directory).glob("jit_damaged_cache_probe-*"))
+  err = capsys.readouterr().err
+  assert re.fullmatch(
+    rf"jaxtune: the compilation cache {re.escape(directory)} held a damaged entry for "
+    r"jit_damaged_cache_probe \(a run stopped while writing it\); compiled anew and removed "
+    r"it\.\n",
+    err,
+  ), err
+
+
+def _train(path, tmp_path, name, **run_kw):
+  """3 steps of the tiny model on one device; (losses, the plan the trainer announced)."""
+  import jaxtune
+  from jaxtune import data, runtime, trainer
+
+  rng = np.random.default_rng(0)
+  ids = rng.integers(0, 256, (8, 64)).astype(np.int32)
+  rows = data.to_rows(list(ids), list(np.roll(ids, -1, axis=1)), 64, pack=False)
+  run = RunConfig(
+    out=str(tmp_path / name), steps=3, batch_size=8, learning_rate=1e-2, warmup_steps=0,
+    dtype="float32", lora_rank=4, mesh="1", **run_kw,
+  )  # fmt: skip
+  (tmp_path / name).mkdir()
+  model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float32"), rank=4, seed=0)
+  rt = runtime.resolve(run, model.config, devices=jax.devices()[:1])
+  plans = []
+  _, history = trainer.train(model, rows, run, rt, announce=plans.append)
+  return np.array([h["loss"] for h in history]), plans[0]
+
+
+def test_a_real_run_under_a_memory_limit_takes_a_leaner_setting_and_learns_the_same(tmp_path):
+  from conftest import build_hf_llama
+
+  path = tmp_path / "llama"
+  build_hf_llama(3, num_hidden_layers=2).save_pretrained(path)
+  fast, fast_plan = _train(path, tmp_path, "fast", remat="auto")
+  assert (fast_plan.runtime.remat, fast_plan.runtime.loss_chunk) == ("activations", 0)
+  assert fast_plan.budget_source == "host memory" and fast_plan.rejected == ()
+  # Just less than the fastest setting needs with its margin.
+  limit = fast_plan.planned / (1 - plan.MARGIN_FRACTION) * 0.98 / GIB
+  lean, lean_plan = _train(path, tmp_path, "lean", remat="auto", memory_limit=limit)
+  chosen = (lean_plan.runtime.remat, lean_plan.runtime.loss_chunk)
+  assert chosen != ("activations", 0)
+  assert lean_plan.rejected[0] == ("remat activations", fast_plan.planned)
+  assert lean_plan.planned <= limit * GIB * (1 - plan.MARGIN_FRACTION) < fast_plan.planned
+  assert lean_plan.budget_source == "--memory-limit"
+  # Remat and loss chunks change what is kept, not what is computed.
+  assert fast[-1] < fast[0]
+  np.testing.assert_allclose(lean, fast, rtol=2e-5)
