@@ -150,7 +150,7 @@ def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
 
   def read():
     for line in proc.stdout:
-      lines.append(line.rstrip())
+      lines.append(f"[{time.perf_counter() - t0:6.1f}s] {line.rstrip()}")
       if not first_step and line.startswith("step 1/"):
         first_step.append(time.perf_counter() - t0)
       if line.startswith(("jaxtune:", "pipeline:", "error", "step")):
@@ -169,6 +169,7 @@ def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
     Path(args.results_dir, f"{out.name}.log").write_text(entry + "\n" + "\n".join(lines) + "\n")
   if rc != 0:
     raise RuntimeError(f"exit {rc} after {wall:.0f}s: " + " | ".join(lines[-4:])[-600:])
+  lines = [line.split("] ", 1)[1] for line in lines]  # the log above keeps the times
   start = next((m for m in map(START_LINE.search, lines) if m), None)
   metrics = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
   steps = [r for r in metrics if "tokens_per_s" in r]

@@ -43,7 +43,9 @@ def _saving(step: int):
 MOMENTS = {
   "imports": lambda out, text: True,  # at once: Python still importing
   "load": lambda out, text: (out / ".jaxtune.lock").is_file(),  # locked, loading data + model
-  "compile": lambda out, text: "jaxtune: llama" in text,  # the start line: compiling step 1
+  # config.yaml is written once the model is loaded; the step compiles next (the start line
+  # follows the compile): 0.3 s after it appears.
+  "compile": lambda out, text: _older_than(out / "config.yaml", 0.3),
   "step 2": lambda out, text: _rows(out) >= 2,
   "save 4": _saving(4),
   "step 6": lambda out, text: _rows(out) >= 6,
@@ -52,6 +54,13 @@ MOMENTS = {
   "save 12": _saving(12),
   "export": lambda out, text: any(out.glob(".export.*.tmp")),
 }
+
+
+def _older_than(path: Path, seconds: float) -> bool:
+  try:
+    return time.time() - path.stat().st_mtime > seconds
+  except FileNotFoundError:
+    return False
 
 
 def _command(out: Path, resume: bool) -> list[str]:
@@ -65,6 +74,9 @@ def _env() -> dict:
   env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
   env["JAX_PLATFORMS"] = "cpu"
   env.pop("XLA_FLAGS", None)
+  # The trials' own compilation cache (the reference run fills it): a kill may land while an
+  # entry is read or written, as it would for a user.
+  env.setdefault("JAXTUNE_COMPILE_CACHE", os.path.join(tempfile.gettempdir(), "kill-trials-xla"))
   return env
 
 

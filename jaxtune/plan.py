@@ -251,5 +251,8 @@ def use_compile_cache(enabled: bool = True) -> Path | None:
   jax.config.update("jax_compilation_cache_dir", place)
   if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
     jax.config.update("jax_compilation_cache_max_size", CACHE_GIB * GIB)
-  # Programs that took at least a second to compile (JAX's default) and their autotuning.
+  # Every program, not only those of a second or more (JAX's default): the small ones (LoRA
+  # and optimizer set-up, placement) cost an 8B run's first step 0.9 s on an H100.
+  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   return Path(place)

@@ -150,14 +150,19 @@ def test_the_plan_of_a_real_program_counts_what_it_holds():
 
 
 def test_the_command_lines_compile_cache_follows_its_settings(tmp_path, monkeypatch):
-  saved = (jax.config.jax_compilation_cache_dir, jax.config.jax_compilation_cache_max_size)
+  names = ("dir", "max_size")
+  saved = [getattr(jax.config, f"jax_compilation_cache_{n}") for n in names]
+  saved.append(jax.config.jax_persistent_cache_min_compile_time_secs)
   try:
     monkeypatch.setenv(plan.CACHE_VAR, str(tmp_path / "cache"))
     monkeypatch.delenv("JAX_COMPILATION_CACHE_MAX_SIZE", raising=False)
+    monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     assert plan.use_compile_cache(True) == tmp_path / "cache"
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "cache")
     # A size limit: jax then takes a file lock around every read and write of the cache.
     assert jax.config.jax_compilation_cache_max_size == plan.CACHE_GIB * 2**30
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0  # small programs too
     jax.config.update("jax_compilation_cache_dir", None)
     assert plan.use_compile_cache(False) is None  # --no-compile-cache
     monkeypatch.setenv(plan.CACHE_VAR, "")
@@ -169,6 +174,7 @@ def test_the_command_lines_compile_cache_follows_its_settings(tmp_path, monkeypa
   finally:
     jax.config.update("jax_compilation_cache_dir", saved[0])
     jax.config.update("jax_compilation_cache_max_size", saved[1])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[2])
 
 
 def test_a_damaged_cache_entry_is_removed_with_one_line(capsys):
