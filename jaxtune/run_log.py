@@ -42,10 +42,23 @@ def trackers(report_to: str) -> tuple[str, ...]:
   return () if names == ("none",) else names
 
 
+def _summary_writer():
+  """tensorboardX's SummaryWriter, imported with torch hidden: tensorboardX imports torch when
+  it can (for torch tensors, which jaxtune never logs), seconds of every run's start."""
+  hide = "torch" not in sys.modules
+  if hide:
+    sys.modules["torch"] = None  # `import torch` raises ImportError while this stands
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    if hide and sys.modules.get("torch", False) is None:
+      del sys.modules["torch"]
+  return SummaryWriter
+
+
 class _TensorBoard:
   def __init__(self, out: Path, config: dict):
-    from tensorboardX import SummaryWriter
-
+    SummaryWriter = _summary_writer()  # noqa: N806
     self.writer = SummaryWriter(logdir=str(out / "tensorboard"), flush_secs=10)
 
   def scalars(self, values: dict, step: int) -> None:

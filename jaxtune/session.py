@@ -7,6 +7,7 @@ directory until the model has loaded, so a bad input leaves no half-made run beh
 
 import contextlib
 import dataclasses
+import json
 import math
 import time
 from collections.abc import Callable
@@ -47,14 +48,18 @@ def say(line: str) -> None:
 
 
 def load_tokenizer(ckpt: Path) -> Any:
+  """The checkpoint's tokenizer, as transformers' AutoTokenizer gives it."""
   try:
-    from transformers import AutoTokenizer  # optional: the hf extra
+    import transformers  # optional: the hf extra
   except ImportError as e:
     raise UserError(
       "training needs transformers for the tokenizer: pip install 'jaxtune[hf]'."
     ) from e
+  direct = _tokenizer_by_class(ckpt)
+  if direct is not None:
+    return direct
   try:
-    return AutoTokenizer.from_pretrained(str(ckpt))
+    return transformers.AutoTokenizer.from_pretrained(str(ckpt))
   except Exception as e:  # a damaged file raises anything (KeyError, tokenizers' own Exception)
     names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
     present = [name for name in names if (ckpt / name).exists()]
@@ -67,6 +72,32 @@ def load_tokenizer(ckpt: Path) -> Any:
       f"cannot load a tokenizer from {ckpt} ({type(e).__name__} reading "
       f"{', '.join(present)}); the files are damaged or incomplete, re-download them."
     ) from e
+
+
+# tokenizer_config.json's tokenizer_class values for which AutoTokenizer loads exactly that
+# class from tokenizer.json (Llama 3's and jaxtune's own tokenizers); for model-specific names
+# (LlamaTokenizer, Qwen2Tokenizer, ...) its choice depends on more, so it decides.
+PLAIN_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _tokenizer_by_class(ckpt: Path) -> Any | None:
+  """The tokenizer of a checkpoint whose tokenizer_config.json names a PLAIN_TOKENIZERS class,
+  loaded without importing AutoTokenizer, which pulls in torch (5 s of a command line's start
+  on a CPU, more with CUDA's torch); None where that does not apply (another class, remote
+  code, anything failing): then AutoTokenizer decides, and reports damage
+  (tests/test_data.py compares the two)."""
+  import transformers
+
+  try:
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    name = config.get("tokenizer_class")
+    if name not in PLAIN_TOKENIZERS or "auto_map" in config:
+      return None
+    if not (ckpt / "tokenizer.json").is_file():
+      return None
+    return getattr(transformers, name).from_pretrained(str(ckpt))
+  except Exception:
+    return None
 
 
 def build_model(

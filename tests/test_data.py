@@ -443,3 +443,62 @@ def test_rows_nested_deeper_than_arrow_holds_are_named_and_the_limit_is_arrows(t
     causes.append(str(error))
     error = error.__cause__ or error.__context__
   assert any("Recursion level" in cause for cause in causes), causes
+
+
+@pytest.mark.parametrize(
+  "cls_name, name_in_config",
+  [
+    ("PreTrainedTokenizerFast", None),  # as saved (Llama 3's)
+    ("LlamaTokenizerFast", "LlamaTokenizer"),  # Llama 2, Mistral
+    ("Qwen2TokenizerFast", "Qwen2Tokenizer"),  # (model-specific: AutoTokenizer decides)
+    ("PreTrainedTokenizerFast", "PreTrainedTokenizerFast"),
+  ],
+)
+def test_the_tokenizer_is_the_one_auto_tokenizer_gives(tok, tmp_path, cls_name, name_in_config):
+  """session.load_tokenizer loads a plain tokenizer class without AutoTokenizer (whose import
+  pulls in torch), and leaves model-specific ones to it: either way the same class, ids,
+  specials and chat text as AutoTokenizer."""
+  import transformers
+  from transformers import AutoTokenizer
+
+  from jaxtune import session
+
+  cls = getattr(transformers, cls_name)
+  saved = cls(tokenizer_object=tok.backend_tokenizer, bos_token="<|bos|>", eos_token="<|eos|>")
+  saved.chat_template = tok.chat_template
+  saved.save_pretrained(tmp_path)
+  if name_in_config is not None:
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = name_in_config
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  plain = json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"]
+  direct = session._tokenizer_by_class(tmp_path)
+  assert (direct is not None) == (plain in session.PLAIN_TOKENIZERS), plain
+  ours, auto = session.load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+  assert type(ours) is type(auto)
+  text = "Hello there, how are you? 1234 héllo"
+  assert ours(text)["input_ids"] == auto(text)["input_ids"]
+  chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+  assert ours.apply_chat_template(chat, tokenize=False) == auto.apply_chat_template(
+    chat, tokenize=False
+  )
+  assert (ours.bos_token, ours.eos_token, ours.all_special_ids) == (
+    auto.bos_token,
+    auto.eos_token,
+    auto.all_special_ids,
+  )
+
+
+def test_the_tokenizer_and_tensorboard_import_no_torch():
+  """Where torch is installed, AutoTokenizer's and tensorboardX's imports load it (seconds of
+  every command line's start); a plain tokenizer and the TensorBoard writer come without it,
+  and torch stays importable after."""
+  code = (
+    "import sys; from jaxtune import default_model, run_log, session; "
+    "session.load_tokenizer(default_model.ensure_default_checkpoint()); "
+    "run_log._summary_writer(); "
+    "assert 'torch' not in sys.modules, 'torch was imported'; "
+    "import torch; torch.zeros(1)"
+  )
+  child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert child.returncode == 0, child.stderr[-2000:]
