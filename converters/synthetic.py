@@ -54,12 +54,30 @@ def tensor_shapes(cfg: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
 
 
 def write_random_checkpoint(
-  out: Path, cfg: dict, *, seed: int = 0, dtype: str = "bfloat16", shard_bytes: int = 2 << 30
+  out: Path,
+  cfg: dict,
+  *,
+  seed: int = 0,
+  dtype: str = "bfloat16",
+  shard_bytes: int = 2 << 30,
+  bnb_4bit: bool = False,
 ) -> Path:
-  """config.json + safetensors shards (+ index when more than one) with seeded random weights."""
+  """config.json + safetensors shards (+ index when more than one) with seeded random weights.
+
+  ``bnb_4bit``: the decoder layers' projections stored as a ``*-bnb-4bit`` repository stores
+  them (NF4 with double quantization, the six tensors of converters/bnb.py), random codes
+  whose weights have absmax 0.05 per block of 64; embeddings, norms and lm_head in ``dtype``.
+  Written straight in that layout, not quantized from a full-precision file, so a 70B one
+  takes about a minute.
+  """
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
-  (out / "config.json").write_text(json.dumps({**cfg, "torch_dtype": dtype}, indent=2))
+  config = {**cfg, "torch_dtype": dtype}
+  if bnb_4bit:
+    from converters import bnb
+
+    config["quantization_config"] = bnb.quantization_config(dtype)
+  (out / "config.json").write_text(json.dumps(config, indent=2))
   rng = np.random.default_rng(seed)
   # Drawing billions of normals takes minutes; tensors instead take rotated copies of one
   # pool, which is as good for loading and timing (random, never zeros) and seconds to make.
@@ -84,7 +102,17 @@ def write_random_checkpoint(
 
   # Gemma's norms scale by (1 + w): a weight near 0 is the identity there, near 1 elsewhere.
   norm_one = np.float32(0.0 if cfg.get("model_type", "llama").startswith("gemma") else 1.0)
+  code_pool = rng.integers(0, 256, 1 << 26, dtype=np.uint8) if bnb_4bit else None
   for name, shape in tensor_shapes(cfg):
+    if bnb_4bit and ".layers." in name and name.endswith("_proj.weight"):
+      parts = _random_bnb(code_pool, shape, dtype, rng)
+      for suffix, t in parts.items():
+        key = name if suffix == "weight" else name + suffix
+        shards[-1][key] = t
+        size += t.nbytes
+      if size >= shard_bytes:
+        flush(last=False)
+      continue
     t = np.resize(np.roll(pool, int(rng.integers(pool.size))), shape)
     if name.endswith(".bias"):
       t = np.float32(0.1) * t
@@ -102,3 +130,25 @@ def write_random_checkpoint(
       json.dumps({"metadata": {}, "weight_map": files}, indent=2)
     )
   return out
+
+
+def _random_bnb(pool: np.ndarray, shape: tuple[int, int], dtype: str, rng) -> dict:
+  """The six bitsandbytes tensors of a random NF4 Linear of PyTorch ``shape`` [out, in]:
+  codes from ``pool`` (rotated), every block's absmax the dynamic map's 1.0 times
+  nested_absmax 0.02 plus the offset 0.03."""
+  from converters import bnb
+  from jaxtune import nf4
+  from jaxtune.nf4_maps import DYNAMIC_MAP
+
+  n = int(np.prod(shape))
+  blocks = -(-n // nf4.BLOCKSIZE)
+  codes = np.resize(np.roll(pool, int(rng.integers(pool.size))), (n + 1) // 2)
+  one = np.uint8(np.argmax(DYNAMIC_MAP))  # the code of 1.0
+  nested = -(-blocks // nf4.NESTED_BLOCKSIZE)
+  q = nf4.NF4Quantized(
+    codes,
+    np.full(blocks, one, np.uint8),
+    np.full(nested, 0.02, np.float32),
+    np.float32(0.03),
+  )
+  return bnb.pack(q, shape, dtype)

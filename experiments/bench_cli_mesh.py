@@ -68,7 +68,9 @@ START_LINE = re.compile(
 )
 
 
-def write_inputs(root: Path, shape: str, tiny: bool, docs: int, seed: int = 0):
+def write_inputs(
+  root: Path, shape: str, tiny: bool, docs: int, seed: int = 0, bnb_4bit: bool = False
+):
   """(checkpoint dir, data file): random weights + the built-in tokenizer, mixed-length docs."""
   import numpy as np
 
@@ -79,9 +81,9 @@ def write_inputs(root: Path, shape: str, tiny: bool, docs: int, seed: int = 0):
   t = time.perf_counter()
   ckpt = root / shape
   if tiny:
-    write_random_checkpoint(ckpt, hf_config(TINY))
+    write_random_checkpoint(ckpt, hf_config(TINY), bnb_4bit=bnb_4bit)
   else:
-    write(ckpt, shape)
+    write(ckpt, shape, bnb_4bit=bnb_4bit)
   default = default_model.ensure_default_checkpoint()
   for f in default.iterdir():  # the tokenizer files, not the default model's weights/config
     if f.is_file() and f.name != "config.json" and not f.name.endswith(".safetensors"):
@@ -219,6 +221,7 @@ def main():
   ap.add_argument("--docs", type=int, default=3000, help="documents in the synthetic data")
   ap.add_argument("--run-timeout", type=float, default=240, help="seconds per CLI run")
   ap.add_argument("--results-dir", default=None)
+  ap.add_argument("--bnb-4bit", action="store_true", help="write the checkpoint as *-bnb-4bit")
   args = ap.parse_args()
   if args.tiny:
     args.shape, args.seq, args.steps, args.batch, args.docs = "tiny", 128, 4, 8, 200
@@ -241,7 +244,7 @@ def main():
   results = Path(args.results_dir) if args.results_dir else None
   rows, failed = [], []
   with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
-    ckpt, data = write_inputs(Path(tmp), args.shape, args.tiny, args.docs)
+    ckpt, data = write_inputs(Path(tmp), args.shape, args.tiny, args.docs, bnb_4bit=args.bnb_4bit)
     for i, entry in enumerate(e.strip() for e in args.runs.split(";") if e.strip()):
       try:
         row = run_cli(entry, ckpt, data, Path(tmp) / f"run{i}", args)

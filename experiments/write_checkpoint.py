@@ -64,6 +64,15 @@ SHAPES = {
     vocab_size=128256,
     tie_word_embeddings=False,
   ),
+  "llama-3.1-70b": dict(
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+  ),
   "llama-3.2-1b": dict(
     hidden_size=2048,
     intermediate_size=8192,
@@ -142,9 +151,11 @@ def hf_config(shape: dict) -> dict:
   return {**FAMILIES[shape.pop("family", "llama")], **shape}
 
 
-def write(out: Path, shape_name: str, seed: int = 0, shard_bytes: int = 2 << 30) -> Path:
+def write(
+  out: Path, shape_name: str, seed: int = 0, shard_bytes: int = 2 << 30, bnb_4bit: bool = False
+) -> Path:
   return write_random_checkpoint(
-    out, hf_config(SHAPES[shape_name]), seed=seed, shard_bytes=shard_bytes
+    out, hf_config(SHAPES[shape_name]), seed=seed, shard_bytes=shard_bytes, bnb_4bit=bnb_4bit
   )
 
 
@@ -153,5 +164,6 @@ if __name__ == "__main__":
   ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
   ap.add_argument("--out", type=Path, required=True)
   ap.add_argument("--shard-bytes", type=int, default=2 << 30)
+  ap.add_argument("--bnb-4bit", action="store_true", help="projections as a *-bnb-4bit repo")
   args = ap.parse_args()
-  print(write(args.out, args.shape, shard_bytes=args.shard_bytes))
+  print(write(args.out, args.shape, shard_bytes=args.shard_bytes, bnb_4bit=args.bnb_4bit))

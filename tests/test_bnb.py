@@ -146,3 +146,35 @@ def test_eight_bit_is_refused(bnb_dir):
   (path / "config.json").write_text(json.dumps(config))
   with pytest.raises(CheckpointError, match="8-bit bitsandbytes checkpoints are not supported"):
     jaxtune.from_pretrained(path)
+
+
+def test_a_random_bnb_checkpoint_written_in_place_reads_in_transformers_and_jaxtune(tmp_path):
+  """converters.synthetic's bnb_4bit layout (the benchmarks' 70B checkpoints): bitsandbytes
+  dequantizes each projection to NF4 values times 0.05, and jaxtune holds the same bytes."""
+  from transformers import AutoModelForCausalLM
+
+  from converters.synthetic import write_random_checkpoint
+  from jaxtune.nf4_maps import NF4_CODE
+
+  cfg = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 128,
+    "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 96, "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+  }  # fmt: skip
+  write_random_checkpoint(tmp_path, cfg, bnb_4bit=True, dtype="float32")
+  hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), device_map="cpu")
+  w = hf.model.layers[1].mlp.down_proj.weight
+  theirs = bnbf.dequantize_4bit(w.data, w.quant_state).float().numpy()
+  assert theirs.shape == (128, 256)
+  scale = theirs / 0.05
+  np.testing.assert_allclose(np.sort(np.unique(np.round(scale, 4))), np.round(NF4_CODE, 4))
+  model = jaxtune.from_pretrained(tmp_path, dtype="float32")
+  lin = model.layers.mlp.down_proj
+  ours = np.asarray(
+    nf4.dequantize_linear(
+      lin.codes[...][1], lin.absmax[...][1], lin.nested_absmax[...][1], lin.offset[...][1],
+      jnp.float32,
+    )
+  )  # fmt: skip
+  np.testing.assert_array_equal(ours, theirs)
