@@ -242,6 +242,8 @@ def main():
     names = [n.strip() for n in names if n.strip()]
     args.devices, device = len(names), f"{len(names)} x {names[0]}"
   results = Path(args.results_dir) if args.results_dir else None
+  if results:
+    results.mkdir(parents=True, exist_ok=True)
   rows, failed = [], []
   with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
     ckpt, data = write_inputs(Path(tmp), args.shape, args.tiny, args.docs, bnb_4bit=args.bnb_4bit)

@@ -7,9 +7,13 @@ non-empty ``--out`` is replaced only with ``--overwrite``.
 """
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+if __name__ == "__main__":  # the command line: XLA's C++ warnings only when asked (before jax)
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from converters import export, hub, model_card
 from converters.gguf_out import check_gguf_type

@@ -7,8 +7,12 @@ one batch, each generating what it would alone.
 """
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+
+if __name__ == "__main__":  # the command line: XLA's C++ warnings only when asked (before jax)
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from jaxtune import plan, run_log
 from jaxtune.decoding import generate, generate_ids

@@ -18,6 +18,9 @@ import sys
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 
+if __name__ == "__main__":  # the command line: XLA's C++ warnings only when asked (before jax)
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
 from jaxtune import distributed, plan, run_log
 from jaxtune.errors import UserError
 from jaxtune.run_config import OPTIONAL_NUMBERS, RunConfig

@@ -74,30 +74,41 @@ def test_candidates_are_fastest_first_and_follow_what_is_set():
   assert remat_candidates(RunConfig(remat="dots", loss_chunk=256)) == (("dots", 256),)
 
 
+A, C = "activations", AUTO_LOSS_CHUNK
+
+
 @pytest.mark.parametrize(
-  "budget_mib, chosen",
+  "budget_mib, chosen, compiled",
   [
-    (1000, ("activations", 0)),
-    (100, ("activations", AUTO_LOSS_CHUNK)),  # 100 MiB leave no margin, 90 do
-    (80, ("dots_no_batch", AUTO_LOSS_CHUNK)),
-    (60, ("full", 0)),
-    (35, ("offload", AUTO_LOSS_CHUNK)),
+    (1000, (A, 0), [(A, 0)]),
+    (100, (A, C), [(A, 0), (A, C)]),  # 100 MiB leave no margin, 90 do
+    # dots_no_batch is not tried once activations (leaner wherever measured) did not fit,
+    # even where (as in these made-up sizes) it would have.
+    (80, ("full", 0), [(A, 0), (A, C), ("full", 0)]),
+    (35, ("offload", C), [(A, 0), (A, C), ("full", 0), ("full", C), ("offload", C)]),
   ],
 )
-def test_the_first_setting_that_fits_is_compiled_once_and_kept(budget_mib, chosen):
+def test_the_first_setting_that_fits_is_compiled_once_and_kept(budget_mib, chosen, compiled):
   fake = FakeStep(SIZES)
   budget = budget_mib * MIB
-  compiled, chosen_plan = plan.choose(fake.build, (), AUTO, (budget, "--memory-limit"))
-  assert compiled.setting == chosen == (chosen_plan.runtime.remat, chosen_plan.runtime.loss_chunk)
+  program, chosen_plan = plan.choose(fake.build, (), AUTO, (budget, "--memory-limit"))
+  assert program.setting == chosen == (chosen_plan.runtime.remat, chosen_plan.runtime.loss_chunk)
   assert chosen_plan.runtime.candidates == ()
-  # Every setting before the chosen one compiled (and refused), none after it.
-  order = list(SIZES)
-  assert fake.compiled == order[: order.index(chosen) + 1]
+  assert fake.compiled == compiled  # nothing after the chosen one
   assert SIZES[chosen] <= budget * (1 - plan.MARGIN_FRACTION)
   assert all(SIZES[s] > budget * (1 - plan.MARGIN_FRACTION) for s in fake.compiled[:-1])
   assert chosen_plan.planned == SIZES[chosen]
   note = chosen_plan.note()
   assert note.startswith(f"auto: planned {SIZES[chosen] // MIB} MiB of {budget_mib} MiB"), note
+
+
+def test_dots_no_batch_is_tried_when_activations_fits_no_better():
+  """Only after activations (same chunk) was refused is dots_no_batch skipped: forced to
+  start from dots_no_batch, it is compiled."""
+  fake = FakeStep(SIZES)
+  start = Runtime(remat="dots_no_batch", candidates=AUTO.candidates[2:])
+  program, _ = plan.choose(fake.build, (), start, (80 * MIB, "test"))
+  assert program.setting == ("dots_no_batch", C)
 
 
 def test_a_chunked_twin_is_not_compiled_when_chunking_cannot_save_enough():
@@ -106,7 +117,7 @@ def test_a_chunked_twin_is_not_compiled_when_chunking_cannot_save_enough():
   # a 55 MiB budget (50.6 usable) by more is compiled.
   compiled, _ = plan.choose(fake.build, (), AUTO, (55 * MIB, "test"), logits_bytes=2 * MIB)
   assert compiled.setting == ("full", 0)
-  assert fake.compiled == [("activations", 0), ("dots_no_batch", 0), ("full", 0)]
+  assert fake.compiled == [("activations", 0), ("full", 0)]
 
 
 def test_nothing_fits_is_one_sentence_naming_the_leanest_and_the_levers():
