@@ -2,6 +2,7 @@
 (plan.py), the refusal when none does, and the persistent compilation cache of the command
 lines. The real step's plans are checked in test_train (a run under --memory-limit)."""
 
+import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -258,3 +259,21 @@ def test_a_real_run_under_a_memory_limit_takes_a_leaner_setting_and_learns_the_s
   # Remat and loss chunks change what is kept, not what is computed.
   assert fast[-1] < fast[0]
   np.testing.assert_allclose(lean, fast, rtol=2e-5)
+
+
+@pytest.mark.parametrize("cli", ["train", "export", "generate"])
+def test_the_command_lines_keep_xla_warnings_off_unless_asked(cli, monkeypatch):
+  """Run as `python -m jaxtune.X`, each CLI sets TF_CPP_MIN_LOG_LEVEL=2 before jax loads (XLA
+  warns while --remat auto compiles settings that do not fit), and keeps a user's value."""
+  import runpy
+
+  for value, expected in ((None, "2"), ("0", "0")):
+    if value is None:
+      monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    else:
+      monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", value)
+    monkeypatch.setattr("sys.argv", [cli, "--help"])
+    with pytest.raises(SystemExit) as e:
+      runpy.run_module(f"jaxtune.{cli}", run_name="__main__")
+    assert e.value.code == 0
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == expected
