@@ -4,6 +4,7 @@ lines. The real step's plans are checked in test_train (a run under --memory-lim
 
 import os
 import re
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -221,7 +222,7 @@ def test_a_damaged_cache_entry_is_removed_with_one_line(capsys):
 
 
 def _train(path, tmp_path, name, **run_kw):
-  """3 steps of the tiny model on one device; (losses, the plan the trainer announced)."""
+  """2 steps of the tiny model on one device; (losses, the plan the trainer announced)."""
   import jaxtune
   from jaxtune import data, runtime, trainer
 
@@ -229,7 +230,7 @@ def _train(path, tmp_path, name, **run_kw):
   ids = rng.integers(0, 256, (8, 64)).astype(np.int32)
   rows = data.to_rows(list(ids), list(np.roll(ids, -1, axis=1)), 64, pack=False)
   run = RunConfig(
-    out=str(tmp_path / name), steps=3, batch_size=8, learning_rate=1e-2, warmup_steps=0,
+    out=str(tmp_path / name), steps=2, batch_size=8, learning_rate=1e-2, warmup_steps=0,
     dtype="float32", lora_rank=4, mesh="1", **run_kw,
   )  # fmt: skip
   (tmp_path / name).mkdir()
@@ -273,7 +274,9 @@ def test_the_command_lines_keep_xla_warnings_off_unless_asked(cli, monkeypatch):
     else:
       monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", value)
     monkeypatch.setattr("sys.argv", [cli, "--help"])
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(SystemExit) as e, warnings.catch_warnings():
+      # runpy's note that the module was imported before (by other tests) is expected here.
+      warnings.simplefilter("ignore", RuntimeWarning)
       runpy.run_module(f"jaxtune.{cli}", run_name="__main__")
     assert e.value.code == 0
     assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == expected

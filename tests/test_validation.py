@@ -13,6 +13,7 @@ import shutil
 import struct
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -268,7 +269,12 @@ def test_an_unreadable_weights_file_is_named(tmp_path, kind, request):
 def _read_as_nobody(files: list[Path]) -> str:
   """The CheckpointError that reading ``files`` gives a process of user "nobody"."""
   read, write = os.pipe()
-  pid = os.fork()
+  # A fork of this process, whose JAX threads run: the child only fails to open a file and
+  # writes to a pipe, taking no lock another thread could hold. (A fresh interpreter as
+  # nobody cannot start here: the Python it would run sits under root's home.)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # "...use of fork() may lead to..."
+    pid = os.fork()
   if pid == 0:  # the child: no pytest machinery, only the reader and the pipe
     text = "no error"
     try:
