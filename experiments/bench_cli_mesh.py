@@ -148,11 +148,12 @@ def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
   proc = subprocess.Popen(
     cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
   )
-  lines, first_step = [], []
+  lines, timed_lines, first_step = [], [], []
 
   def read():
     for line in proc.stdout:
-      lines.append(f"[{time.perf_counter() - t0:6.1f}s] {line.rstrip()}")
+      lines.append(line.rstrip())
+      timed_lines.append(f"[{time.perf_counter() - t0:6.1f}s] {line.rstrip()}")
       if not first_step and line.startswith("step 1/"):
         first_step.append(time.perf_counter() - t0)
       if line.startswith(("jaxtune:", "pipeline:", "error", "step")):
@@ -168,10 +169,10 @@ def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
   reader.join(timeout=10)
   wall = time.perf_counter() - t0
   if args.results_dir:  # the whole output of every run, kept beside the rows
-    Path(args.results_dir, f"{out.name}.log").write_text(entry + "\n" + "\n".join(lines) + "\n")
+    log = entry + "\n" + "\n".join(timed_lines) + "\n"
+    Path(args.results_dir, f"{out.name}.log").write_text(log)
   if rc != 0:
     raise RuntimeError(f"exit {rc} after {wall:.0f}s: " + " | ".join(lines[-4:])[-600:])
-  lines = [line.split("] ", 1)[1] for line in lines]  # the log above keeps the times
   start = next((m for m in map(START_LINE.search, lines) if m), None)
   metrics = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
   steps = [r for r in metrics if "tokens_per_s" in r]

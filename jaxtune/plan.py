@@ -12,6 +12,7 @@ else (CPU) the machine's memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import os
 import re
@@ -120,8 +121,9 @@ def choose(
   choosing = len(candidates) > 1
   limit, source = budget
   rejected: list[tuple[str, int]] = []
-  t0, hits = time.perf_counter(), _CacheHits()
-  with hits, _DamagedCacheEntries():
+  _listen_for_cache_hits()
+  t0, hits = time.perf_counter(), _cache_hits
+  with _DamagedCacheEntries():
     whole: dict[str, int] = {}  # remat -> planned bytes with the logits whole
     refused: set[tuple[str, int]] = set()
     for remat, loss_chunk in candidates:
@@ -142,7 +144,7 @@ def choose(
           source,
           tuple(rejected),
           time.perf_counter() - t0,
-          hits.count,
+          _cache_hits - hits,
         )
         return compiled, plan
       rejected.append((_setting(rt), planned))
@@ -194,35 +196,18 @@ class _DamagedCacheEntries:
       )
 
 
-class _CacheHits:
-  """Counts the persistent compilation cache's hits while open (jax.monitoring events)."""
+_cache_hits = 0  # the persistent compilation cache's hits in this process (jax.monitoring)
 
-  EVENT = "/jax/compilation_cache/cache_hits"
 
-  def __init__(self):
-    self.count, self._open = 0, False
+def _count_cache_hit(event: str, **kwargs) -> None:
+  global _cache_hits
+  if event == "/jax/compilation_cache/cache_hits":
+    _cache_hits += 1
 
-  def _listen(self, event: str, **kwargs) -> None:
-    if self._open and event == self.EVENT:
-      self.count += 1
 
-  def __enter__(self):
-    if not getattr(_CacheHits, "_registered", False):
-      jax.monitoring.register_event_listener(_CacheHits._dispatch)
-      _CacheHits._registered = True
-    _CacheHits._current = self
-    self._open = True
-    return self
-
-  def __exit__(self, *exc):
-    self._open = False
-    _CacheHits._current = None
-
-  @staticmethod
-  def _dispatch(event: str, **kwargs) -> None:
-    current = getattr(_CacheHits, "_current", None)
-    if current is not None:
-      current._listen(event, **kwargs)
+@functools.cache
+def _listen_for_cache_hits() -> None:
+  jax.monitoring.register_event_listener(_count_cache_hit)
 
 
 CACHE_GIB = 16  # the cache's size limit

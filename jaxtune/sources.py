@@ -176,7 +176,9 @@ def _lone_surrogate(chunk: bytes) -> int | None:
     at = m.start()
     if at == paired:
       continue
-    run = at - len(chunk[:at].rstrip(b"\\")) if chunk[at - 1 : at] == b"\\" else 0
+    run = 0  # backslashes just before it (counted in place: no copy of the chunk per match)
+    while at - run > 0 and chunk[at - run - 1] == 0x5C:
+      run += 1
     if run % 2:
       continue
     if chunk[at + 3] in b"89abAB" and _LOW.match(chunk, at + 6):
