@@ -17,7 +17,8 @@ records:
                     attention in this script's run; where there is none, the first 1-GPU run)
 
 Every run is one entry of --runs: environment variables (NAME=value) if any, a mesh, then
-extra CLI flags, e.g. "1 --attention xla" or "XLA_FLAGS=--xla_dump_to=/tmp/d 2x4".
+extra CLI flags, e.g. "1 --attention xla" or "XLA_FLAGS=--xla_dump_to=/tmp/d 2x4"
+("BENCH_PROFILE=FILE 1": that run under cProfile, its statistics in FILE).
 Mesh "1" runs on the first GPU only (CUDA_VISIBLE_DEVICES=0) with --base-batch sequences; every
 other run takes --batch sequences per step (global), so all multi-GPU runs do the same work.
 
@@ -118,8 +119,11 @@ def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
   mesh, *extra = words
   single = mesh == "1"
   batch = args.base_batch if single else args.batch
+  # BENCH_PROFILE=FILE (in the entry): the run under cProfile, its statistics written to FILE.
+  profile = run_env.pop("BENCH_PROFILE", None)
   cmd = [
     sys.executable,
+    *(["-m", "cProfile", "-o", profile] if profile else []),
     "-m",
     "jaxtune.train",
     f"--model={ckpt}",

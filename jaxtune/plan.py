@@ -4,7 +4,9 @@ Before the first step the candidate settings (``Runtime.candidates``: remat poli
 chunk, fastest first) are compiled one at a time, XLA's memory plan of each read
 (``Compiled.memory_analysis``: arguments + outputs - donated + temporaries, per device), and
 the first whose plan fits the budget with a margin is kept: compiled once, that program is
-the one the run calls. The budget is ``--memory-limit`` when given, else what the device can
+the one the run calls. A candidate is not compiled at all when a floor of its plan, found by
+tracing alone (``floor_bytes``: the arguments plus the residuals its forward pass leaves for
+the backward pass), already misses the budget. The budget is ``--memory-limit`` when given, else what the device can
 allocate (``memory_stats()["bytes_limit"]``, which ``XLA_PYTHON_CLIENT_MEM_FRACTION`` lowers),
 else (CPU) the machine's memory.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import glob
+import math
 import os
 import re
 import sys
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.extend
 
 from jaxtune.errors import UserError
 from jaxtune.runtime import Runtime
@@ -47,7 +51,9 @@ class Plan:
   planned: int  # bytes per device: arguments + outputs - donated + temporaries
   budget: int | None  # bytes per device it had to fit; None: nothing to choose between
   budget_source: str
-  rejected: tuple[tuple[str, int], ...]  # (setting, planned bytes) that did not fit
+  # (setting, bytes, compiled) that did not fit: bytes is the compiled plan, or (compiled
+  # False) the traced floor that already missed the budget
+  rejected: tuple[tuple[str, int, bool], ...]
   compile_s: float
   cache_hits: int  # programs read from the persistent compilation cache while compiling
 
@@ -57,8 +63,8 @@ class Plan:
       return f"planned {_size(self.planned)}"
     note = f"auto: planned {_size(self.planned)} of {_size(self.budget)} ({self.budget_source})"
     if self.rejected:
-      name, size = self.rejected[-1]
-      note += f", {name} would plan {_size(size)}"
+      name, size, compiled = self.rejected[-1]
+      note += f", {name} would " + (f"plan {_size(size)}" if compiled else f"need {_size(size)}+")
     return note
 
 
@@ -96,6 +102,34 @@ def device_budget(limit_gib: float | None, devices: Sequence | None = None) -> t
   return int(total), "host memory"
 
 
+def floor_bytes(loss: Callable[[Any], Any], lora: Any, args: Sequence) -> int:
+  """A floor of a training step's plan per device, without compiling: the bytes of its
+  arguments ``args`` (each device's shard), plus the residuals that ``loss`` (a function of
+  ``lora``) saves for its backward pass in device memory, spread evenly over the devices. All
+  of those residuals are alive at once where the forward pass ends and the backward begins."""
+  closed, (_, residuals) = jax.make_jaxpr(lambda p: jax.vjp(loss, p), return_shape=True)(lora)
+  count = len(jax.tree.leaves(residuals))
+  inputs = {id(v) for v in (*closed.jaxpr.invars, *closed.jaxpr.constvars)}
+  saved, seen = 0, set()
+  for v in closed.jaxpr.outvars[len(closed.jaxpr.outvars) - count :]:
+    if id(v) in inputs or id(v) in seen or isinstance(v, jax.extend.core.Literal):
+      continue  # an argument or constant (counted below), or a value written into the program
+    seen.add(id(v))
+    if "host" in str(getattr(v.aval, "memory_space", "")).lower():
+      continue  # offloaded: waits in host memory
+    saved += v.aval.size * v.aval.dtype.itemsize
+  devices = max(len(leaf.sharding.device_set) for leaf in jax.tree.leaves(args))
+  return _argument_bytes(args) + saved // devices
+
+
+def _argument_bytes(args: Sequence) -> int:
+  total = 0
+  for leaf in jax.tree.leaves(args):
+    shape = leaf.sharding.shard_shape(leaf.shape) if hasattr(leaf, "sharding") else leaf.shape
+    total += math.prod(shape) * leaf.dtype.itemsize
+  return total
+
+
 def fits(planned: int, budget: int) -> bool:
   return planned <= budget * (1 - MARGIN_FRACTION)
 
@@ -106,6 +140,7 @@ def choose(
   runtime: Runtime,
   budget: tuple[int, str],
   logits_bytes: int = 0,
+  floor: Callable[[Runtime], int] | None = None,
 ) -> tuple[Any, Plan]:
   """(compiled step, plan): the first of ``runtime.candidates`` whose compiled plan fits
   ``budget``; ``build(runtime)`` returns the jitted step, lowered and compiled here with
@@ -114,13 +149,15 @@ def choose(
   candidate is not compiled when its unchunked twin would not fit even without 4 times that
   (the logits, their gradient and the softmax's temporaries are what chunking saves), and a
   DOMINATED_BY setting is not compiled once the setting that dominates it was refused.
+  ``floor(runtime)``: a floor of that candidate's plan found without compiling
+  (``floor_bytes``); a candidate whose floor misses the budget is not compiled.
 
   Raises a ``UserError`` naming the leanest plan and the levers when none fits.
   """
   candidates = runtime.candidates or ((runtime.remat, runtime.loss_chunk),)
   choosing = len(candidates) > 1
   limit, source = budget
-  rejected: list[tuple[str, int]] = []
+  rejected: list[tuple[str, int, bool]] = []
   _listen_for_cache_hits()
   t0, hits = time.perf_counter(), _cache_hits
   with _DamagedCacheEntries():
@@ -134,6 +171,12 @@ def choose(
       if (DOMINATED_BY.get(remat), loss_chunk) in refused:
         continue
       rt = runtime.replace(remat=remat, loss_chunk=loss_chunk, candidates=())
+      if choosing and floor is not None:
+        least = floor(rt)
+        if not fits(least, limit):
+          rejected.append((_setting(rt), least, False))
+          refused.add((remat, loss_chunk))
+          continue
       compiled = build(rt).lower(*args).compile()
       planned = planned_bytes(compiled)
       if not choosing or planned is None or fits(planned, limit):
@@ -147,15 +190,16 @@ def choose(
           _cache_hits - hits,
         )
         return compiled, plan
-      rejected.append((_setting(rt), planned))
+      rejected.append((_setting(rt), planned, True))
       refused.add((remat, loss_chunk))
       if not loss_chunk:
         whole[remat] = planned
-  name, size = min(rejected, key=lambda r: r[1])
+  name, size, compiled = min(reversed(rejected), key=lambda r: r[1])  # ties: the later
   offload = "" if any(r == "offload" for r, _ in candidates) else "use --remat offload, "
+  plans = "plans" if compiled else "needs at least"
   raise UserError(
     f"the training step does not fit the {_size(limit)} of device memory ({source}): the "
-    f"leanest setting tried, {name}, plans {_size(size)} per device; {offload}lower "
+    f"leanest setting tried, {name}, {plans} {_size(size)} per device; {offload}lower "
     "--batch-size (with --grad-accum to keep the batch) or --seq-len, or split the model over "
     "more devices with --mesh."
   )

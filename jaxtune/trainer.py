@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtune import distributed, plan, run_log, step
 from jaxtune.data import Dataset, StreamingDataset
 from jaxtune.errors import TrainingError
+from jaxtune.losses import loss_sums
 from jaxtune.run_config import RunConfig
 from jaxtune.runtime import Runtime
 
@@ -173,6 +174,7 @@ def train(
       runtime,
       plan.device_budget(runtime.memory_limit),
       logits_bytes=_logits_bytes(model, first, runtime),
+      floor=lambda rt: _floor(graphdef, lora, opt_state, frozen, first, key, rt),
     )
     runtime = chosen.runtime
     if announce is not None:
@@ -224,6 +226,14 @@ def train(
   finally:
     log.close()
   return nnx.merge(graphdef, lora, frozen), history
+
+
+def _floor(graphdef, lora, opt_state, frozen, batch, key, runtime: Runtime) -> int:
+  """A floor of the step's plan under ``runtime`` (plan.floor_bytes), traced for its first
+  micro-batch."""
+  micro = jax.tree.map(lambda x: x[0], batch)
+  loss = lambda p: loss_sums(graphdef, p, frozen, micro, key, runtime)[0]  # noqa: E731
+  return plan.floor_bytes(loss, lora, (lora, opt_state, frozen, batch))
 
 
 def _logits_bytes(model: nnx.Module, batch: dict, runtime: Runtime) -> int:

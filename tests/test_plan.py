@@ -122,6 +122,32 @@ def test_a_chunked_twin_is_not_compiled_when_chunking_cannot_save_enough():
   assert fake.compiled == [("activations", 0), ("full", 0)]
 
 
+def test_a_setting_whose_floor_misses_the_budget_is_not_compiled():
+  """A floor found by tracing (plan.floor_bytes) refuses a setting without compiling it; the
+  start line and the refusal say "at least" of a floor."""
+  fake = FakeStep(SIZES)
+  floors = {s: size // 2 for s, size in SIZES.items()}
+  floors[("activations", 0)] = floors[("activations", C)] = 95 * MIB
+  traced = []
+
+  def floor(rt):
+    traced.append((rt.remat, rt.loss_chunk))
+    return floors[traced[-1]]
+
+  program, chosen = plan.choose(fake.build, (), AUTO, (80 * MIB, "test"), floor=floor)
+  assert program.setting == ("full", 0)
+  assert fake.compiled == [("full", 0)]  # activations' floors of 95 MiB miss 73.6 MiB
+  assert traced == [(A, 0), (A, C), ("full", 0)]  # dots_no_batch: dominated
+  assert chosen.rejected == (("remat activations", 95 * MIB, False),
+                             ("remat activations, loss chunk 1024", 95 * MIB, False))  # fmt: skip
+  assert chosen.note() == (
+    "auto: planned 50 MiB of 80 MiB (test), remat activations, loss chunk 1024 would need 95 MiB+"
+  )
+  with pytest.raises(UserError, match=r"the leanest setting tried, remat offload, loss chunk "
+                     r"1024, needs at least 20 MiB per device; lower"):  # fmt: skip
+    plan.choose(fake.build, (), AUTO, (12 * MIB, "test"), floor=lambda rt: 20 * MIB)
+
+
 def test_nothing_fits_is_one_sentence_naming_the_leanest_and_the_levers():
   fake = FakeStep(SIZES)
   with pytest.raises(UserError) as e:
@@ -241,21 +267,48 @@ def _train(path, tmp_path, name, **run_kw):
   return np.array([h["loss"] for h in history]), plans[0]
 
 
-def test_a_real_run_under_a_memory_limit_takes_a_leaner_setting_and_learns_the_same(tmp_path):
+def test_a_real_run_under_a_memory_limit_takes_a_leaner_setting_and_learns_the_same(
+  tmp_path, monkeypatch
+):
   from conftest import build_hf_llama
 
+  from jaxtune import trainer
+
   path = tmp_path / "llama"
-  build_hf_llama(3, num_hidden_layers=2).save_pretrained(path)
+  hf = build_hf_llama(3, num_hidden_layers=2)
+  hf.save_pretrained(path)
+  import jaxtune
+  from flax import nnx
+
+  lora = nnx.state(jaxtune.apply_lora(jaxtune.from_pretrained(path), rank=4), nnx.LoRAParam)
+  lora_params = sum(x.size for x in jax.tree.leaves(lora))
+  frozen_params = sum(p.numel() for p in hf.parameters())
+  floors = {}
+  floor = trainer._floor
+
+  def recorded(*args):
+    rt = args[-1]
+    floors[rt.remat, rt.loss_chunk] = floor(*args)
+    return floors[rt.remat, rt.loss_chunk]
+
+  monkeypatch.setattr(trainer, "_floor", recorded)
   fast, fast_plan = _train(path, tmp_path, "fast", remat="auto")
   assert (fast_plan.runtime.remat, fast_plan.runtime.loss_chunk) == ("activations", 0)
   assert fast_plan.budget_source == "host memory" and fast_plan.rejected == ()
+  # The floor of the plan: above the arguments (the LoRA, its Adam moments, the frozen
+  # weights, the batch) by the residuals, below the compiled plan.
+  # (float32 weights, LoRA and its two Adam moments; the batch's ids and labels.)
+  arguments = 4 * frozen_params + 3 * 4 * lora_params + 2 * 8 * 64 * 4
+  assert arguments < floors["activations", 0] <= fast_plan.planned
   # Just less than the fastest setting needs with its margin.
   limit = fast_plan.planned / (1 - plan.MARGIN_FRACTION) * 0.98 / GIB
   lean, lean_plan = _train(path, tmp_path, "lean", remat="auto", memory_limit=limit)
   chosen = (lean_plan.runtime.remat, lean_plan.runtime.loss_chunk)
   assert chosen != ("activations", 0)
-  assert lean_plan.rejected[0] == ("remat activations", fast_plan.planned)
+  assert lean_plan.rejected[0] == ("remat activations", fast_plan.planned, True)
   assert lean_plan.planned <= limit * GIB * (1 - plan.MARGIN_FRACTION) < fast_plan.planned
+  assert floors[chosen] <= lean_plan.planned
+  assert floors["activations", 0] > floors["full", 0]  # it keeps more than layer inputs
   assert lean_plan.budget_source == "--memory-limit"
   # Remat and loss chunks change what is kept, not what is computed.
   assert fast[-1] < fast[0]
