@@ -6,9 +6,9 @@ chunk, fastest first) are compiled one at a time, XLA's memory plan of each read
 the first whose plan fits the budget with a margin is kept: compiled once, that program is
 the one the run calls. A candidate is not compiled at all when a floor of its plan, found by
 tracing alone (``floor_bytes``: the arguments plus the residuals its forward pass leaves for
-the backward pass), already misses the budget. The budget is ``--memory-limit`` when given, else what the device can
-allocate (``memory_stats()["bytes_limit"]``, which ``XLA_PYTHON_CLIENT_MEM_FRACTION`` lowers),
-else (CPU) the machine's memory.
+the backward pass), already misses the budget. The budget is ``--memory-limit`` when
+given, else what the device can allocate (``memory_stats()["bytes_limit"]``, which
+``XLA_PYTHON_CLIENT_MEM_FRACTION`` lowers), else (CPU) the machine's memory.
 """
 
 from __future__ import annotations

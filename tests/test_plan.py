@@ -277,8 +277,9 @@ def test_a_real_run_under_a_memory_limit_takes_a_leaner_setting_and_learns_the_s
   path = tmp_path / "llama"
   hf = build_hf_llama(3, num_hidden_layers=2)
   hf.save_pretrained(path)
-  import jaxtune
   from flax import nnx
+
+  import jaxtune
 
   lora = nnx.state(jaxtune.apply_lora(jaxtune.from_pretrained(path), rank=4), nnx.LoRAParam)
   lora_params = sum(x.size for x in jax.tree.leaves(lora))
