@@ -21,18 +21,18 @@ TOL = 1e-2
 
 CASES = {
   # name: (T, N, K, H, options)
-  "causal-gqa2-pad": (200, 4, 2, 64, {}),
+  "causal-gqa2-pad": (200, 2, 1, 64, {}),
   "noncausal-mha": (136, 2, 2, 64, {"causal": False}),
   "window-3-ranges": (520, 2, 1, 64, {"window": 256}),
   "softcap-scale-gqa4": (200, 4, 1, 64, {"softcap": 5.0, "scale": 0.3}),
-  "segments-window-softcap": (200, 4, 2, 64, {"segments": True, "window": 48, "softcap": 3.0}),
+  "segments-window-softcap": (200, 2, 1, 64, {"segments": True, "window": 48, "softcap": 3.0}),
   "noncausal-segments-window": (200, 2, 1, 64, {"causal": False, "segments": True, "window": 50}),
   "h128-segments-gqa2": (130, 2, 1, 128, {"segments": True}),
   "one-segment-window": (330, 2, 1, 64, {"segments": "one", "window": 200}),
   "h256-softcap-window": (200, 2, 1, 256, {"softcap": 4.0, "window": 64}),
   "h256-segments-noncausal-gqa4": (128, 4, 1, 256, {"segments": True, "causal": False}),
   # dK products issued in their own step (Blocks(defer_dk=False)), not with the next step's
-  "undeferred-segments-gqa2": (200, 4, 2, 64, {"defer_dk": False, "segments": True}),
+  "undeferred-segments-gqa2": (200, 2, 1, 64, {"defer_dk": False, "segments": True}),
 }
 
 

@@ -1,13 +1,14 @@
 """Every module imports alone, and the layers of DESIGN.md import only from below.
 
-Each module of jaxtune/, converters/ and pallas_kernels/ is imported in its own fresh
-interpreter (a cycle that only some import orders reach fails there), which also reports
-whether the import loaded Mosaic GPU: only the kernel modules themselves may. The layering
-rules are checked on the source (every import statement, at module level and in functions).
+Each module of jaxtune/, converters/ and pallas_kernels/ is imported into an interpreter
+that holds none of our modules (a cycle that only some import orders reach fails there),
+which also reports whether the import loaded Mosaic GPU: only the kernel modules themselves
+may. The layering rules are checked on the source (every import statement, at module level
+and in functions).
 """
 
 import ast
-import os
+import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -43,36 +44,65 @@ def _is_kernel(name: str) -> bool:
   return name.startswith("pallas_kernels.") and name.rsplit(".", 1)[-1] in KERNEL_FILES
 
 
-# Prints, after importing sys.argv[1], the Mosaic GPU and kernel modules that came with it.
-_CHILD = f"""
-import importlib, sys
-importlib.import_module(sys.argv[1])
-loaded = [
-  m for m in sys.modules
-  if m.startswith({MOSAIC!r})
-  or (m.startswith("pallas_kernels.") and m.rsplit(".", 1)[-1] in {KERNEL_FILES!r})
-]
-print(" ".join(sorted(loaded)))
+# A server that loads the third-party packages every module needs (never a module of ours, nor
+# Mosaic GPU), then forks one child per module named on its command line: each child imports
+# that module into an interpreter holding none of ours, and reports the Mosaic GPU and kernel
+# modules that came with it (or its traceback) as one JSON line. Forking skips loading JAX
+# anew per module; nothing has started a thread before the forks (no backend is created).
+_SERVER = f"""
+import importlib, json, os, sys, traceback
+import jax, jax.numpy, numpy, flax.nnx, optax
+for name in sys.argv[1:]:
+  read, write = os.pipe()
+  pid = os.fork()
+  if pid == 0:
+    os.close(read)
+    try:
+      importlib.import_module(name)
+      loaded = sorted(
+        m for m in sys.modules
+        if m.startswith({MOSAIC!r})
+        or (m.startswith("pallas_kernels.") and m.rsplit(".", 1)[-1] in {KERNEL_FILES!r})
+      )
+      result = {{"ok": True, "loaded": loaded}}
+    except BaseException:
+      result = {{"ok": False, "error": traceback.format_exc()}}
+    os.write(write, json.dumps(result).encode())
+    os._exit(0)
+  os.close(write)
+  with os.fdopen(read) as f:
+    text = f.read()
+  os.waitpid(pid, 0)
+  print(json.dumps({{"name": name, **json.loads(text or '{{"ok": false, "error": "died"}}')}}))
 """
 
 
-def _import_alone(name: str) -> subprocess.CompletedProcess:
+def _import_each_alone(names: list[str]) -> dict[str, dict]:
   # cwd first on sys.path: this checkout's modules, not an installed copy.
-  return subprocess.run(
-    [sys.executable, "-c", _CHILD, name],
+  proc = subprocess.run(
+    [sys.executable, "-c", _SERVER, *names],
     cwd=ROOT,
     capture_output=True,
     text=True,
-    timeout=300,
+    timeout=600,
   )
+  results = {}
+  for line in proc.stdout.splitlines():
+    row = json.loads(line)
+    results[row.pop("name")] = row
+  for name in names:  # the server itself died: its stderr says why
+    results.setdefault(name, {"ok": False, "error": proc.stderr[-3000:]})
+  return results
 
 
 @pytest.fixture(scope="module")
-def imported() -> dict[str, subprocess.CompletedProcess]:
-  """Every module imported in a fresh interpreter, a few at a time (each loads JAX anew)."""
-  workers = max(2, min(8, os.cpu_count() or 1))
-  with ThreadPoolExecutor(workers) as pool:
-    return dict(zip(MODULES, pool.map(_import_alone, MODULES), strict=True))
+def imported() -> dict[str, dict]:
+  """Every module imported into an interpreter with none of ours loaded (forked children of
+  two servers, each of which loaded JAX once)."""
+  names = list(MODULES)
+  with ThreadPoolExecutor(2) as pool:
+    halves = pool.map(_import_each_alone, (names[0::2], names[1::2]))
+  return {k: v for half in halves for k, v in half.items()}
 
 
 def test_modules_are_discovered():
@@ -82,10 +112,10 @@ def test_modules_are_discovered():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODULES))
-def test_imports_alone_in_a_fresh_interpreter(imported, name):
+def test_imports_alone(imported, name):
   child = imported[name]
-  assert child.returncode == 0, f"import {name} failed:\n{child.stderr}"
-  loaded = child.stdout.split()
+  assert child["ok"], f"import {name} failed:\n{child['error']}"
+  loaded = child["loaded"]
   if not _is_kernel(name):
     assert not loaded, f"import {name} loaded the Mosaic GPU kernels: {loaded}"
 

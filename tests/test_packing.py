@@ -114,7 +114,7 @@ def test_kernel_path_computes_the_xla_loss_and_gradients(hf_llama_dir):
   against XLA's dequantize-then-dot and masked softmax attention."""
   path, _ = hf_llama_dir(
     hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
-    head_dim=64, num_hidden_layers=2,
+    head_dim=64, num_hidden_layers=1,
   )  # fmt: skip
   model = jaxtune.from_pretrained(path, quantization="nf4", dtype="bfloat16")
   model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
