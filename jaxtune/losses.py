@@ -32,14 +32,17 @@ def loss_sums(
   model = nnx.merge(graphdef, lora, frozen)
   ids, segments, labels = batch["input_ids"], batch["segment_ids"], batch["labels"]
   positions = batch.get("positions")  # packed rows restart positions at each example
+  rows = batch.get("inputs_embeds")  # --embeddings host: the table's rows, gathered there
   chunk = runtime.loss_chunk
   if chunk:
-    h = model.hidden_states(ids, positions, segments, dropout_key=key, runtime=runtime)
+    h = model.hidden_states(
+      ids, positions, segments, dropout_key=key, runtime=runtime, inputs_embeds=rows
+    )
     v = model.config.vocab_size
     vocab = (model.logits_piece, v, VOCAB_PIECE) if v > LARGE_VOCAB else None
     with jax.named_scope("loss"):
       return chunked_loss_sums(model.logits_from_hidden, h, labels, chunk, vocab)
-  logits = model(ids, positions, segments, dropout_key=key, runtime=runtime)
+  logits = model(ids, positions, segments, dropout_key=key, runtime=runtime, inputs_embeds=rows)
   with jax.named_scope("loss"):
     mask = labels != IGNORE
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels, 0))

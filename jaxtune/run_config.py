@@ -30,6 +30,7 @@ CHOICES = {
   "long_examples": ("truncate", "drop"),
   "remat": (*REMAT, "auto"),
   "attention": (*ATTENTION_CHOICES, None),
+  "embeddings": ("device", "host"),
 }
 # Smallest allowed value of numeric settings (None: any value).
 MINIMUM = {
@@ -144,6 +145,8 @@ class RunConfig:
   loss_chunk: int | None = None
   memory_limit: float | None = None  # GiB per device the step may plan for; None: the device's
   mlp_chunk: int = 0  # > 0: the MLP runs this many tokens per row at a time (long contexts)
+  # host: the input embedding table stays in host memory, each batch's rows gathered there
+  embeddings: str = "device"
   # Output
   log_every: int = 1
   report_to: str = "tensorboard"  # trackers, comma-separated: tensorboard, wandb; or none

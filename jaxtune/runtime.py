@@ -58,6 +58,7 @@ class Runtime:
   microbatches: int = 1  # pipeline micro-batches per step (1 without a pipe axis)
   sequence_parallel: bool = False  # the residual stream's tokens split over tensor
   shard_frozen: bool = False  # NF4 storage also split over data, gathered per layer
+  host_embeddings: bool = False  # the input embedding rows come with the batch (trainer.py)
   scan_layers: bool = True  # False: a Python loop over the layers (tests, profiles)
   # (remat, loss_chunk) settings to choose from by their memory plan, fastest first (plan.py);
   # remat and loss_chunk hold the first until the choice. Empty: nothing to choose.
@@ -129,6 +130,8 @@ class Runtime:
       parts.append("sequence parallel")
     if self.shard_frozen:
       parts.append("frozen weights sharded over data")
+    if self.host_embeddings:
+      parts.append("embeddings on the host")
     if self.pipelined:
       parts.append(f"{self.microbatches} pipeline micro-batches")
     return ", ".join(parts + list(self.notes))
@@ -249,6 +252,8 @@ def resolve(
     per_shard = max(1, micro_batch // mesh.shape["data"])
     microbatches = pipeline.num_microbatches(per_shard, run.microbatches)
   candidates = remat_candidates(run, pipelined=pp > 1)
+  if run.embeddings == "host":
+    _check_host_embeddings(run, cfg)
   dtype, dtype_note = compute_dtype(run.dtype, devices)
   attention, attention_note = resolve_attention(
     run.attention, cfg, dtype=dtype, packed=packed, pipelined=pp > 1, device=devices[0]
@@ -266,8 +271,18 @@ def resolve(
     microbatches=microbatches,
     sequence_parallel=run.sequence_parallel,
     shard_frozen=run.shard_frozen,
+    host_embeddings=run.embeddings == "host",
     notes=tuple(n for n in (dtype_note, attention_note) if n),
   )
+
+
+def _check_host_embeddings(run: RunConfig, cfg: ModelConfig) -> None:
+  if cfg.tie_word_embeddings:
+    raise UserError(
+      f"--embeddings host keeps the input embedding table off the devices, but this "
+      f"{cfg.model_type} uses the same table as its output layer (tie_word_embeddings), "
+      "which runs on them; drop --embeddings host."
+    )
 
 
 def remat_candidates(run: RunConfig, pipelined: bool = False) -> tuple[tuple[str, int], ...]:

@@ -196,8 +196,10 @@ def evaluate(
   dataset: Dataset,
   batch_size: int,
   shard: NamedSharding | None = None,
+  add_rows: Callable[[dict], dict] | None = None,
 ) -> dict:
-  """Held-out loss and perplexity over every example of ``dataset`` (token-weighted)."""
+  """Held-out loss and perplexity over every example of ``dataset`` (token-weighted).
+  ``add_rows``: adds the embedding rows to a host batch (``--embeddings host``)."""
   total, count = 0.0, 0
   n = len(dataset)
   for start in range(0, n, batch_size):
@@ -205,6 +207,8 @@ def evaluate(
     batch = dataset.rows(idx)
     # Wrapped-around fill rows count nothing.
     batch["labels"][np.arange(start, start + batch_size) >= n] = IGNORE
+    if add_rows is not None:
+      batch = add_rows(batch)
     batch = {k: distributed.global_batch(v, shard) for k, v in batch.items()}
     s, c = eval_step(lora, frozen, batch)
     total, count = total + float(s), count + int(c)

@@ -11,15 +11,20 @@ SIGTERM or Ctrl-C saves a checkpoint after the current step, then exits; --resum
 """
 
 import argparse
+import contextlib
 import dataclasses
+import importlib
 import os
 import shlex
 import sys
+import threading
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 
 if __name__ == "__main__":  # the command line: XLA's C++ warnings only when asked (before jax)
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import jax  # noqa: E402
 
 from jaxtune import distributed, plan, run_log
 from jaxtune.errors import UserError
@@ -105,6 +110,9 @@ _HELP = {
   "mlp_chunk": "run each MLP N tokens per row at a time, recomputed in the backward pass, so "
   "its [tokens, intermediate] temporaries exist for one piece at a time (long contexts); "
   "0: all at once",
+  "embeddings": "host: the input embedding table stays in host memory and each batch's rows "
+  "are gathered there (saves vocabulary x hidden x 2 bytes per device; models with an "
+  "lm_head of their own); device: on the devices",
   "log_every": "write metrics every N steps",
   "report_to": "trackers, comma-separated: tensorboard (OUT/tensorboard), wandb (Weights & "
   "Biases; WANDB_MODE=offline works without network), or none",
@@ -184,6 +192,22 @@ def allow_host_memory_for_offload(
   environ[HOST_LIMIT_VAR] = str(max(64, int(0.9 * total / 2**30)))
 
 
+def _start_devices_while_importing() -> None:
+  """Start JAX's devices (CUDA's start: seconds on a GPU machine) in a thread while this one
+  imports the tokenizer and data libraries, which the run needs next (seconds too)."""
+
+  def start():
+    try:
+      jax.devices()
+    except Exception:  # noqa: BLE001 - raised again where the run first asks for its devices
+      pass
+
+  threading.Thread(target=start, name="jaxtune-devices", daemon=True).start()
+  for name in ("transformers", "datasets"):
+    with contextlib.suppress(ImportError):
+      importlib.import_module(name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   run_log.quiet_third_party()
   try:
@@ -195,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     allow_host_memory_for_offload(run)  # before the GPU client starts
     plan.use_compile_cache(not flags.no_compile_cache)
     distributed.initialize()  # before anything asks JAX for its devices
+    _start_devices_while_importing()
     command = shlex.join(
       ["python", "-m", "jaxtune.train", *(sys.argv[1:] if argv is None else argv)]
     )

@@ -152,6 +152,9 @@ def train(
   step is left to train.
   """
   graphdef, lora, frozen = step.place(model, runtime)
+  rows = HostRows(frozen, runtime) if runtime.host_embeddings else None
+  if rows is not None:
+    frozen = rows.frozen
   if loss_scale is None and runtime.dtype == "float16":
     loss_scale = step.LossScale()
   tx, schedule = step.make_optimizer(run)
@@ -167,7 +170,7 @@ def train(
   if start < run.steps:
     # The step compiled for the run's real first arguments, its remat and loss chunk chosen
     # by their memory plan where the settings leave a choice (plan.py).
-    first = _batch(dataset, start, run, batch_at)
+    first = _batch(dataset, start, run, batch_at, rows)
     step_fn, chosen = plan.choose(
       lambda rt: step.make_train_step(graphdef, tx, rt, loss_scale, out_shardings),
       (lora, opt_state, frozen, first, jax.random.fold_in(key, start)),
@@ -202,7 +205,7 @@ def train(
   try:
     for i in range(start, run.steps):
       t0 = time.perf_counter()
-      batch, first = first if first is not None else _batch(dataset, i, run, batch_at), None
+      batch, first = first if first is not None else _batch(dataset, i, run, batch_at, rows), None
       lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jax.random.fold_in(key, i))
       row = _row(i, m, schedule, int(np.prod(batch["input_ids"].shape)), t0)
       _count_bad_step(row, m, run, loss_scale, counts)
@@ -211,10 +214,13 @@ def train(
       if (i + 1) % run.log_every == 0 or last:
         log.train(row)
       if eval_step is not None and (last or (run.eval_every and (i + 1) % run.eval_every == 0)):
-        metrics = step.evaluate(eval_step, lora, frozen, eval_dataset, run.batch_size, eval_at)
+        metrics = step.evaluate(
+          eval_step, lora, frozen, eval_dataset, run.batch_size, eval_at, rows and rows.add
+        )
         samples = []
         if sample_fn is not None:
-          local = distributed.local_copy((lora, frozen), runtime.mesh)
+          whole = frozen if rows is None else rows.restore(frozen)
+          local = distributed.local_copy((lora, whole), runtime.mesh)
           samples = sample_fn(nnx.merge(graphdef, *local)) if distributed.is_main() else []
         log.eval(i + 1, metrics, samples)
         row.update(metrics)
@@ -225,7 +231,43 @@ def train(
         raise Stopped(stop.signum or signal.SIGTERM, i + 1, checkpoints is not None)
   finally:
     log.close()
+  if rows is not None:
+    frozen = rows.restore(frozen)
   return nnx.merge(graphdef, lora, frozen), history
+
+
+class HostRows:
+  """``--embeddings host``: the input embedding table moved to host memory (its place in the
+  frozen state holds an empty array on the devices, which the step never reads) and each
+  batch's rows gathered from it there, as ``inputs_embeds``.
+
+  The table's device buffer is freed: the model given to ``train`` no longer holds it (the
+  model ``train`` returns does)."""
+
+  def __init__(self, frozen: nnx.State, runtime: Runtime):
+    table = frozen["embed_tokens"]["embedding"][...]
+    self._sharding = table.sharding
+    self.table = np.asarray(distributed.local_copy(table, runtime.mesh))
+    mesh = runtime.mesh
+    empty = np.zeros((0, table.shape[1]), table.dtype)
+    where = NamedSharding(mesh, PartitionSpec()) if mesh is not None else self._sharding
+    self.frozen = self._with(frozen, jax.device_put(empty, where))
+    table.delete()
+
+  def add(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The host batch with the embedding rows of its ``input_ids`` ([..., T] -> [..., T, D])."""
+    return {**batch, "inputs_embeds": self.table[batch["input_ids"]]}
+
+  def restore(self, frozen: nnx.State) -> nnx.State:
+    """``frozen`` with the whole table back on the devices."""
+    return self._with(frozen, distributed.global_batch(self.table, self._sharding))
+
+  @staticmethod
+  def _with(frozen: nnx.State, table: jax.Array) -> nnx.State:
+    frozen = jax.tree.map(lambda x: x, frozen)  # new containers, the same arrays
+    variable = frozen["embed_tokens"]["embedding"]
+    frozen["embed_tokens"]["embedding"] = variable.replace(table)
+    return frozen
 
 
 def _floor(graphdef, lora, opt_state, frozen, batch, key, runtime: Runtime) -> int:
@@ -242,9 +284,12 @@ def _logits_bytes(model: nnx.Module, batch: dict, runtime: Runtime) -> int:
   return micro * length * model.config.vocab_size * 4 // runtime.size("data")
 
 
-def _batch(dataset, i: int, run: RunConfig, batch_at) -> dict[str, jax.Array]:
-  """Step ``i``'s batch, placed as the step takes it ([accum, micro, T] leaves)."""
+def _batch(dataset, i: int, run: RunConfig, batch_at, rows=None) -> dict[str, jax.Array]:
+  """Step ``i``'s batch, placed as the step takes it ([accum, micro, T] leaves; with
+  ``rows``, a HostRows, also their embedding rows [accum, micro, T, D])."""
   host = dataset.batch(i, run.batch_size, run.grad_accum, run.seed)
+  if rows is not None:
+    host = rows.add(host)
   return {k: distributed.global_batch(v, batch_at) for k, v in host.items()}
 
 

@@ -596,6 +596,13 @@ CASES = [
     r"tensor=1",
   ),
   Case(
+    "embeddings-host-with-tied-output",
+    lambda w: w.config(tie_word_embeddings=True) or w.train_args("--embeddings", "host"),
+    r"--embeddings host keeps the input embedding table off the devices, but this llama uses "
+    r"the same table as its output layer \(tie_word_embeddings\), which runs on them; drop "
+    r"--embeddings host\.",
+  ),
+  Case(
     "attention-fused-with-packing",
     lambda w: w.train_args("--attention", "fused"),
     r"--attention fused \(cuDNN, causal only\) would let packed examples attend to each other",

@@ -247,8 +247,9 @@ def test_a_damaged_cache_entry_is_removed_with_one_line(capsys):
   ), err
 
 
-def _train(path, tmp_path, name, **run_kw):
-  """2 steps of the tiny model on one device; (losses, the plan the trainer announced)."""
+def _train(path, tmp_path, name, evaluate=False, **run_kw):
+  """2 steps of the tiny model on one device; (losses, the plan the trainer announced, the
+  trained model, its held-out loss when ``evaluate``)."""
   import jaxtune
   from jaxtune import data, runtime, trainer
 
@@ -263,8 +264,10 @@ def _train(path, tmp_path, name, **run_kw):
   model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float32"), rank=4, seed=0)
   rt = runtime.resolve(run, model.config, devices=jax.devices()[:1])
   plans = []
-  _, history = trainer.train(model, rows, run, rt, announce=plans.append)
-  return np.array([h["loss"] for h in history]), plans[0]
+  held_out = rows if evaluate else None
+  model, history = trainer.train(model, rows, run, rt, eval_dataset=held_out, announce=plans.append)
+  losses = np.array([h["loss"] for h in history])
+  return losses, plans[0], model, history[-1].get("eval_loss")
 
 
 def test_a_real_run_under_a_memory_limit_takes_a_leaner_setting_and_learns_the_same(
@@ -293,7 +296,7 @@ def test_a_real_run_under_a_memory_limit_takes_a_leaner_setting_and_learns_the_s
     return floors[rt.remat, rt.loss_chunk]
 
   monkeypatch.setattr(trainer, "_floor", recorded)
-  fast, fast_plan = _train(path, tmp_path, "fast", remat="auto")
+  fast, fast_plan, fast_model, fast_eval = _train(path, tmp_path, "fast", True, remat="auto")
   assert (fast_plan.runtime.remat, fast_plan.runtime.loss_chunk) == ("activations", 0)
   assert fast_plan.budget_source == "host memory" and fast_plan.rejected == ()
   # The floor of the plan: above the arguments (the LoRA, its Adam moments, the frozen
@@ -303,7 +306,7 @@ def test_a_real_run_under_a_memory_limit_takes_a_leaner_setting_and_learns_the_s
   assert arguments < floors["activations", 0] <= fast_plan.planned
   # Just less than the fastest setting needs with its margin.
   limit = fast_plan.planned / (1 - plan.MARGIN_FRACTION) * 0.98 / GIB
-  lean, lean_plan = _train(path, tmp_path, "lean", remat="auto", memory_limit=limit)
+  lean, lean_plan, _, _ = _train(path, tmp_path, "lean", remat="auto", memory_limit=limit)
   chosen = (lean_plan.runtime.remat, lean_plan.runtime.loss_chunk)
   assert chosen != ("activations", 0)
   assert lean_plan.rejected[0] == ("remat activations", fast_plan.planned, True)
@@ -314,6 +317,25 @@ def test_a_real_run_under_a_memory_limit_takes_a_leaner_setting_and_learns_the_s
   # Remat and loss chunks change what is kept, not what is computed.
   assert fast[-1] < fast[0]
   np.testing.assert_allclose(lean, fast, rtol=2e-5)
+
+  # --embeddings host: the step holds the rows of its batch in place of the embedding table,
+  # and trains, evaluates and returns the same model.
+  host, host_plan, host_model, host_eval = _train(
+    path, tmp_path, "host", True, remat="activations", embeddings="host"
+  )
+  assert host_plan.runtime.host_embeddings
+  hidden = hf.config.hidden_size
+  table, batch_rows = hf.config.vocab_size * hidden * 4, 8 * 64 * hidden * 4
+  assert fast_plan.planned - host_plan.planned >= table - batch_rows
+  np.testing.assert_allclose(host, fast, rtol=1e-6)
+  assert host_eval == pytest.approx(fast_eval, rel=1e-6)
+  np.testing.assert_array_equal(
+    np.asarray(host_model.embed_tokens.embedding[...]),
+    hf.model.embed_tokens.weight.detach().numpy(),
+  )
+  for a, b in zip(jax.tree.leaves(nnx.state(host_model, nnx.LoRAParam)),
+                  jax.tree.leaves(nnx.state(fast_model, nnx.LoRAParam)), strict=True):  # fmt: skip
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("cli", ["train", "export", "generate"])

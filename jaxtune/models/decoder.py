@@ -303,11 +303,16 @@ class Decoder(nnx.Module):
     return window, sliding & (cfg.rope_local is not None)
 
   def embed(
-    self, input_ids: jax.Array, positions: jax.Array
+    self, input_ids: jax.Array, positions: jax.Array, inputs_embeds: jax.Array | None = None
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
-    """(embedded tokens [B, T, D], global rope (cos, sin), local rope (cos, sin))."""
+    """(embedded tokens [B, T, D], global rope (cos, sin), local rope (cos, sin)).
+    ``inputs_embeds``: the rows of the embedding table for ``input_ids``, gathered elsewhere
+    (``--embeddings host``); the table itself is then not read."""
     cfg = self.config
-    x = self.embed_tokens(input_ids, self.dtype)
+    if inputs_embeds is None:
+      x = self.embed_tokens(input_ids, self.dtype)
+    else:
+      x = inputs_embeds.astype(self.dtype)
     if cfg.embed_scale:  # Gemma rounds sqrt(hidden) to the compute dtype first
       x = x * jnp.asarray(math.sqrt(cfg.hidden_size), self.dtype)
     cos, sin = rope.cos_sin(positions, rope.inverse_frequencies(cfg.rope, cfg.head_dim), self.dtype)
@@ -368,14 +373,16 @@ class Decoder(nnx.Module):
     segment_ids: jax.Array | None = None,
     dropout_key: jax.Array | None = None,
     runtime: Runtime = DEFAULT,
+    inputs_embeds: jax.Array | None = None,
   ) -> jax.Array:
-    """Final-norm hidden states [B, T, D] in the compute dtype, computed as ``runtime`` says."""
+    """Final-norm hidden states [B, T, D] in the compute dtype, computed as ``runtime`` says.
+    ``inputs_embeds``: the embedding rows of ``input_ids`` [B, T, D], gathered elsewhere."""
     b, t = input_ids.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     if segment_ids is None:
       segment_ids = jnp.ones((b, t), jnp.int32)
-    x, rope_global, rope_local = self.embed(input_ids, positions)
+    x, rope_global, rope_local = self.embed(input_ids, positions, inputs_embeds)
     h = self._layers(x, rope_global, rope_local, segment_ids, dropout_key, runtime)
     return self.norm(h)
 
@@ -403,7 +410,8 @@ class Decoder(nnx.Module):
     segment_ids: jax.Array | None = None,
     dropout_key: jax.Array | None = None,
     runtime: Runtime = DEFAULT,
+    inputs_embeds: jax.Array | None = None,
   ) -> jax.Array:
     """Logits [B, T, V] in float32."""
-    h = self.hidden_states(input_ids, positions, segment_ids, dropout_key, runtime)
+    h = self.hidden_states(input_ids, positions, segment_ids, dropout_key, runtime, inputs_embeds)
     return self.logits_from_hidden(h).astype(jnp.float32)
