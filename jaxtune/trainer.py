@@ -186,6 +186,9 @@ def train(
     announce(None)
   eval_step = step.make_eval_step(graphdef, runtime) if eval_dataset is not None else None
   history, counts = [], {"skipped_steps": 0, "overflow_steps": 0}
+  # The next batch is assembled while the step runs, where batches are a function of the step
+  # alone; a stream's position (saved in checkpoints) must not run ahead of the steps taken.
+  prefetch = not hasattr(dataset, "state")
   log = run_log.RunLog(
     Path(run.out),
     run.steps,
@@ -207,6 +210,8 @@ def train(
       t0 = time.perf_counter()
       batch, first = first if first is not None else _batch(dataset, i, run, batch_at, rows), None
       lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jax.random.fold_in(key, i))
+      if prefetch and i + 1 < run.steps:  # built on the host while the device runs step i
+        first = _batch(dataset, i + 1, run, batch_at, rows)
       row = _row(i, m, schedule, int(np.prod(batch["input_ids"].shape)), t0)
       _count_bad_step(row, m, run, loss_scale, counts)
       history.append(row)
