@@ -356,3 +356,37 @@ def test_the_command_lines_keep_xla_warnings_off_unless_asked(cli, monkeypatch):
       runpy.run_module(f"jaxtune.{cli}", run_name="__main__")
     assert e.value.code == 0
     assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == expected
+
+
+def test_the_command_lines_keep_pytorch_out():
+  """Run as `python -m jaxtune.X`, each CLI hides PyTorch before anything imports it, so that
+  transformers and datasets, finding it installed, do not load it (seconds of start-up)."""
+  import subprocess
+  import sys
+
+  child = (
+    "import runpy, sys\n"
+    "sys.argv = [sys.argv[1], '--help']\n"
+    "try:\n"
+    "  runpy.run_module('jaxtune.' + sys.argv[0], run_name='__main__')\n"
+    "except SystemExit:\n"
+    "  pass\n"
+    "import transformers, datasets\n"
+    "transformers.PreTrainedTokenizerFast\n"
+    "print(repr(sys.modules.get('torch', 'absent')), transformers.utils.is_torch_available())\n"
+  )
+  root = Path(__file__).resolve().parents[1]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", child, cli],
+      cwd=root,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )  # fmt: skip
+    for cli in ("train", "export", "generate")
+  ]
+  for proc in procs:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert out.splitlines()[-1] == "None False", out[-500:]
