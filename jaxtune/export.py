@@ -14,9 +14,6 @@ from pathlib import Path
 
 if __name__ == "__main__":  # the command line: XLA's C++ warnings only when asked (before jax)
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  # The command line never runs PyTorch: hidden, transformers and datasets do not import it
-  # when they find it installed (5.9 s of a run's start on a GPU machine).
-  sys.modules.setdefault("torch", None)
 
 from converters import export, hub, model_card
 from converters.gguf_out import check_gguf_type

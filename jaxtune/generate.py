@@ -13,9 +13,6 @@ from collections.abc import Sequence
 
 if __name__ == "__main__":  # the command line: XLA's C++ warnings only when asked (before jax)
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  # The command line never runs PyTorch: hidden, transformers and datasets do not import it
-  # when they find it installed (5.9 s of a run's start on a GPU machine).
-  sys.modules.setdefault("torch", None)
 
 from jaxtune import plan, run_log
 from jaxtune.decoding import generate, generate_ids

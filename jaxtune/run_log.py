@@ -6,6 +6,7 @@ generations; W&B also the resolved config and the hardware.
 Process 0 of a multi-host run is the only writer (other processes get a quiet RunLog).
 """
 
+import contextlib
 import json
 import math
 import os
@@ -42,17 +43,28 @@ def trackers(report_to: str) -> tuple[str, ...]:
   return () if names == ("none",) else names
 
 
-def _summary_writer():
-  """tensorboardX's SummaryWriter, imported with torch hidden: tensorboardX imports torch when
-  it can (for torch tensors, which jaxtune never logs), seconds of every run's start."""
+@contextlib.contextmanager
+def torch_hidden():
+  """While open (and torch is not imported yet), ``import torch`` raises ImportError and
+  ``importlib.util.find_spec("torch")`` is None: libraries that import torch when they find it
+  installed (tensorboardX; transformers 5.17 and datasets as the command lines load them)
+  import without it. Seconds of a run's start; jaxtune never uses torch. Closed, torch is
+  importable again (datasets' hashing imports it once it is in sys.modules, even as None)."""
   hide = "torch" not in sys.modules
   if hide:
-    sys.modules["torch"] = None  # `import torch` raises ImportError while this stands
+    sys.modules["torch"] = None
   try:
-    from tensorboardX import SummaryWriter
+    yield
   finally:
     if hide and sys.modules.get("torch", False) is None:
       del sys.modules["torch"]
+
+
+def _summary_writer():
+  """tensorboardX's SummaryWriter, imported with torch hidden (for torch tensors, which
+  jaxtune never logs)."""
+  with torch_hidden():
+    from tensorboardX import SummaryWriter
   return SummaryWriter
 
 

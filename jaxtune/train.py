@@ -23,16 +23,13 @@ from pathlib import Path
 
 if __name__ == "__main__":  # the command line: XLA's C++ warnings only when asked (before jax)
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  # The command line never runs PyTorch: hidden, transformers and datasets do not import it
-  # when they find it installed (5.9 s of a run's start on a GPU machine).
-  sys.modules.setdefault("torch", None)
 
 import jax  # noqa: E402
 
 from jaxtune import distributed, plan, run_log
 from jaxtune.errors import UserError
 from jaxtune.run_config import OPTIONAL_NUMBERS, RunConfig
-from jaxtune.session import run_training
+from jaxtune.session import PLAIN_TOKENIZERS, run_training
 from jaxtune.trainer import Stopped
 
 _HELP = {
@@ -209,9 +206,15 @@ def _start_devices_while_importing() -> None:
       pass
 
   threading.Thread(target=start, name="jaxtune-devices", daemon=True).start()
-  for name in ("transformers", "datasets"):
-    with contextlib.suppress(ImportError):
-      importlib.import_module(name)
+  # Imported with torch hidden, which they would otherwise import (5.9 s of a run's start
+  # with transformers 5.17 on a GPU machine), tokenizer classes included.
+  with run_log.torch_hidden():
+    for name in ("transformers", "datasets"):
+      with contextlib.suppress(ImportError):
+        module = importlib.import_module(name)
+        if name == "transformers":
+          for cls in PLAIN_TOKENIZERS:
+            getattr(module, cls, None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
