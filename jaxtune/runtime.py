@@ -59,7 +59,6 @@ class Runtime:
   sequence_parallel: bool = False  # the residual stream's tokens split over tensor
   shard_frozen: bool = False  # NF4 storage also split over data, gathered per layer
   host_embeddings: bool = False  # the input embedding rows come with the batch (trainer.py)
-  offload_every: int = 1  # remat offload: one layer input in N to host memory, the rest kept
   scan_layers: bool = True  # False: a Python loop over the layers (tests, profiles)
   # (remat, loss_chunk) settings to choose from by their memory plan, fastest first (plan.py);
   # remat and loss_chunk hold the first until the choice. Empty: nothing to choose.
@@ -133,8 +132,6 @@ class Runtime:
       parts.append("frozen weights sharded over data")
     if self.host_embeddings:
       parts.append("embeddings on the host")
-    if self.remat == "offload" and self.offload_every > 1:
-      parts.append(f"one layer input in {self.offload_every} offloaded")
     if self.pipelined:
       parts.append(f"{self.microbatches} pipeline micro-batches")
     return ", ".join(parts + list(self.notes))
@@ -257,7 +254,6 @@ def resolve(
   candidates = remat_candidates(run, pipelined=pp > 1)
   if run.embeddings == "host":
     _check_host_embeddings(run, cfg)
-  _check_offload_every(run, cfg.num_layers // pp, pp)
   dtype, dtype_note = compute_dtype(run.dtype, devices)
   attention, attention_note = resolve_attention(
     run.attention, cfg, dtype=dtype, packed=packed, pipelined=pp > 1, device=devices[0]
@@ -276,27 +272,8 @@ def resolve(
     sequence_parallel=run.sequence_parallel,
     shard_frozen=run.shard_frozen,
     host_embeddings=run.embeddings == "host",
-    offload_every=run.offload_every,
     notes=tuple(n for n in (dtype_note, attention_note) if n),
   )
-
-
-def _check_offload_every(run: RunConfig, layers: int, stages: int) -> None:
-  n = run.offload_every
-  if n == 1:
-    return
-  if run.remat not in ("offload", "auto"):
-    raise UserError(
-      f"--offload-every {n} says which layer inputs --remat offload keeps in host memory, but "
-      f"--remat is {run.remat}; use --remat offload (or auto), or drop --offload-every."
-    )
-  if layers % n:
-    where = (
-      f"the {layers} layers of each of {stages} pipeline stages"
-      if stages > 1
-      else (f"the model's {layers} layers")
-    )
-    raise UserError(f"--offload-every {n} does not divide {where}; use a divisor of {layers}.")
 
 
 def _check_host_embeddings(run: RunConfig, cfg: ModelConfig) -> None:

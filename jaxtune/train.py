@@ -110,9 +110,6 @@ _HELP = {
   "mlp_chunk": "run each MLP N tokens per row at a time, recomputed in the backward pass, so "
   "its [tokens, intermediate] temporaries exist for one piece at a time (long contexts); "
   "0: all at once",
-  "offload_every": "with --remat offload (or auto, when it picks offload): the input of one "
-  "layer in N waits in host memory and the others stay on the device, between offload's memory "
-  "and full's speed; N must divide the layers (of each pipeline stage); 1: every layer's",
   "embeddings": "host: the input embedding table stays in host memory and each batch's rows "
   "are gathered there (saves vocabulary x hidden x 2 bytes per device; models with an "
   "lm_head of their own); device: on the devices",

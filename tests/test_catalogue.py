@@ -596,17 +596,6 @@ CASES = [
     r"tensor=1",
   ),
   Case(
-    "offload-every-without-offload",
-    lambda w: w.train_args("--remat", "full", "--offload-every", "2"),
-    r"--offload-every 2 says which layer inputs --remat offload keeps in host memory, but "
-    r"--remat is full; use --remat offload \(or auto\), or drop --offload-every\.",
-  ),
-  Case(
-    "offload-every-not-dividing-layers",
-    lambda w: w.train_args("--remat", "offload", "--offload-every", "3"),
-    r"--offload-every 3 does not divide the model's \d+ layers; use a divisor of \d+\.",
-  ),
-  Case(
     "embeddings-host-with-tied-output",
     lambda w: w.config(tie_word_embeddings=True) or w.train_args("--embeddings", "host"),
     r"--embeddings host keeps the input embedding table off the devices, but this llama uses "

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import jaxtune
-from jaxtune import losses, plan, runtime, step
+from jaxtune import losses, runtime, step
 from jaxtune import mesh as meshlib
 
 
@@ -57,7 +57,7 @@ def _batch(vocab, b=8, t=16, seed=3):
 
 
 @functools.cache  # the full-remat reference is shared by tests
-def _loss_and_grads(path, remat, mesh_spec="1", shard_frozen=False, offload_every=1):
+def _loss_and_grads(path, remat, mesh_spec="1", shard_frozen=False):
   devices = jax.devices() if mesh_spec != "1" else jax.devices()[:1]
   mesh = meshlib.make_mesh(mesh_spec, devices)
   mesh = mesh if mesh.size > 1 else None
@@ -65,9 +65,7 @@ def _loss_and_grads(path, remat, mesh_spec="1", shard_frozen=False, offload_ever
   model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
   # B = 0 would hide the adapters' gradients through the layers.
   nnx.update(model, jax.tree.map(lambda x: x + 0.01, nnx.state(model, nnx.LoRAParam)))
-  rt = runtime.Runtime(
-    mesh=mesh, remat=remat, attention="xla", shard_frozen=shard_frozen, offload_every=offload_every
-  )
+  rt = runtime.Runtime(mesh=mesh, remat=remat, attention="xla", shard_frozen=shard_frozen)
   graphdef, lora, frozen = step.place(model, rt)
   batch = _batch(model.config.vocab_size)
   fn = jax.jit(
@@ -93,29 +91,6 @@ def test_activations_remat_trains_like_full_remat(checkpoint):
   ref = _loss_and_grads(checkpoint, "full")
   # Saved and recomputed values fuse differently in float32: a few 1e-6 absolute apart.
   _assert_same(_loss_and_grads(checkpoint, "activations"), ref, "activations", atol=1e-5)
-
-
-def test_offloading_one_layer_input_in_two_trains_like_full_remat(tiny_checkpoint):
-  """--offload-every 2: the first layer's input of each pair waits in host memory, the second
-  stays on the device: the same loss and gradients as full remat, and a device floor
-  (plan.floor_bytes) between offload's and full's by one layer input."""
-  ref = _loss_and_grads(tiny_checkpoint, "full")
-  _assert_same(_loss_and_grads(tiny_checkpoint, "offload", offload_every=2), ref, "every 2")
-
-  model = jaxtune.apply_lora(jaxtune.from_pretrained(tiny_checkpoint, dtype="float32"), rank=4)
-  graphdef, lora, frozen = step.place(model, runtime.DEFAULT)
-  batch = _batch(model.config.vocab_size)
-
-  def floor(remat, every=1):
-    rt = runtime.Runtime(remat=remat, attention="xla", offload_every=every)
-    loss = lambda lo: losses.loss_sums(graphdef, lo, frozen, batch, None, rt)[0]  # noqa: E731
-    return plan.floor_bytes(loss, lora, (lora, frozen, batch))
-
-  layer_input = 8 * 16 * model.config.hidden_size * 4  # [B, T, D] float32
-  assert model.config.num_layers == 2
-  # (Give or take the group's int32 index, which the backward pass keeps too.)
-  assert abs(floor("full") - floor("offload", 2) - layer_input) <= 16
-  assert abs(floor("offload", 2) - floor("offload") - layer_input) <= 16
 
 
 @pytest.mark.slow

@@ -341,42 +341,14 @@ class Decoder(nnx.Module):
       s = jnp.where(is_local, sin_l, sin_g)
       return nnx.merge(graphdef, layer_state)(x, c, s, seg, w, key, runtime)
 
-    def remat(fn, policy):
-      return jax.checkpoint(fn, policy=REMAT_POLICIES[policy], prevent_cse=False)
-
-    # remat "offload" with offload_every N: the scan walks groups of N layers; the first
-    # layer's input of each group goes to host memory, the others stay on the device as under
-    # "full". Each layer takes all the stacked weights and picks its own inside its checkpoint,
-    # so what the backward pass keeps of them is the stack itself, never a copy.
-    every = runtime.offload_every if runtime.remat == "offload" else 1
-
-    def in_group(j):
-      def layer(x, xs, g, side):
-        return step(x, jax.tree.map(lambda a: a[g * every + j], xs), side)
-
-      return remat(layer, "offload" if j == 0 else "full")
-
-    grouped = [in_group(j) for j in range(every)]
-    single = step if runtime.remat == "none" else remat(step, runtime.remat)
+    if runtime.remat != "none":
+      step = jax.checkpoint(step, policy=REMAT_POLICIES[runtime.remat], prevent_cse=False)
 
     def run(x, xs, side):
-      n = jax.tree.leaves(xs)[0].shape[0]
-      if every > 1:
-
-        def group(x, g):
-          for layer in grouped:
-            x = layer(x, xs, g, side)
-          return x, None
-
-        if runtime.scan_layers:
-          return jax.lax.scan(group, x, jnp.arange(n // every))[0]
-        for g in range(n // every):
-          x = group(x, g)[0]
-        return x
       if runtime.scan_layers:
-        return jax.lax.scan(lambda x, xs: (single(x, xs, side), None), x, xs)[0]
-      for i in range(n):
-        x = single(x, jax.tree.map(lambda a, i=i: a[i], xs), side)
+        return jax.lax.scan(lambda x, xs: (step(x, xs, side), None), x, xs)[0]
+      for i in range(jax.tree.leaves(xs)[0].shape[0]):
+        x = step(x, jax.tree.map(lambda a, i=i: a[i], xs), side)
       return x
 
     xs = (state, layer_keys, jnp.asarray(window), jnp.asarray(local))
