@@ -13,6 +13,7 @@ import os
 import secrets
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -44,7 +45,7 @@ def trackers(report_to: str) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def torch_hidden():
+def torch_hidden() -> Iterator[None]:
   """While open (and torch is not imported yet), ``import torch`` raises ImportError and
   ``importlib.util.find_spec("torch")`` is None: libraries that import torch when they find it
   installed (tensorboardX; transformers 5.17 and datasets as the command lines load them)
