@@ -1,0 +1,131 @@
+"""Where one decode step's device time goes, kernel by kernel (CUPTI, GPU only).
+
+Loads a random-weight checkpoint of the shape (NF4, then bf16), fills a KV cache with a
+prompt, and profiles one jitted token step (jaxtune.decoding.forward_cached with one new token
+per row) under Mosaic GPU's CUPTI profiler. Kernels are grouped by category (matmul incl. the
+Pallas NF4 kernel, attention, fusion, copy) and the costliest are listed by name. The bytes
+floor is what the step must read (weights, the KV cache so far) at --hbm-tbs.
+
+  python experiments/profile_decode.py --shape llama-3.1-8b --batches 1,16 --results-dir $OUT
+"""
+
+import argparse
+import collections
+import functools
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jaxtune  # noqa: E402
+from experiments.record import record  # noqa: E402
+from experiments.write_checkpoint import write  # noqa: E402
+from jaxtune import decoding  # noqa: E402
+
+CATEGORIES = (  # first match wins
+  ("nf4-kernel", ("mosaic", "nf4")),
+  ("attention", ("fmha", "flash", "cudnn", "attention", "softmax")),
+  ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "gemv", "matmul", "dot")),
+  ("copy", ("copy", "transpose", "dynamic", "memcpy", "memset", "concatenate", "slice")),
+  ("fusion", ("fusion", "loop_", "input_", "reduce", "convert", "multiply", "add")),
+)
+
+
+def category(name: str) -> str:
+  low = name.lower()
+  return next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def weight_bytes(state) -> int:
+  return sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  ap.add_argument("--shape", default="llama-3.2-1b")
+  ap.add_argument("--batches", default="1,16")
+  ap.add_argument("--prompt-len", type=int, default=128)
+  ap.add_argument("--new-tokens", type=int, default=128)
+  ap.add_argument("--quant", default="nf4,bf16")
+  ap.add_argument("--hbm-tbs", type=float, default=3.35, help="HBM bandwidth, TB/s")
+  ap.add_argument("--top", type=int, default=12)
+  ap.add_argument("--results-dir", default=None)
+  args = ap.parse_args()
+  from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 (GPU only)
+
+  rows = []
+  with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+    ckpt = write(Path(tmp) / args.shape, args.shape)
+    for quant in args.quant.split(","):
+      model = jaxtune.from_pretrained(
+        ckpt, quantization=None if quant == "bf16" else quant, dtype="bfloat16"
+      )
+      graphdef, state = nnx.split(model)
+      wbytes = weight_bytes(state)
+      cfg = model.config
+      for b in (int(x) for x in args.batches.split(",")):
+        length = args.prompt_len + args.new_tokens
+        cache = decoding.init_cache(model, b, length)
+        key_valid = jnp.ones((b, length), jnp.bool_)
+        rng = np.random.default_rng(b)
+        ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, args.prompt_len)), jnp.int32)
+        pos = jnp.broadcast_to(jnp.arange(args.prompt_len), ids.shape)
+        _, cache = decoding._prefill(graphdef, state, ids, pos, cache, key_valid)
+
+        @functools.partial(jax.jit, donate_argnums=(2,))
+        def token_step(state, ids, cache, pos):
+          m = nnx.merge(graphdef, state)
+          return decoding.forward_cached(m, ids, pos, cache, args.prompt_len, key_valid)
+
+        one = ids[:, :1]
+        p1 = jnp.full((b, 1), args.prompt_len, jnp.int32)
+        logits, cache = token_step(state, one, cache, p1)
+        jax.block_until_ready(logits)
+        _, kernels = profiler.measure(
+          lambda s, i, c, p: token_step(s, i, c, p)[0], aggregate=False
+        )(state, one, cache, p1)
+        kernels = kernels or []
+        total = sum(ms for _, ms in kernels)
+        by_cat, by_name = collections.Counter(), collections.Counter()
+        for name, ms in kernels:
+          by_cat[category(name)] += ms
+          by_name[name] += ms
+        kv_bytes = sum(x.nbytes for x in jax.tree.leaves(cache)) * (args.prompt_len + 1) / length
+        floor = (wbytes + kv_bytes) / (args.hbm_tbs * 1e12) * 1e3
+        row = {
+          "model": args.shape, "quantization": quant, "batch": b,
+          "kernels": len(kernels), "device_ms_per_token_step": total,
+          "bytes_floor_ms": floor, "weights_gb": wbytes / 1e9,
+          **{f"{c}_ms": by_cat[c] for c, _ in CATEGORIES}, "other_ms": by_cat["other"],
+          "top": [(n[:70], round(ms, 4)) for n, ms in by_name.most_common(args.top)],
+        }  # fmt: skip
+        rows.append(row)
+        print(row, flush=True)
+      del model, state
+  record(
+    "profile_decode",
+    rows,
+    f"Where one decode step's device time goes, {args.shape}",
+    note="CUPTI device time of one token step (forward_cached, T=1) after a prompt of "
+    f"{args.prompt_len}; bytes floor = weights + KV cache read at {args.hbm_tbs} TB/s.",
+    out_dir=args.results_dir,
+  )
+  print("\n| quant | batch | kernels | device ms | floor ms | by category |")
+  for r in rows:
+    cats = ", ".join(f"{c} {r[c + '_ms']:.2f}" for c, _ in (*CATEGORIES, ("other", 0)))
+    print(
+      f"| {r['quantization']} | {r['batch']} | {r['kernels']} | "
+      f"{r['device_ms_per_token_step']:.2f} | {r['bytes_floor_ms']:.2f} | {cats} |"
+    )
+  for r in rows:
+    print(r["quantization"], r["batch"], r["top"])
+
+
+if __name__ == "__main__":
+  main()
