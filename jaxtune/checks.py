@@ -143,8 +143,34 @@ def check_data_settings(run: RunConfig, given: bool = False) -> None:
         "--eval-split needs the whole dataset, which --data-streaming does not read; pass "
         "--eval-data instead."
       )
+  if run.method != "sft":
+    if run.data_streaming:
+      raise UserError(
+        f"--method {run.method} reads its preference pairs whole; drop --data-streaming."
+      )
+    if run.train_on_prompt:
+      raise UserError(
+        f"--method {run.method} scores the responses of each pair; drop --train-on-prompt."
+      )
   if run.data_columns and given is False and run.data is None:
     raise UserError("--data-columns maps the columns of --data; pass --data too.")
+
+
+def check_method_data(run: RunConfig, report_format: str, name: str, what: str = "--data") -> None:
+  """Preference methods need preference pairs and SFT needs no pairs (one sentence each)."""
+  from jaxtune.formats import PAIRED
+
+  paired = report_format in PAIRED
+  if run.method != "sft" and not paired:
+    raise UserError(
+      f"--method {run.method} trains on preference pairs (columns prompt, chosen, rejected), "
+      f"but {what} {name} is {report_format} data; pass preference data, or --method sft."
+    )
+  if run.method == "sft" and paired:
+    raise UserError(
+      f"{what} {name} holds preference pairs (chosen, rejected); train on them with "
+      "--method dpo, ipo or orpo."
+    )
 
 
 def check_export_settings(run: RunConfig) -> None:

@@ -62,22 +62,29 @@ class Dataset:
     lengths: np.ndarray,
     seq_len: int,
     pack: bool = True,
+    pairs: bool = False,
   ):
-    self.seq_len = seq_len
+    self.seq_len, self.pairs = seq_len, pairs
     self._tokens, self._labels = tokens, labels
     self._starts = np.asarray(starts, np.int64)
     self._lengths = np.asarray(lengths, np.int64)
-    if np.any(self._lengths > seq_len):
-      raise ValueError("an example is longer than seq_len; truncate or drop it first")
+    # Pairs: examples 2p and 2p + 1 (chosen, rejected) are one unit, never split over rows.
+    units = self._lengths[0::2] + self._lengths[1::2] if pairs else self._lengths
+    if np.any(units > seq_len):
+      raise ValueError("an example (or pair) is longer than seq_len; truncate or drop it first")
     rows = (
-      pack_rows(self._lengths.tolist(), seq_len)
+      pack_rows(units.tolist(), seq_len)
       if pack
-      else [[i] for i in range(len(self._lengths)) if self._lengths[i] > 0]
+      else [[i] for i in range(len(units)) if units[i] > 0]
     )
+    if pairs:
+      rows = [[e for u in r for e in (2 * u, 2 * u + 1)] for r in rows]
     self._members = np.fromiter((i for r in rows for i in r), np.int64)
     self._ptr = np.zeros(len(rows) + 1, np.int64)
     np.cumsum([len(r) for r in rows], out=self._ptr[1:])
-    self.examples = int(np.count_nonzero(self._lengths))
+    self.examples = int(np.count_nonzero(units))
+    # The most examples one row holds (segments 1..max_segments; a pair's are 2p+1, 2p+2).
+    self.max_segments = int(np.max(np.diff(self._ptr), initial=0))
     self._orders: dict[tuple[int, int], np.ndarray] = {}
     self._all: dict[str, np.ndarray] | None = None
 
@@ -213,9 +220,12 @@ class Report:
   long_action: str = "truncate"
   no_labels: int = 0  # dropped: no trained token (left after truncation, or none at all)
   eval_examples: int = 0  # held out by --eval-split
+  pairs: bool = False  # preference pairs: the counts above are of pairs
+  identical: int = 0  # pairs dropped: chosen and rejected tokenize the same
 
   def line(self) -> str:
-    count = f"{self.examples:,} examples, " if self.examples else ""
+    unit = "pairs" if self.pairs else "examples"
+    count = f"{self.examples:,} {unit}, " if self.examples else ""
     parts = [f"data {self.name}: {self.format}, {count}{self.tokenized}"]
     how = "chosen: 99% of examples fit" if self.seq_len_auto else "set"
     if self.seq_len_capped:
@@ -223,11 +233,18 @@ class Report:
     parts.append(f"seq-len {self.seq_len} ({how})")
     if self.long:
       done = "truncated" if self.long_action == "truncate" else "dropped"
-      parts.append(f"{self.long} longer than seq-len {done} (--long-examples)")
-    if self.no_labels:
+      what = "pairs longer than seq-len" if self.pairs else "longer than seq-len"
+      parts.append(f"{self.long} {what} {done} (--long-examples)")
+    if self.no_labels and self.pairs:
+      parts.append(
+        f"{self.no_labels} pairs whose prompt leaves no room for a response within seq-len dropped"
+      )
+    elif self.no_labels:
       parts.append(f"{self.no_labels} without a trained token dropped")
+    if self.identical:
+      parts.append(f"{self.identical} pairs with identical chosen and rejected dropped")
     if self.eval_examples:
-      parts.append(f"{self.eval_examples} held out for eval")
+      parts.append(f"{self.eval_examples} {'pairs ' if self.pairs else ''}held out for eval")
     return "; ".join(parts)
 
 
@@ -269,14 +286,19 @@ def load(
     raise DataError(f"--eval-split must be a fraction between 0 and 0.5, got {eval_split}.")
   tok = tokenize(data, tokenizer, data_format, columns, config, split, train_on_prompt, num_proc)
   name = _name(data)
-  pairs = np.maximum(tok.lengths - 1, 0)
+  paired = tok.format in formats.PAIRED
+  pairs = np.maximum(tok.lengths - 1, 0)  # next-token pairs of each example
+  units = pairs[0::2] + pairs[1::2] if paired else pairs  # what one row must hold whole
   auto = seq_len is None
   if auto:
-    seq_len = auto_seq_len(pairs, max_positions)
-  keep, lengths, report = _fit(tok, pairs, seq_len, long_examples, train_on_prompt, name)
+    seq_len = auto_seq_len(units, max_positions)
+  if paired:
+    keep, lengths, report = _fit_pairs(tok, pairs, seq_len, long_examples, name)
+  else:
+    keep, lengths, report = _fit(tok, pairs, seq_len, long_examples, train_on_prompt, name)
   report.seq_len_auto, report.tokenized = auto, tok.how
-  report.seq_len_capped = auto and seq_len < auto_seq_len(pairs, None)
-  kept = np.flatnonzero(keep)
+  report.seq_len_capped = auto and seq_len < auto_seq_len(units, None)
+  kept = np.flatnonzero(keep)  # examples, or with pairs the pairs
   held = np.zeros(0, np.int64)
   if eval_split:
     k = max(1, round(eval_split * len(kept)))
@@ -292,7 +314,9 @@ def load(
     report.eval_examples = k
 
   def subset(idx):
-    return Dataset(tok.tokens, tok.labels, tok.starts[idx], lengths[idx], seq_len, pack)
+    if paired:  # pair p -> its examples 2p, 2p + 1
+      idx = np.stack([2 * idx, 2 * idx + 1], axis=1).reshape(-1)
+    return Dataset(tok.tokens, tok.labels, tok.starts[idx], lengths[idx], seq_len, pack, paired)
 
   return subset(kept), (subset(held) if len(held) else None), report
 
@@ -327,6 +351,48 @@ def _fit(tok: Tokenized, pairs, seq_len, long_examples, train_on_prompt, name):
       f"no example of {name} has a trained token within seq-len {seq_len} (every label is "
       "masked: no assistant/completion tokens fit); raise --seq-len, check the chat roles, or "
       "use --train-on-prompt."
+    )
+  return keep, lengths, report
+
+
+def _fit_pairs(tok: Tokenized, pairs, seq_len: int, long_examples: str, name: str):
+  """``_fit`` for preference pairs (examples 2p, 2p + 1): a pair's two sequences share a row.
+
+  (which pairs train, the length of every example, report). A pair longer than ``seq_len``
+  is dropped, or truncated: a side within half the row keeps its length and the other gets
+  the rest, else each gets half, responses cut at their end. Dropped and counted: pairs
+  whose prompt leaves a side no response token (truncation), and pairs whose chosen and
+  rejected tokenize the same.
+  """
+  if long_examples not in LONG_EXAMPLES:
+    raise DataError(f"--long-examples must be truncate or drop, got {long_examples!r}.")
+  c, r = pairs[0::2], pairs[1::2]
+  long = c + r > seq_len
+  half = seq_len // 2
+  fit_c = np.where(c <= half, c, np.where(r <= half, seq_len - r, half))
+  fit_r = np.where(r <= half, r, np.where(c <= half, seq_len - c, seq_len - half))
+  fit_c, fit_r = np.where(long, fit_c, c), np.where(long, fit_r, r)
+  keep = (c > 0) & (r > 0)
+  if long_examples == "drop":
+    keep &= ~long
+  lengths = np.stack([fit_c, fit_r], axis=1).reshape(-1)
+  trained = np.concatenate([[0], np.cumsum(tok.labels != IGNORE)])
+  first = tok.starts + 1
+  within = (trained[first + lengths] - trained[first]).reshape(-1, 2)
+  no_room = keep & (within.min(axis=1) == 0)
+  keep &= ~no_room
+  same = keep & (c == r)
+  for p in np.flatnonzero(same):  # equal lengths: compare the tokens
+    a, b = tok.starts[2 * p], tok.starts[2 * p + 1]
+    same[p] = np.array_equal(tok.tokens[a : a + c[p] + 1], tok.tokens[b : b + r[p] + 1])
+  keep &= ~same
+  report = Report(name, tok.format, len(c), seq_len, long=int(long.sum()), pairs=True)
+  report.long_action, report.no_labels = long_examples, int(no_room.sum())
+  report.identical = int(same.sum())
+  if not keep.any():
+    raise DataError(
+      f"no preference pair of {name} fits seq-len {seq_len} with a response on both sides "
+      "(or every pair's chosen and rejected are the same); raise --seq-len or check the data."
     )
   return keep, lengths, report
 
@@ -394,9 +460,9 @@ def _encode_batch(batch: dict, indices: list[int], encoder: formats.Encoder) -> 
   ids, labels = [], []
   names = list(batch)
   for index, values in zip(indices, zip(*(batch[n] for n in names), strict=True), strict=True):
-    i, lab = encoder(dict(zip(names, values, strict=True)), index)
-    ids.append(i)
-    labels.append(lab)
+    for i, lab in encoder.examples(dict(zip(names, values, strict=True)), index):
+      ids.append(i)
+      labels.append(lab)
   return {"input_ids": ids, "labels": labels}
 
 
@@ -426,9 +492,15 @@ def _format(table, name: str, data_format: str | None, columns: str | None):
     return table, data_format
   if hasattr(table, "data"):  # a Dataset: its arrow table counts the nulls
     filled = lambda c: len(table) - table.data.column(c).null_count  # noqa: E731
-    return table, formats.detect(have, filled, len(table), name)
+
+    def first_missing(c: str) -> int:
+      nulls = table.data.column(c).is_null().to_numpy(zero_copy_only=False)
+      return int(np.argmax(nulls))
+
+    return table, formats.detect(have, filled, len(table), name, first_missing)
   filled = lambda c: sum(r.get(c) is not None for r in head)  # noqa: E731
-  return table, formats.detect(have, filled, len(head), name)
+  first = lambda c: next(i for i, r in enumerate(head) if r.get(c) is None)  # noqa: E731
+  return table, formats.detect(have, filled, len(head), name, first)
 
 
 def _fingerprint(source: str, fmt: str, train_on_prompt: bool, tokenizer: Any) -> str:

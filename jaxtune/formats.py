@@ -13,6 +13,11 @@ A format is recognised by its columns (``detect``) or forced (``--data-format``)
                      ``ALPACA_PROMPT``; loss on the output
   prompt_completion  {"prompt", "completion"}: strings (concatenated, loss on the completion
                      and EOS) or message lists (chat template, loss on the completion turns)
+  preference         {"prompt" (optional), "chosen", "rejected"}: a preference pair (--method
+                     dpo, ipo, orpo), each side encoded as prompt_completion is; without a
+                     prompt, chosen and rejected are message lists whose shared first messages
+                     are the prompt (TRL's implicit prompt). Two examples per row: chosen, then
+                     rejected
 
 Labels are per token and not shifted: the token's own id where it is trained, ``IGNORE``
 elsewhere (data.py shifts them). Spans to train are found in characters of the rendered text
@@ -26,17 +31,20 @@ from typing import Any
 from jaxtune.errors import DataError
 
 IGNORE = -100
-FORMATS = ("text", "messages", "conversations", "alpaca", "prompt_completion")
+FORMATS = ("text", "messages", "conversations", "alpaca", "prompt_completion", "preference")
+# Formats whose rows are preference pairs (two examples each), for --method dpo/ipo/orpo.
+PAIRED = ("preference",)
 # Columns each format needs (and may have); the first format (in this order) whose columns
 # every row fills is the one detected.
 REQUIRED = {
+  "preference": ("chosen", "rejected"),
   "messages": ("messages",),
   "conversations": ("conversations",),
   "prompt_completion": ("prompt", "completion"),
   "alpaca": ("instruction", "output"),
   "text": ("text",),
 }
-OPTIONAL = {"alpaca": ("input",)}
+OPTIONAL = {"alpaca": ("input",), "preference": ("prompt",)}
 COLUMNS = (
   "text",
   "messages",
@@ -46,6 +54,8 @@ COLUMNS = (
   "output",
   "prompt",
   "completion",
+  "chosen",
+  "rejected",
 )
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT speakers -> chat roles.
@@ -94,8 +104,15 @@ def parse_columns(spec: str | None) -> dict[str, str]:
   return mapping
 
 
-def detect(columns: Sequence[str], filled: Callable[[str], int], rows: int, name: str) -> str:
-  """The format of a table with ``columns``; ``filled(column)`` counts its non-null rows.
+def detect(
+  columns: Sequence[str],
+  filled: Callable[[str], int],
+  rows: int,
+  name: str,
+  first_missing: Callable[[str], int] | None = None,
+) -> str:
+  """The format of a table with ``columns``; ``filled(column)`` counts its non-null rows,
+  ``first_missing(column)`` the index of the first row without a value (named in the error).
 
   A column present but empty in some rows (a JSON file mixing formats reads that way) makes
   that format cover only some rows: rows of two formats in one table are refused.
@@ -120,9 +137,10 @@ def detect(columns: Sequence[str], filled: Callable[[str], int], rows: int, name
     )
   f = present[0]
   missing = next(c for c in REQUIRED[f] if filled(c) < rows)
+  first = f" (the first: row {first_missing(missing) + 1})" if first_missing else ""
   raise DataError(
-    f"{name}: {rows - filled(missing)} of its {rows} rows have no {missing!r} value; every "
-    f"row of format {f} needs {', '.join(REQUIRED[f])}."
+    f"{name}: {rows - filled(missing)} of its {rows} rows have no {missing!r} value{first}; "
+    f"every row of format {f} needs {', '.join(REQUIRED[f])}."
   )
 
 
@@ -155,9 +173,18 @@ class Encoder:
         "checkpoint whose tokenizer has one, or text/prompt_completion data."
       )
 
+  def examples(self, row: dict, index: int) -> list[tuple[list[int], list[int]]]:
+    """The (ids, labels) examples of a row: one, or two for a preference pair (chosen, then
+    rejected)."""
+    if self.fmt == "preference":
+      return list(self._pair(row, f"{self.name} row {index + 1}"))
+    return [self(row, index)]
+
   def __call__(self, row: dict, index: int) -> tuple[list[int], list[int]]:
     where = f"{self.name} row {index + 1}"
     f = self.fmt
+    if f == "preference":
+      raise ValueError("a preference row is two examples: use Encoder.examples")
     if f == "text":
       text = row["text"]
       if not isinstance(text, str):
@@ -173,6 +200,29 @@ class Encoder:
     return self._prompt_completion(row["prompt"], row["completion"], where)
 
   # ---- the formats
+
+  def _pair(self, row: dict, where: str):
+    """(chosen example, rejected example) of a preference row."""
+    chosen, rejected, prompt = row.get("chosen"), row.get("rejected"), row.get("prompt")
+    for key, value in (("chosen", chosen), ("rejected", rejected)):
+      if value is None or (isinstance(value, str | list) and not value):
+        raise DataError(f"{where} has no {key!r} response; every preference row needs both.")
+    if prompt is None and isinstance(chosen, list) and isinstance(rejected, list):
+      shared = 0  # TRL's implicit prompt: the messages both sides share, up to the last user turn
+      while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+        shared += 1
+      if shared == 0:
+        raise DataError(
+          f"{where} has no 'prompt' and its chosen and rejected messages share no first "
+          "turn; add a prompt column."
+        )
+      prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    if prompt is None:
+      prompt = "" if isinstance(chosen, str) else []
+    return (
+      self._prompt_completion(prompt, chosen, where + " (chosen)"),
+      self._prompt_completion(prompt, rejected, where + " (rejected)"),
+    )
 
   def _alpaca(self, row: dict, where: str) -> tuple[list[int], list[int]]:
     instruction, output = row["instruction"], row["output"]

@@ -30,23 +30,63 @@ def loss_sums(
   (``chunked_loss_sums``), trading one recomputation of the output layer for their memory.
   """
   model = nnx.merge(graphdef, lora, frozen)
-  ids, segments, labels = batch["input_ids"], batch["segment_ids"], batch["labels"]
-  positions = batch.get("positions")  # packed rows restart positions at each example
-  rows = batch.get("inputs_embeds")  # --embeddings host: the table's rows, gathered there
+  labels = batch["labels"]
   chunk = runtime.loss_chunk
   if chunk:
-    h = model.hidden_states(
-      ids, positions, segments, dropout_key=key, runtime=runtime, inputs_embeds=rows
-    )
-    v = model.config.vocab_size
-    vocab = (model.logits_piece, v, VOCAB_PIECE) if v > LARGE_VOCAB else None
+    h = _hidden(model, batch, key, runtime)
     with jax.named_scope("loss"):
-      return chunked_loss_sums(model.logits_from_hidden, h, labels, chunk, vocab)
-  logits = model(ids, positions, segments, dropout_key=key, runtime=runtime, inputs_embeds=rows)
+      return chunked_loss_sums(model.logits_from_hidden, h, labels, chunk, _vocab(model))
+  logits = _logits(model, batch, key, runtime)
   with jax.named_scope("loss"):
     mask = labels != IGNORE
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels, 0))
     return jnp.sum(ce * mask), jnp.sum(mask)
+
+
+def token_log_probs(
+  model: Any, batch: dict[str, jax.Array], key: jax.Array | None, runtime: Runtime = DEFAULT
+) -> jax.Array:
+  """log p(label) of every token [B, T] (float32; 0 where the label is IGNORE), whole or, with
+  ``runtime.loss_chunk``, a piece of the sequence at a time as ``loss_sums`` computes them."""
+  labels = batch["labels"]
+  chunk = runtime.loss_chunk
+  if chunk:
+    h = _hidden(model, batch, key, runtime)
+    with jax.named_scope("loss"):
+      return -chunked_token_losses(model.logits_from_hidden, h, labels, chunk, _vocab(model))
+  logits = _logits(model, batch, key, runtime)
+  with jax.named_scope("loss"):
+    mask = labels != IGNORE
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels, 0))
+    return -jnp.where(mask, ce, 0.0)
+
+
+def _hidden(model, batch, key, runtime):
+  return model.hidden_states(
+    batch["input_ids"],
+    batch.get("positions"),  # packed rows restart positions at each example
+    batch["segment_ids"],
+    dropout_key=key,
+    runtime=runtime,
+    inputs_embeds=batch.get("inputs_embeds"),  # --embeddings host: rows gathered there
+  )
+
+
+def _logits(model, batch, key, runtime):
+  return model(
+    batch["input_ids"],
+    batch.get("positions"),
+    batch["segment_ids"],
+    dropout_key=key,
+    runtime=runtime,
+    inputs_embeds=batch.get("inputs_embeds"),
+  )
+
+
+def _vocab(model):
+  """Chunked losses of vocabularies above LARGE_VOCAB also walk the vocabulary in pieces."""
+  v = model.config.vocab_size
+  return (model.logits_piece, v, VOCAB_PIECE) if v > LARGE_VOCAB else None
 
 
 def _largest_divisor(n: int, most: int) -> int:
@@ -83,13 +123,7 @@ def chunked_loss_sums(
 
   @jax.checkpoint
   def piece(h_c, labels_c):
-    mask = labels_c != IGNORE
-    safe = jnp.where(mask, labels_c, 0)
-    if vocab is None:
-      logits = head(h_c).astype(jnp.float32)  # [B, c, V]
-      ce = optax.softmax_cross_entropy_with_integer_labels(logits, safe)
-    else:
-      ce = _vocab_pieces_ce(*vocab, h_c, safe)
+    ce, mask = _piece_ce(head, vocab, h_c, labels_c)
     return jnp.sum(ce * mask), jnp.sum(mask)
 
   def step(carry, xs):
@@ -98,6 +132,38 @@ def chunked_loss_sums(
 
   zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
   return jax.lax.scan(step, zero, pieces)[0]
+
+
+def chunked_token_losses(
+  head: Callable[[jax.Array], jax.Array],
+  h: jax.Array,
+  labels: jax.Array,
+  chunk: int,
+  vocab: tuple[Callable[[jax.Array, jax.Array, int], jax.Array], int, int] | None = None,
+) -> jax.Array:
+  """The per-token cross-entropy [B, T] (0 where the label is IGNORE) of ``chunked_loss_sums``,
+  its logits alive a piece at a time in either pass."""
+  b, t, d = h.shape
+  c = _largest_divisor(t, chunk)
+  pieces = (h.reshape(b, t // c, c, d).swapaxes(0, 1), labels.reshape(b, t // c, c).swapaxes(0, 1))
+
+  @jax.checkpoint
+  def piece(h_c, labels_c):
+    ce, mask = _piece_ce(head, vocab, h_c, labels_c)
+    return jnp.where(mask, ce, 0.0)
+
+  ce = jax.lax.map(lambda xs: piece(*xs), pieces)  # [T / c, B, c]
+  return ce.swapaxes(0, 1).reshape(b, t)
+
+
+def _piece_ce(head, vocab, h_c, labels_c):
+  """(cross-entropy [B, c], label mask [B, c]) of one piece of hidden states."""
+  mask = labels_c != IGNORE
+  safe = jnp.where(mask, labels_c, 0)
+  if vocab is None:
+    logits = head(h_c).astype(jnp.float32)  # [B, c, V]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, safe), mask
+  return _vocab_pieces_ce(*vocab, h_c, safe), mask
 
 
 def _vocab_pieces_ce(logits_piece, v: int, most: int, h, labels):

@@ -18,7 +18,11 @@ AUTO_LOSS_CHUNK = 1024
 # What --attention may ask for; None lets runtime.resolve pick the fastest exact one.
 ATTENTION_CHOICES = ("xla", "fused", "pallas")
 
+# What a run optimises: next-token cross-entropy (sft), or preference pairs (preference.py).
+METHODS = ("sft", "dpo", "ipo", "orpo")
+
 CHOICES = {
+  "method": METHODS,
   "schedule": ("cosine", "linear", "constant"),
   "quantization": ("nf4", None),
   "dtype": ("bfloat16", "float32", "float16"),
@@ -26,7 +30,15 @@ CHOICES = {
   # converters/gguf_out.GGUF_TYPES (checked here, so a run never fails at its export)
   "gguf_type": ("f16", "bf16", "f32", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"),
   "nf4_matmul": ("kernel", "xla", None),
-  "data_format": ("text", "messages", "conversations", "alpaca", "prompt_completion", None),
+  "data_format": (
+    "text",
+    "messages",
+    "conversations",
+    "alpaca",
+    "prompt_completion",
+    "preference",
+    None,
+  ),
   "long_examples": ("truncate", "drop"),
   "remat": (*REMAT, "auto"),
   "attention": (*ATTENTION_CHOICES, None),
@@ -54,6 +66,9 @@ MINIMUM = {
   "log_every": 1,
   "save_every": 1,
   "keep_checkpoints": 1,
+  "beta": 0.0,  # exclusive
+  "label_smoothing": 0.0,
+  "orpo_lambda": 0.0,  # exclusive
 }
 EXCLUSIVE = {
   "learning_rate",
@@ -62,6 +77,8 @@ EXCLUSIVE = {
   "epochs",
   "eval_split",
   "memory_limit",
+  "beta",
+  "orpo_lambda",
 }
 # Numeric settings whose default is None (unset: decided from the data or the other settings).
 OPTIONAL_NUMBERS = {
@@ -93,6 +110,11 @@ class RunConfig:
   steps: int | None = None  # None: from epochs
   epochs: float | None = None  # None (and no steps): one epoch
   seed: int = 0
+  # What is optimised: sft, or on preference pairs (prompt, chosen, rejected) dpo | ipo | orpo
+  method: str = "sft"
+  beta: float = 0.1  # dpo/ipo: how far the policy may move from the reference (adapters off)
+  label_smoothing: float = 0.0  # dpo: probability that a pair's preference is flipped (cDPO)
+  orpo_lambda: float = 0.1  # orpo: weight of the odds-ratio term beside the chosen NLL
   # Optimisation
   learning_rate: float = 2e-4
   schedule: str = "cosine"  # cosine | linear | constant
@@ -247,6 +269,8 @@ def _check(name: str, value: Any, default: Any) -> Any:
     if low is not None and (number < low or (name in EXCLUSIVE and number <= low)):
       bound = f"greater than {low}" if name in EXCLUSIVE else f"at least {low}"
       raise RunConfigError(f"{flag} must be {bound}, got {number}.")
+    if name == "label_smoothing" and number >= 0.5:
+      raise RunConfigError(f"{flag} must be below 0.5, got {number}.")
     if name == "lora_dropout" and number >= 1:
       raise RunConfigError(f"{flag} must be below 1, got {number}.")
     return number

@@ -36,6 +36,16 @@ def device_memory_gib() -> float | None:
 
 
 TRACKERS = ("tensorboard", "wandb")
+# Figures of preference objectives a training row may carry (preference.METRICS), logged
+# to the trackers beside the loss.
+FIGURES = (
+  "rewards_chosen",
+  "rewards_rejected",
+  "reward_accuracy",
+  "reward_margin",
+  "logps_chosen",
+  "logps_rejected",
+)
 
 
 def trackers(report_to: str) -> tuple[str, ...]:
@@ -170,7 +180,7 @@ class RunLog:
     if memory is not None:
       row = {**row, "memory_gib": memory}
     self._write(row)
-    keys = ("loss", "lr", "grad_norm", "tokens_per_s", "memory_gib")
+    keys = ("loss", "lr", "grad_norm", "tokens_per_s", "memory_gib", *FIGURES)
     scalars = {f"train/{k}": row[k] for k in keys if k in row}
     for t in self.trackers:
       t.scalars(scalars, row["step"])
@@ -178,7 +188,9 @@ class RunLog:
     done = int(width * step / self.total)
     line = (
       f"step {step}/{self.total} [{'#' * done}{'.' * (width - done)}] loss {row['loss']:.4f} "
-      f"lr {row['lr']:.2e} {row['tokens_per_s']:.0f} tok/s {self._times(step)}"
+      f"lr {row['lr']:.2e} {row['tokens_per_s']:.0f} tok/s "
+      + (f"reward acc {row['reward_accuracy']:.2f} " if "reward_accuracy" in row else "")
+      + self._times(step)
     )
     if self.tty:
       print("\r" + line, end="" if step < self.total else "\n", file=sys.stderr, flush=True)
@@ -198,9 +210,15 @@ class RunLog:
       if generations:
         t.generations(list(generations), step)
     end = "\n" if self.tty else ""
+    if "eval_ppl" in metrics:
+      what = f"perplexity {metrics['eval_ppl']:.2f}"
+    else:  # preference pairs
+      what = (
+        f"reward accuracy {metrics['eval_reward_accuracy']:.3f} "
+        f"margin {metrics['eval_reward_margin']:.4f}"
+      )
     print(
-      f"{end}eval at step {step}: loss {metrics['eval_loss']:.4f} "
-      f"perplexity {metrics['eval_ppl']:.2f}",
+      f"{end}eval at step {step}: loss {metrics['eval_loss']:.4f} {what}",
       file=sys.stderr,
       flush=True,
     )

@@ -28,6 +28,7 @@ from jaxtune import (
   default_model,
   distributed,
   plan,
+  preference,
   run_dir,
   runtime,
   step,
@@ -224,14 +225,25 @@ def _load_data(run: RunConfig, tokenizer, cfg: ModelConfig, data: Any, eval_data
       seed=run.seed,
       **common,
     )
+  checks.check_method_data(run, report.format, report.name)
   if eval_data is not None:
     # Held-out data is read as the training data is, at its sequence length; from the
     # "test" split when it is the training source itself, else from "train".
     split = run.eval_data_split or ("test" if eval_data == data else "train")
-    held_out, _, _ = data_lib.load(
+    held_out, _, held_report = data_lib.load(
       eval_data, tokenizer, seq_len=dataset.seq_len, **{**common, "split": split}
     )
+    checks.check_method_data(run, held_report.format, held_report.name, "--eval-data")
   return dataset, held_out, report
+
+
+def make_objective(run: RunConfig, dataset, eval_dataset) -> step.Objective:
+  """What the run minimises: SFT's cross-entropy, or the preference objective of
+  --method, sized for the most examples a row of either dataset holds."""
+  if run.method == "sft":
+    return step.sft_objective
+  segments = max(dataset.max_segments, eval_dataset.max_segments if eval_dataset else 0)
+  return preference.Preference.from_run(run, segments)
 
 
 def _steps(run: RunConfig, dataset) -> int:
@@ -296,12 +308,26 @@ def _summary(history: list[dict], start_time: float, out: Path, run: RunConfig) 
   ]
   evals = [r for r in history if "eval_loss" in r]
   if evals:
-    parts.append(f"eval loss {evals[-1]['eval_loss']:.4f} (perplexity {evals[-1]['eval_ppl']:.2f})")
+    last = evals[-1]
+    how = (
+      f"perplexity {last['eval_ppl']:.2f}"
+      if "eval_ppl" in last
+      else f"reward accuracy {last['eval_reward_accuracy']:.3f}"
+    )
+    parts.append(f"eval loss {last['eval_loss']:.4f} ({how})")
   parts.append(f"{tokens:,} trained tokens")
   where = [f"checkpoints in {out / 'checkpoints'}", f"metrics in {out / 'metrics.jsonl'}"]
   if run.export:
     where.append(f"{run.export} export in {out / 'export'}")
   return "jaxtune: " + ", ".join(parts) + "; " + ", ".join(where)
+
+
+def _method(run: RunConfig) -> str:
+  """The preference method and its settings, for the start line."""
+  if run.method == "orpo":
+    return f"orpo (lambda {run.orpo_lambda:g})"
+  smoothing = f", label smoothing {run.label_smoothing:g}" if run.label_smoothing else ""
+  return f"{run.method} (beta {run.beta:g}{smoothing}; reference: the adapters off)"
 
 
 def _duration(seconds: float) -> str:
@@ -397,7 +423,8 @@ def _run_locked(
     f"jaxtune: {cfg.model_type} {cfg.num_layers} layers, {rows}"
     f"{dataset.packing_efficiency:.0%} tokens ({'packed' if run.packing else 'not packed'}), "
     f"{run.steps} steps{epochs}, "
-    f"mesh {rt.mesh_shape} on {jax.device_count()} {jax.devices()[0].platform} device(s)"
+    + (f"{_method(run)}, " if run.method != "sft" else "")
+    + f"mesh {rt.mesh_shape} on {jax.device_count()} {jax.devices()[0].platform} device(s)"
     + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
   )
 
@@ -429,6 +456,7 @@ def _run_locked(
         stop,
         previous_steps=was_steps,
         announce=announce,
+        objective=make_objective(run, dataset, eval_dataset),
       )
   except TrainingError as e:
     reason = str(e).rstrip(".")

@@ -74,15 +74,40 @@ class LossScale:
     }
 
 
+# What a step minimises: objective(graphdef, lora, frozen, micro_batch, key, runtime) ->
+# (sum of losses, how many they are, {"tokens": trained tokens, other figures: sums}); the
+# step divides the loss and the figures by the count over the accumulated batch. Its
+# ``figures`` attribute names the figures' dtypes ({"tokens": int32, ...}).
+Objective = Callable[..., tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
+
+
+def sft_objective(
+  graphdef: Any,
+  lora: nnx.State,
+  frozen: nnx.State,
+  batch: dict[str, jax.Array],
+  key: jax.Array | None,
+  runtime: Runtime = DEFAULT,
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+  """Next-token cross-entropy, averaged over trained tokens."""
+  s, n = loss_sums(graphdef, lora, frozen, batch, key, runtime)
+  return s, n, {"tokens": n}
+
+
+sft_objective.figures = {"tokens": jnp.int32}
+
+
 def make_train_step(
   graphdef: Any,
   tx: optax.GradientTransformation,
   runtime: Runtime,
   loss_scale: LossScale | None = None,
   out_shardings: Any = None,
+  objective: Objective = sft_objective,
 ) -> Callable[..., tuple[nnx.State, optax.OptState, dict[str, jax.Array]]]:
-  """The jitted step, computed as ``runtime`` says. ``loss_scale``: dynamic loss scaling
-  (float16); None: no scaling.
+  """The jitted step, computed as ``runtime`` says, minimising ``objective`` (default: SFT's
+  cross-entropy; preference.Preference for DPO/IPO/ORPO). ``loss_scale``: dynamic loss
+  scaling (float16); None: no scaling.
 
   With ``loss_scale`` the optimizer state is ``{"tx": tx's state, "loss_scale": ...}``
   (``init_opt_state``), so the scale is saved and restored with it.
@@ -100,22 +125,24 @@ def make_train_step(
       tx_state, scale = opt_state, jnp.float32(1.0)
 
     def scaled_loss(lora_, mb, k):
-      s, n = loss_sums(graphdef, lora_, frozen, mb, k, runtime)
-      return s * scale, (s, n)
+      s, n, aux = objective(graphdef, lora_, frozen, mb, k, runtime)
+      return s * scale, (s, n, aux)
 
     def micro(carry, xs):
-      grads, loss_sum, count = carry
+      grads, loss_sum, count, figures = carry
       mb, k = xs
-      (_, (l, n)), g = jax.value_and_grad(scaled_loss, has_aux=True)(lora, mb, k)
+      (_, (l, n, aux)), g = jax.value_and_grad(scaled_loss, has_aux=True)(lora, mb, k)
       # flush each micro-batch's gradient into the running sum right away.
       grads = jax.tree.map(jnp.add, grads, g)
-      return (grads, loss_sum + l, count + n), None
+      figures = jax.tree.map(jnp.add, figures, aux)
+      return (grads, loss_sum + l, count + n, figures), None
 
     accum = batch["input_ids"].shape[0]
     keys = jax.random.split(key, accum)
     zeros = jax.tree.map(jnp.zeros_like, lora)
-    (grads, loss_sum, count), _ = jax.lax.scan(
-      micro, (zeros, jnp.float32(0.0), jnp.int32(0)), (batch, keys)
+    no_figures = {k: jnp.zeros((), dtype) for k, dtype in objective.figures.items()}
+    (grads, loss_sum, count, figures), _ = jax.lax.scan(
+      micro, (zeros, jnp.float32(0.0), jnp.int32(0), no_figures), (batch, keys)
     )
     denom = jnp.maximum(count, 1).astype(jnp.float32)
     grads = jax.tree.map(lambda g: g / (denom * scale), grads)
@@ -128,7 +155,7 @@ def make_train_step(
     keep = lambda new, old: jnp.where(good, new, old)  # noqa: E731
     new_lora = jax.tree.map(keep, new_lora, lora)
     new_opt_state = jax.tree.map(keep, new_tx_state, tx_state)
-    metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "good": good}
+    metrics = {"loss": loss, "grad_norm": grad_norm, "good": good, **_figures(figures, count)}
     if loss_scale is not None:
       new_scale_state = loss_scale.update(scale_state, overflow)
       new_opt_state = {"tx": new_opt_state, "loss_scale": new_scale_state}
@@ -137,6 +164,13 @@ def make_train_step(
     return new_lora, new_opt_state, metrics
 
   return jax.jit(train_step, donate_argnums=(0, 1), out_shardings=out_shardings)
+
+
+def _figures(sums: dict[str, jax.Array], count: jax.Array) -> dict[str, jax.Array]:
+  """An objective's figures as a step reports them: ``tokens`` as counted, the others as
+  means over the ``count`` losses (pairs, for preference objectives)."""
+  denom = jnp.maximum(count, 1).astype(jnp.float32)
+  return {k: v if k == "tokens" else v / denom for k, v in sums.items()}
 
 
 def init_opt_state(
@@ -181,11 +215,11 @@ def placements(tree: Any, runtime: Runtime) -> Any:
 
 
 def make_eval_step(
-  graphdef: Any, runtime: Runtime = DEFAULT
-) -> Callable[..., tuple[jax.Array, jax.Array]]:
-  """jitted (loss sum, token count) of one [B, T] batch, no gradient."""
+  graphdef: Any, runtime: Runtime = DEFAULT, objective: Objective = sft_objective
+) -> Callable[..., tuple[jax.Array, jax.Array, dict[str, jax.Array]]]:
+  """jitted (loss sum, count, figures' sums) of one [B, T] batch, no gradient."""
   return jax.jit(
-    lambda lora, frozen, batch: loss_sums(graphdef, lora, frozen, batch, None, runtime)
+    lambda lora, frozen, batch: objective(graphdef, lora, frozen, batch, None, runtime)
   )
 
 
@@ -198,9 +232,10 @@ def evaluate(
   shard: NamedSharding | None = None,
   add_rows: Callable[[dict], dict] | None = None,
 ) -> dict:
-  """Held-out loss and perplexity over every example of ``dataset`` (token-weighted).
+  """Held-out loss and perplexity over every example of ``dataset`` (token-weighted; a
+  preference objective: pair-weighted loss and its figures, e.g. eval_reward_accuracy).
   ``add_rows``: adds the embedding rows to a host batch (``--embeddings host``)."""
-  total, count = 0.0, 0
+  total, count, figures = 0.0, 0, {}
   n = len(dataset)
   for start in range(0, n, batch_size):
     idx = np.arange(start, start + batch_size) % n
@@ -210,7 +245,13 @@ def evaluate(
     if add_rows is not None:
       batch = add_rows(batch)
     batch = {k: distributed.global_batch(v, shard) for k, v in batch.items()}
-    s, c = eval_step(lora, frozen, batch)
+    s, c, aux = eval_step(lora, frozen, batch)
     total, count = total + float(s), count + int(c)
+    for k, v in aux.items():
+      figures[k] = figures.get(k, 0.0) + float(v)
   loss = total / max(count, 1)
-  return {"eval_loss": loss, "eval_ppl": run_log.perplexity(loss), "eval_tokens": count}
+  tokens = int(figures.pop("tokens", count))
+  if getattr(dataset, "pairs", False):
+    means = {f"eval_{k}": v / max(count, 1) for k, v in figures.items()}
+    return {"eval_loss": loss, **means, "eval_pairs": count, "eval_tokens": tokens}
+  return {"eval_loss": loss, "eval_ppl": run_log.perplexity(loss), "eval_tokens": tokens}

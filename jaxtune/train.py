@@ -52,6 +52,12 @@ _HELP = {
   "mesh": "device mesh: 8 (data), 2x4 (data x tensor), data=2,tensor=4 (default: all data)",
   "steps": "optimizer steps (default: one epoch)",
   "seed": "seed of adapter init, data order and dropout",
+  "method": "sft (next-token loss), or on preference pairs (prompt, chosen, rejected): dpo, "
+  "ipo or orpo (the reference policy is the model with its adapters off)",
+  "beta": "dpo/ipo: the strength of the pull towards the reference (DPO's beta, IPO's tau)",
+  "label_smoothing": "dpo: the assumed probability that a pair's preference is flipped "
+  "(conservative DPO), 0 to 0.5",
+  "orpo_lambda": "orpo: the weight of the odds-ratio term beside the chosen responses' NLL",
   "learning_rate": "peak learning rate",
   "schedule": "learning-rate decay after warmup: cosine, linear or constant",
   "warmup_steps": "linear warmup steps",

@@ -22,7 +22,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtune import distributed, plan, run_log, step
 from jaxtune.data import Dataset, StreamingDataset
 from jaxtune.errors import TrainingError
-from jaxtune.losses import loss_sums
 from jaxtune.run_config import RunConfig
 from jaxtune.runtime import Runtime
 
@@ -139,6 +138,7 @@ def train(
   loss_scale: step.LossScale | None = None,
   previous_steps: int | None = None,
   announce: Callable[[plan.Plan | None], None] | None = None,
+  objective: step.Objective = step.sft_objective,
 ) -> tuple[nnx.Module, list[dict]]:
   """Run the loop under ``runtime``; returns (trained model, list of per-step metrics).
 
@@ -149,7 +149,8 @@ def train(
   and raises ``Stopped``. ``previous_steps``: the length of the run being resumed, when known
   (the resume line then says how its schedule changed). ``announce(plan)`` is called once
   the step is compiled, before the first step (the start line); ``announce(None)`` when no
-  step is left to train.
+  step is left to train. ``objective``: what the step minimises (step.Objective; default
+  SFT's cross-entropy, preference.Preference for DPO/IPO/ORPO); its figures join the rows.
   """
   graphdef, lora, frozen = step.place(model, runtime)
   rows = HostRows(frozen, runtime) if runtime.host_embeddings else None
@@ -172,19 +173,21 @@ def train(
     # by their memory plan where the settings leave a choice (plan.py).
     first = _batch(dataset, start, run, batch_at, rows)
     step_fn, chosen = plan.choose(
-      lambda rt: step.make_train_step(graphdef, tx, rt, loss_scale, out_shardings),
+      lambda rt: step.make_train_step(graphdef, tx, rt, loss_scale, out_shardings, objective),
       (lora, opt_state, frozen, first, jax.random.fold_in(key, start)),
       runtime,
       plan.device_budget(runtime.memory_limit),
       logits_bytes=_logits_bytes(model, first, runtime),
-      floor=lambda rt: _floor(graphdef, lora, opt_state, frozen, first, key, rt),
+      floor=lambda rt: _floor(graphdef, lora, opt_state, frozen, first, key, rt, objective),
     )
     runtime = chosen.runtime
     if announce is not None:
       announce(chosen)
   elif announce is not None:
     announce(None)
-  eval_step = step.make_eval_step(graphdef, runtime) if eval_dataset is not None else None
+  eval_step = None
+  if eval_dataset is not None:
+    eval_step = step.make_eval_step(graphdef, runtime, objective)
   history, counts = [], {"skipped_steps": 0, "overflow_steps": 0}
   # The next batch is assembled while the step runs, where batches are a function of the step
   # alone; a stream's position (saved in checkpoints) must not run ahead of the steps taken.
@@ -275,11 +278,11 @@ class HostRows:
     return frozen
 
 
-def _floor(graphdef, lora, opt_state, frozen, batch, key, runtime: Runtime) -> int:
+def _floor(graphdef, lora, opt_state, frozen, batch, key, runtime: Runtime, objective) -> int:
   """A floor of the step's plan under ``runtime`` (plan.floor_bytes), traced for its first
   micro-batch."""
   micro = jax.tree.map(lambda x: x[0], batch)
-  loss = lambda p: loss_sums(graphdef, p, frozen, micro, key, runtime)[0]  # noqa: E731
+  loss = lambda p: objective(graphdef, p, frozen, micro, key, runtime)[0]  # noqa: E731
   return plan.floor_bytes(loss, lora, (lora, opt_state, frozen, batch))
 
 
@@ -318,6 +321,10 @@ def _hardware() -> str:
   return f"{jax.device_count()} x {jax.devices()[0].device_kind}"
 
 
+# What a step returns beside its figures (the objective's, e.g. DPO's rewards).
+_STEP_KEYS = ("loss", "grad_norm", "tokens", "good", "scale_skip", "loss_scale")
+
+
 def _row(i: int, m: dict, schedule, tokens: int, t0: float) -> dict:
   loss = float(m["loss"])  # waits for the step
   return {
@@ -327,6 +334,7 @@ def _row(i: int, m: dict, schedule, tokens: int, t0: float) -> dict:
     "grad_norm": float(m["grad_norm"]),
     "tokens": int(m["tokens"]),
     "tokens_per_s": tokens / (time.perf_counter() - t0),
+    **{k: float(v) for k, v in m.items() if k not in _STEP_KEYS},
   }
 
 
