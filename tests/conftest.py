@@ -357,3 +357,52 @@ def copy_dequantized_into(model, hf) -> int:
         modules[name].weight.copy_(torch.from_numpy(w))
       count += 1
   return count
+
+
+def _peft_module_name(path, layer: int) -> str:
+  inner = ".".join(path).replace("layers.", f"layers.{layer}.", 1)
+  return f"base_model.model.model.{inner}"
+
+
+def copy_peft_lora_into(model, peft_model) -> None:
+  """Set jaxtune's stacked LoRA A/B of ``model`` to the adapters of ``peft_model``."""
+  import jax.numpy as jnp
+
+  from jaxtune.lora import iter_linears
+
+  modules = dict(peft_model.named_modules())
+  for path, linear in iter_linears(model):
+    if linear.lora_a is None:
+      continue
+    for field, attr in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
+      stacked = np.stack([
+        getattr(modules[_peft_module_name(path, l)], attr)["default"].weight.detach().numpy().T
+        for l in range(linear.layers)
+      ])  # fmt: skip
+      assert getattr(linear, field)[...].shape == stacked.shape, path
+      getattr(linear, field)[...] = jnp.asarray(stacked)
+
+
+def assert_lora_grads_match_peft(model, grads, peft_model, rel: float = 1e-5) -> int:
+  """jaxtune's LoRA gradients (an nnx.State like the LoRAParam split of ``model``) against the
+  .grad of ``peft_model``'s adapters, each within ``rel`` of its largest entry; returns how
+  many arrays it compared."""
+  from jaxtune.lora import iter_linears
+
+  modules = dict(peft_model.named_modules())
+  grad_of = dict(grads.flat_state())
+  compared = 0
+  for path, linear in iter_linears(model):
+    if linear.lora_a is None:
+      continue
+    for field, attr in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
+      g = np.asarray(grad_of[(*path, field)].get_value())
+      want = np.stack([
+        getattr(modules[_peft_module_name(path, l)], attr)["default"].weight.grad.numpy().T
+        for l in range(linear.layers)
+      ])  # fmt: skip
+      scale = np.abs(want).max()
+      assert scale > 0, (path, field)
+      assert np.abs(g - want).max() / scale <= rel, (path, field)
+      compared += 1
+  return compared

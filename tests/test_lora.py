@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 import torch
+from conftest import assert_lora_grads_match_peft, copy_peft_lora_into
 from flax import nnx
 
 import jaxtune
@@ -114,30 +115,7 @@ def test_gradients_match_peft(hf_llama_dir, rslora, rank_pattern):
     rslora=rslora,
     rank_pattern=rank_pattern,
   )
-  modules = dict(peft_model.named_modules())
-
-  def torch_name(path_, layer):
-    inner = ".".join(path_).replace("layers.", f"layers.{layer}.", 1)
-    return f"base_model.model.model.{inner}"
-
-  for path_, linear in iter_linears(model):
-    if linear.lora_a is None:
-      continue
-    a = np.stack(
-      [
-        modules[torch_name(path_, l)].lora_A["default"].weight.detach().numpy().T
-        for l in range(linear.layers)
-      ]
-    )
-    b = np.stack(
-      [
-        modules[torch_name(path_, l)].lora_B["default"].weight.detach().numpy().T
-        for l in range(linear.layers)
-      ]
-    )
-    assert linear.lora_a[...].shape == a.shape, path_
-    linear.lora_a[...] = jnp.asarray(a)
-    linear.lora_b[...] = jnp.asarray(b)
+  copy_peft_lora_into(model, peft_model)
 
   ids = _ids(3)
   out = peft_model(torch.from_numpy(ids[:, :-1]).long())
@@ -151,24 +129,7 @@ def test_gradients_match_peft(hf_llama_dir, rslora, rank_pattern):
     lambda lo: _loss(nnx.merge(graphdef, lo, frozen), jnp.asarray(ids))
   )(lora)
   np.testing.assert_allclose(float(loss), torch_loss.item(), rtol=1e-5)
-  grad_of = dict(grads.flat_state())
-  compared = 0
-  for path_, linear in iter_linears(model):
-    if linear.lora_a is None:
-      continue
-    for field, torch_attr in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
-      g = np.asarray(grad_of[(*path_, field)].get_value())
-      want = np.stack(
-        [
-          getattr(modules[torch_name(path_, l)], torch_attr)["default"].weight.grad.numpy().T
-          for l in range(linear.layers)
-        ]
-      )
-      scale = np.abs(want).max()
-      assert scale > 0
-      assert np.abs(g - want).max() / scale <= 1e-5, (path_, field)
-      compared += 1
-  assert compared == 14
+  assert assert_lora_grads_match_peft(model, grads, peft_model) == 14
 
 
 def test_unknown_target_is_a_clear_error(hf_llama_dir):
