@@ -19,6 +19,9 @@ records:
 Every run is one entry of --runs: environment variables (NAME=value) if any, a mesh, then
 extra CLI flags, e.g. "1 --attention xla" or "XLA_FLAGS=--xla_dump_to=/tmp/d 2x4"
 ("BENCH_PROFILE=FILE 1": that run under cProfile, its statistics in FILE).
+With --pairs N a second file of N synthetic preference pairs (prompt ~100 tokens, chosen
+and rejected ~900 each) is written too; "{pairs}" in an entry stands for its path, e.g.
+"1 --method dpo --data={pairs}".
 Mesh "1" runs on the first GPU only (CUDA_VISIBLE_DEVICES=0) with --base-batch sequences; every
 other run takes --batch sequences per step (global), so all multi-GPU runs do the same work.
 
@@ -107,6 +110,30 @@ def write_inputs(
   return ckpt, data
 
 
+def write_pairs(root: Path, n: int, seed: int = 1) -> Path:
+  """n preference pairs of the bundled dataset's words: a prompt of 60-80 words, chosen and
+  rejected responses of 600-680 words each (about 1,000 tokens a side with the built-in
+  tokenizer, so a pair fills most of a 2,048-token row)."""
+  import numpy as np
+
+  from jaxtune import default_model
+
+  text = " ".join(
+    m["content"]
+    for line in default_model.DATASET.read_text().splitlines()
+    for m in json.loads(line).get("messages", [])
+  )
+  words = np.asarray(text.split())
+  rng = np.random.default_rng(seed)
+  path = root / "pairs.jsonl"
+  with open(path, "w") as f:
+    for _ in range(n):
+      prompt = " ".join(rng.choice(words, rng.integers(60, 81)))
+      sides = [" " + " ".join(rng.choice(words, rng.integers(600, 681))) for _ in range(2)]
+      f.write(json.dumps({"prompt": prompt, "chosen": sides[0], "rejected": sides[1]}) + "\n")
+  return path
+
+
 def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
   """One CLI run; returns its row (raises RuntimeError with the CLI's last lines if it fails)."""
   words = shlex.split(entry)
@@ -117,6 +144,8 @@ def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
   if not words:
     raise RuntimeError(f"run {entry!r} names no mesh")
   mesh, *extra = words
+  if getattr(args, "pairs_path", None) is not None:
+    extra = [w.replace("{pairs}", str(args.pairs_path)) for w in extra]
   single = mesh == "1"
   batch = args.base_batch if single else args.batch
   # BENCH_PROFILE=FILE (in the entry): the run under cProfile, its statistics written to FILE.
@@ -227,6 +256,7 @@ def main():
   ap.add_argument("--run-timeout", type=float, default=240, help="seconds per CLI run")
   ap.add_argument("--results-dir", default=None)
   ap.add_argument("--bnb-4bit", action="store_true", help="write the checkpoint as *-bnb-4bit")
+  ap.add_argument("--pairs", type=int, default=0, help="also write N preference pairs ({pairs})")
   args = ap.parse_args()
   if args.tiny:
     args.shape, args.seq, args.steps, args.batch, args.docs = "tiny", 128, 4, 8, 200
@@ -252,6 +282,7 @@ def main():
   rows, failed = [], []
   with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
     ckpt, data = write_inputs(Path(tmp), args.shape, args.tiny, args.docs, bnb_4bit=args.bnb_4bit)
+    args.pairs_path = write_pairs(Path(tmp), args.pairs) if args.pairs else None
     for i, entry in enumerate(e.strip() for e in args.runs.split(";") if e.strip()):
       try:
         row = run_cli(entry, ckpt, data, Path(tmp) / f"run{i}", args)
