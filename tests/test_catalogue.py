@@ -101,6 +101,9 @@ class Case:
   env: dict = field(default_factory=dict)
 
 
+_PAIR = '{"prompt": "What is 2 plus 2?", "chosen": " 4.", "rejected": " 5."}\n'
+
+
 def _messages(*roles: str) -> str:
   return json.dumps({"messages": [{"role": r, "content": "hi there"} for r in roles]})
 
@@ -439,6 +442,59 @@ CASES = [
     lambda w: w.train_args("--data", str(w.file("p.jsonl", '{"question": "hi"}\n'))),
     r"p\.jsonl has the columns question, which match no format; jaxtune reads text \(text\); "
     r"messages \(messages\);.*map other names with --data-columns",
+  ),
+  Case(
+    "method-needs-preference-data",
+    lambda w: w.train_args("--method", "dpo"),
+    r"--method dpo trains on preference pairs \(columns prompt, chosen, rejected\), but --data "
+    r".*data\.jsonl is messages data",
+  ),
+  Case(
+    "preference-data-needs-method",
+    lambda w: w.train_args("--data", str(w.file("pairs.jsonl", _PAIR * 4))),
+    r"pairs\.jsonl holds preference pairs \(chosen, rejected\); train on them with --method dpo",
+  ),
+  Case(
+    "preference-row-missing-rejected",
+    lambda w: w.train_args(
+      "--method",
+      "dpo",
+      "--data",
+      str(w.file("p.jsonl", _PAIR * 3 + '{"prompt": "a", "chosen": " b"}\n')),
+    ),
+    r"p\.jsonl: 1 of its 4 rows have no 'rejected' value \(the first: row 4\)",
+  ),
+  Case(
+    "preference-no-pair-fits",
+    lambda w: w.train_args(
+      "--method",
+      "dpo",
+      "--seq-len",
+      "16",
+      "--data",
+      str(
+        w.file(
+          "long.jsonl",
+          json.dumps({"prompt": "word " * 40, "chosen": " a", "rejected": " b"}) + "\n",
+        )
+      ),
+    ),
+    r"no preference pair of .*long\.jsonl fits seq-len 16 with a response on both sides",
+  ),
+  Case(
+    "beta-not-positive",
+    lambda w: w.train_args("--method", "dpo", "--beta", "0"),
+    r"--beta must be greater than 0",
+  ),
+  Case(
+    "label-smoothing-too-large",
+    lambda w: w.train_args("--method", "dpo", "--label-smoothing", "0.5"),
+    r"--label-smoothing must be below 0\.5",
+  ),
+  Case(
+    "preference-with-streaming",
+    lambda w: w.train_args("--method", "ipo", "--data-streaming"),
+    r"--method ipo reads its preference pairs whole; drop --data-streaming",
   ),
   Case(
     "data-mixed-formats",

@@ -1,6 +1,7 @@
 """Preference tuning (--method dpo, ipo, orpo): the objective and its LoRA gradients against
 transformers + peft, pairs in the data (encoded, packed whole, fitted to seq-len), learning on
-CPU, mesh equality, and bad input."""
+CPU and mesh equality. Bad input (missing responses, no room, the wrong data for the method,
+--beta, --label-smoothing) is in test_catalogue.py."""
 
 import json
 import math
@@ -20,7 +21,7 @@ from flax import nnx
 import jaxtune
 from jaxtune import data, default_model, formats, preference, runtime, trainer
 from jaxtune import mesh as meshlib
-from jaxtune.errors import DataError, UserError
+from jaxtune.errors import DataError
 from jaxtune.run_config import RunConfig
 
 IGNORE = data.IGNORE
@@ -325,31 +326,3 @@ def test_dpo_under_meshes_equals_one_device(mesh_checkpoint, tmp_path):
     np.testing.assert_allclose(
       _mesh_losses(mesh_checkpoint, spec, tmp_path), one, rtol=2e-5, atol=1e-7, err_msg=spec
     )
-
-
-# ---------------------------------------------------------------- bad input
-
-
-def test_bad_preference_settings_are_one_sentence(tmp_path):
-  text = tmp_path / "text.jsonl"
-  text.write_text('{"text": "hello there"}\n' * 8)
-  pairs = tmp_path / "pairs.jsonl"
-  pairs.write_text('{"prompt": "a", "chosen": " b", "rejected": " c"}\n' * 8)
-  missing = tmp_path / "missing.jsonl"
-  missing.write_text(
-    '{"prompt": "a", "chosen": " b", "rejected": " c"}\n' * 3 + '{"prompt": "a", "chosen": " b"}\n'
-  )
-  common = dict(steps=1, export=None, report_to="none")
-  cases = [
-    (dict(data=text, method="dpo"), "--method dpo trains on preference pairs"),
-    (dict(data=pairs), "holds preference pairs .* --method dpo, ipo or orpo"),
-    (dict(data=pairs, method="dpo", beta=0), "--beta must be greater than 0"),
-    (dict(data=pairs, method="dpo", label_smoothing=0.5), "--label-smoothing must be below 0.5"),
-    (dict(data=pairs, method="ipo", data_streaming=True), "drop --data-streaming"),
-    (dict(data=missing, method="dpo"), r"1 of its 4 rows have no 'rejected' value \(the first: row 4\)"),
-  ]
-  for i, (settings, match) in enumerate(cases):
-    out = tmp_path / f"run{i}"
-    with pytest.raises(UserError, match=match):
-      jaxtune.train(out=str(out), **common, **settings)
-    assert not (out / "checkpoints").exists(), settings
