@@ -1,8 +1,12 @@
 """Text generation with a preallocated KV cache: jitted prefill, then one jitted decode loop.
 
 Prompts of a batch are left-padded to one length; padding slots are masked out of attention
-and positions count real tokens only, so each row generates what it would alone. The command
-line is jaxtune/generate.py.
+and positions count real tokens only, so each row generates what it would alone. Prompt
+lengths and new-token counts are rounded up to buckets (``BUCKET``), so prompts of similar
+lengths reuse one compiled prefill and decode loop; the loop's token count is an argument.
+Each token step writes only its new keys and values into the cache (in place), and NF4
+layers that go through the Pallas kernel get its scales made once per loop
+(``prepare_kernel_scales``). The command line is jaxtune/generate.py.
 """
 
 import functools
@@ -16,8 +20,14 @@ from flax import nnx
 
 from jaxtune import attention
 from jaxtune.errors import UserError
+from jaxtune.lora import iter_linears
 from jaxtune.models.decoder import Decoder
 from jaxtune.runtime import DEFAULT
+from pallas_kernels.nf4_matmul import kernel_scales, uses_kernel
+
+# Prompt lengths and new-token counts are rounded up to multiples of this (compiled once per
+# bucket, not per length).
+BUCKET = 64
 
 
 def init_cache(model: Decoder, batch: int, length: int) -> dict:
@@ -64,12 +74,15 @@ def forward_cached(
 
   def attend_global(cache, i, q, k, v, scale, softcap):
     ks, vs = cache["global"]
-    k_all = jax.lax.dynamic_update_slice_in_dim(ks[i], k.astype(ks.dtype), start, axis=1)
-    v_all = jax.lax.dynamic_update_slice_in_dim(vs[i], v.astype(vs.dtype), start, axis=1)
+    # Only the new slots are written, into the whole stack (in place in the loop's carry).
+    at = (i, 0, start, 0, 0)
+    ks = jax.lax.dynamic_update_slice(ks, k.astype(ks.dtype)[None], at)
+    vs = jax.lax.dynamic_update_slice(vs, v.astype(vs.dtype)[None], at)
+    k_all, v_all = ks[i], vs[i]
     slots = jnp.arange(k_all.shape[1])
     mask = key_valid[:, None, :] & (slots[None, None, :] <= q_slot[None, :, None])
     out = attention.masked_attention(q, k_all, v_all, mask[:, None, None], scale, softcap)
-    return out, {**cache, "global": (ks.at[i].set(k_all), vs.at[i].set(v_all))}
+    return out, {**cache, "global": (ks, vs)}
 
   def attend_local(cache, i, q, k, v, scale, softcap):
     ks, vs = cache["local"]
@@ -85,9 +98,9 @@ def forward_cached(
     out = attention.masked_attention(q, k_all, v_all, mask[:, None, None], scale, softcap)
     keep = min(t, ring)  # only the newest `ring` keys survive
     where = jnp.mod(start + t - keep + jnp.arange(keep), ring)
-    new_k = ks[i].at[:, where].set(k[:, t - keep :].astype(ks.dtype))
-    new_v = vs[i].at[:, where].set(v[:, t - keep :].astype(vs.dtype))
-    return out, {**cache, "local": (ks.at[i].set(new_k), vs.at[i].set(new_v))}
+    ks = ks.at[i, :, where].set(k[:, t - keep :].astype(ks.dtype).swapaxes(0, 1))
+    vs = vs.at[i, :, where].set(v[:, t - keep :].astype(vs.dtype).swapaxes(0, 1))
+    return out, {**cache, "local": (ks, vs)}
 
   graphdef, state = nnx.split(model.layers)
 
@@ -146,6 +159,21 @@ def _prefill(graphdef, state, ids, positions, cache, key_valid):
   return forward_cached(nnx.merge(graphdef, state), ids, positions, cache, 0, key_valid)
 
 
+def prepare_kernel_scales(model: nnx.Module, tokens: int) -> int:
+  """Give every NF4 linear layer whose calls of ``tokens`` rows go through the Pallas kernel
+  (pallas_kernels.nf4_matmul dispatch) its kernel scales, made now (in a jitted loop: once,
+  outside it); returns how many layers got them. Costs 2 bytes per 64 weights while they
+  exist."""
+  count = 0
+  for _, linear in iter_linears(model):
+    if not linear.quantized or not uses_kernel(tokens, linear.in_features * linear.out_features):
+      continue
+    made = kernel_scales(linear.absmax[...], linear.nested_absmax[...], linear.offset[...])
+    linear.kernel_scales = nnx.data(made)
+    count += 1
+  return count
+
+
 @functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9))
 def _decode(
   graphdef,
@@ -154,17 +182,20 @@ def _decode(
   cache,
   key_valid,
   first,
-  n,
+  room,
   temperature,
   top_k,
   top_p,
   positions,
   eos,
   key,
+  n,
 ):
-  """Up to ``n`` tokens [B, n] on the device; stops early once every row has emitted EOS."""
+  """Up to ``n`` (traced, at most ``room``) tokens [B, room] on the device; stops early once
+  every row has emitted EOS."""
   model = nnx.merge(graphdef, state)
   b = logits.shape[0]
+  prepare_kernel_scales(model, b)
 
   def body(carry):
     i, logits, cache, key, tokens, done = carry
@@ -181,7 +212,7 @@ def _decode(
     i, *_, done = carry
     return (i < n) & ~jnp.all(done)
 
-  init = (0, logits, cache, key, jnp.zeros((b, n), jnp.int32), jnp.zeros((b,), jnp.bool_))
+  init = (0, logits, cache, key, jnp.zeros((b, room), jnp.int32), jnp.zeros((b,), jnp.bool_))
   steps, *_, tokens, _ = jax.lax.while_loop(cond, body, init)
   return tokens, steps
 
@@ -205,12 +236,13 @@ def generate_ids(
   if not prompts or any(len(p) == 0 for p in prompts):
     raise UserError("every prompt needs at least one token.")
   b = len(prompts)
-  p_len = max(len(p) for p in prompts)
+  p_len = _bucket(max(len(p) for p in prompts))
+  room = _bucket(max_new_tokens)
   pad = np.array([p_len - len(p) for p in prompts])
   tokens = np.full((b, p_len), pad_id, np.int32)
   for i, p in enumerate(prompts):
     tokens[i, pad[i] :] = p
-  length = p_len + max_new_tokens
+  length = p_len + room
   key_valid = jnp.asarray(np.arange(length)[None, :] >= pad[:, None])
   positions = jnp.asarray(np.maximum(np.arange(p_len)[None, :] - pad[:, None], 0))
 
@@ -226,13 +258,14 @@ def generate_ids(
     cache,
     key_valid,
     p_len,
-    max_new_tokens,
+    room,
     float(temperature),
     int(top_k),
     float(top_p),
     jnp.asarray(p_len - pad, jnp.int32),
     eos,
     jax.random.key(seed),
+    jnp.int32(max_new_tokens),
   )
   new = np.asarray(new)[:, : int(steps)]
   out = []
@@ -240,6 +273,10 @@ def generate_ids(
     stop = next((i for i, t in enumerate(row) if t in set(eos_token_ids)), None)
     out.append(row if stop is None else row[: stop + 1])
   return out
+
+
+def _bucket(n: int) -> int:
+  return -(-n // BUCKET) * BUCKET
 
 
 def generate(

@@ -101,6 +101,24 @@ def test_batched_left_padding_equals_one_by_one(hf_llama_dir):
   assert batched == [generate_ids(model, [p], max_new_tokens=8)[0] for p in prompts]
 
 
+def test_prompts_of_one_bucket_share_the_compiled_programs(hf_llama_dir):
+  """Prompt lengths and new-token counts round up to decoding.BUCKET: other lengths in the
+  same buckets reuse the compiled prefill and decode loop, and still generate what they
+  would alone (left padding is masked)."""
+  from jaxtune import decoding
+
+  path, _ = hf_llama_dir(seed=34)
+  model = jaxtune.from_pretrained(path, quantization=None, dtype="float32")
+  first = generate_ids(model, [[5, 6, 7]], max_new_tokens=5)
+  sizes = decoding._prefill._cache_size(), decoding._decode._cache_size()
+  second = generate_ids(model, [[9, 8, 7, 6, 5, 4, 3]], max_new_tokens=9)
+  assert (decoding._prefill._cache_size(), decoding._decode._cache_size()) == sizes
+  assert len(first[0]) == 5 and len(second[0]) == 9
+  # The bucket's padding changes nothing: greedy decoding of the 3-token prompt, 5 tokens, is
+  # the start of its 9-token continuation.
+  assert generate_ids(model, [[5, 6, 7]], max_new_tokens=9)[0][:5] == first[0]
+
+
 def test_sampling_options():
   logits = jnp.log(jnp.asarray([[0.1, 0.7, 0.2], [0.6, 0.3, 0.1]]))
   assert sample(logits, jax.random.key(0)).tolist() == [1, 0]

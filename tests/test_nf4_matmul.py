@@ -124,3 +124,22 @@ def test_prmt_lookup_program_on_every_byte():
     pair = _prmt(lows, highs, kernel.INTERLEAVE)
     # bitsandbytes: the even element sits in the high nibble and comes first.
     assert pair & 0xFFFF == want[byte >> 4] and pair >> 16 == want[byte & 15], byte
+
+
+def test_prepared_scales_give_the_same_products():
+  """Decoding makes the kernel's scales once (kernel_scales, stacked over layers) and passes
+  them to every call: the same values as the kernel makes per call, so the same products."""
+  from pallas_kernels.nf4_matmul import kernel_scales
+
+  rng = np.random.default_rng(8)
+  layers = [_weights(rng, 128, 256) for _ in range(2)]
+  stacked = [jnp.stack(parts) for parts in zip(*layers, strict=True)]
+  prepared = kernel_scales(*stacked[1:])  # [L, K/64, N]
+  assert prepared.shape == (2, 4, 128) and prepared.dtype == jnp.bfloat16
+  x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+  for i, q in enumerate(layers):
+    _, per_call = kernel.kernel_operands(*q, swap_nibbles=False)
+    np.testing.assert_array_equal(np.asarray(prepared[i]), np.asarray(per_call))
+    want = nf4_matmul(x, *q, impl="interpret")
+    got = nf4_matmul(x, *q, impl="interpret", scales=prepared[i])
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

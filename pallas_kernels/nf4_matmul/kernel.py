@@ -72,12 +72,17 @@ def kernel_operands(
   swap_nibbles: bool,
 ) -> tuple[jax.Array, jax.Array]:
   """(w4 int4 [N, K], scales bf16 [K/64, N]) from the 2-D layout of ``jaxtune.nf4``."""
+  scales = nf4.dequantize_absmax(absmax, nested_absmax, offset)  # [N, K/64] float32
+  return kernel_codes(codes, swap_nibbles=swap_nibbles), scales.T.astype(jnp.bfloat16)
+
+
+def kernel_codes(codes: jax.Array, *, swap_nibbles: bool) -> jax.Array:
+  """w4 int4 [N, K]: the codes uint8 [N, K/2] viewed as JAX int4 (nibbles swapped for the
+  "select" lookup)."""
   if swap_nibbles:
     codes = (codes << 4) | (codes >> 4)
   n, half = codes.shape
-  w4 = lax.bitcast_convert_type(codes, jnp.int4).reshape(n, 2 * half)
-  scales = nf4.dequantize_absmax(absmax, nested_absmax, offset)  # [N, K/64] float32
-  return w4, scales.T.astype(jnp.bfloat16)
+  return lax.bitcast_convert_type(codes, jnp.int4).reshape(n, 2 * half)
 
 
 def _bf16_bits(values: np.ndarray) -> np.ndarray:

@@ -19,6 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxtune import nf4
 from pallas_kernels import _gpu
 from pallas_kernels.nf4_matmul import reference
 
@@ -36,6 +37,24 @@ def _kernel():
   from pallas_kernels.nf4_matmul import kernel
 
   return kernel
+
+
+def uses_kernel(tokens: int, weights: int) -> bool:
+  """Whether dispatch (``impl=None``) sends ``tokens`` rows times a weight of ``weights``
+  values to the kernel: a single Hopper GPU, few tokens, a large weight."""
+  single = jax.device_count() == 1
+  return (
+    _gpu.on_hopper() and single and tokens <= KERNEL_MAX_TOKENS and weights >= KERNEL_MIN_WEIGHTS
+  )
+
+
+def kernel_scales(absmax: jax.Array, nested_absmax: jax.Array, offset: jax.Array) -> jax.Array:
+  """The forward kernel's scales [..., K/64, N] (bf16) of a weight, or of a stack of them
+  ([L, N, K/64] absmax), in the layout ``nf4_matmul(..., scales=)`` takes."""
+  f = lambda a, nested, o: nf4.dequantize_absmax(a, nested, o).T.astype(jnp.bfloat16)  # noqa: E731
+  for _ in range(absmax.ndim - 2):
+    f = jax.vmap(f)
+  return f(absmax, nested_absmax, offset)
 
 
 def _block_m(m: int) -> int:
@@ -85,7 +104,7 @@ def _kernel_args(impl: str):
   return dict(lookup=lookup, interpret=_gpu.interpret_params() if interpret else None)
 
 
-def _fwd_impl(impl, x2, weights):
+def _fwd_impl(impl, x2, weights, scales=None):
   m, _ = x2.shape
   n = weights[0].shape[0]
   use = impl != "xla" and x2.dtype == jnp.bfloat16
@@ -94,7 +113,11 @@ def _fwd_impl(impl, x2, weights):
     return reference.dequantize_then_dot(x2, *weights)
   kernel = _kernel()
   kw = _kernel_args(impl)
-  w4, scales = kernel.kernel_operands(*weights, swap_nibbles=kw["lookup"] == "select")
+  swap = kw["lookup"] == "select"
+  if scales is None:
+    w4, scales = kernel.kernel_operands(*weights, swap_nibbles=swap)
+  else:  # prepared once for many calls (decoding): only the codes' view is made here
+    w4 = kernel.kernel_codes(weights[0], swap_nibbles=swap)
   y = kernel.forward(_pad_rows(x2, cfg.block_m), w4, scales, config=cfg, **kw)
   return y[:m]
 
@@ -112,17 +135,17 @@ def _bwd_impl(impl, dy2, weights):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _nf4_matmul(impl, x2, codes, absmax, nested_absmax, offset):
-  return _fwd_impl(impl, x2, (codes, absmax, nested_absmax, offset))
+def _nf4_matmul(impl, x2, codes, absmax, nested_absmax, offset, scales):
+  return _fwd_impl(impl, x2, (codes, absmax, nested_absmax, offset), scales)
 
 
-def _vjp_fwd(impl, x2, codes, absmax, nested_absmax, offset):
+def _vjp_fwd(impl, x2, codes, absmax, nested_absmax, offset, scales):
   weights = (codes, absmax, nested_absmax, offset)
-  return _fwd_impl(impl, x2, weights), weights
+  return _fwd_impl(impl, x2, weights, scales), weights
 
 
 def _vjp_bwd(impl, weights, dy2):
-  return (_bwd_impl(impl, dy2, weights), None, None, None, None)
+  return (_bwd_impl(impl, dy2, weights), None, None, None, None, None)
 
 
 _nf4_matmul.defvjp(_vjp_fwd, _vjp_bwd)
@@ -136,17 +159,19 @@ def nf4_matmul(
   offset: jax.Array,
   *,
   impl: str | None = None,
+  scales: jax.Array | None = None,
 ) -> jax.Array:
-  """x [..., K] @ dequant(W)^T -> [..., N]; W [N, K] in the 2-D layout of ``jaxtune.nf4``."""
+  """x [..., K] @ dequant(W)^T -> [..., N]; W [N, K] in the 2-D layout of ``jaxtune.nf4``.
+
+  ``scales``: the kernel's bf16 scales [K/64, N] (``kernel_scales``), made once where one
+  weight serves many calls (decoding); the forward kernel then reads them instead of
+  dequantizing absmax on every call. The XLA path ignores them (it keeps bitsandbytes'
+  exact values)."""
   lead = x.shape[:-1]
   tokens = math.prod(lead)
   if impl is None:
-    single = jax.device_count() == 1
-    size = codes.shape[0] * codes.shape[1] * 2
-    use = _gpu.on_hopper() and single and tokens <= KERNEL_MAX_TOKENS
-    use = use and size >= KERNEL_MIN_WEIGHTS
-    impl = "kernel" if use else "xla"
+    impl = "kernel" if uses_kernel(tokens, codes.shape[0] * codes.shape[1] * 2) else "xla"
   if impl not in IMPLS:
     raise ValueError(f"nf4_matmul impl must be one of {', '.join(IMPLS)}, got {impl!r}.")
-  y = _nf4_matmul(impl, x.reshape(-1, x.shape[-1]), codes, absmax, nested_absmax, offset)
+  y = _nf4_matmul(impl, x.reshape(-1, x.shape[-1]), codes, absmax, nested_absmax, offset, scales)
   return y.reshape(*lead, y.shape[-1])
