@@ -1,0 +1,98 @@
+"""The NF4 forward kernel's configurations at decoding sizes, against cuBLAS bf16 in one run.
+
+For M in --ms and (K, N) of Llama-3.1-8B's projections, times y = x @ W^T: cuBLAS on a bf16
+copy of W, and the Mosaic GPU kernel alone (scales prepared once, as decoding now passes them;
+x already padded to the tile) over a grid of configurations: K split over 1x, 0.5x or 2x the
+cells dispatch picks, 1, 2 or 4 64-wide k blocks per pipeline step (4 pipeline stages).
+Device time (CUPTI), each call over weight copies that outgrow L2, median of --reps. Checks
+each configuration against the float32 reference. Prints the best per shape and how dispatch's
+current choice compares.
+
+  python experiments/sweep_nf4_decode.py --results-dir $OUT
+"""
+
+import argparse
+import itertools
+import sys
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.bench_nf4_matmul import LLAMA_8B, rel_err, time_per_call, weights  # noqa: E402
+from experiments.record import record  # noqa: E402
+from pallas_kernels.nf4_matmul import kernel, kernel_scales, ops, reference  # noqa: E402
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  ap.add_argument("--ms", default="1,16")
+  ap.add_argument("--reps", type=int, default=10)
+  ap.add_argument("--results-dir", default=None)
+  args = ap.parse_args()
+  rng = np.random.default_rng(0)
+  rows, best = [], []
+  for k, n in LLAMA_8B:
+    copies = max(2, -(-64 * 2**20 // (k * n // 2)))
+    qs, dense = weights(rng, k, n, copies)
+    for m in (int(v) for v in args.ms.split(",")):
+      x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+      ref = np.asarray(reference.nf4_matmul_reference(x, *qs[0]))
+      bf16 = time_per_call(jax.jit(lambda a, w: a @ w.T), x, dense, args.reps)
+      base = ops._forward_config(m, n, k, False)
+      prepared = [
+        (kernel.kernel_codes(q[0], swap_nibbles=False), kernel_scales(*q[1:])) for q in qs
+      ]
+      found = []
+      for split_f, sub, stages in itertools.product((1.0, 0.5, 2.0), (1, 2, 4), (4,)):
+        split = max(1, int(base.split_k * split_f))
+        if k % (64 * sub * split) or k // split < 64 * sub:
+          continue
+        cfg = kernel.Config(
+          block_m=base.block_m, compute_wgs=base.compute_wgs, split_k=split, k_sub=sub,
+          max_concurrent_steps=stages,
+        )  # fmt: skip
+        xp = ops._pad_rows(x, cfg.block_m)
+        f = jax.jit(lambda a, w4, s, cfg=cfg: kernel.forward(a, w4, s, config=cfg)[: a.shape[0]])
+        try:
+          err = rel_err(f(xp, *prepared[0])[:m], ref)
+          ms = time_per_call(lambda a, w, f=f: f(a, *w), xp, prepared, args.reps)
+        except Exception:  # a configuration that does not lower is reported and skipped
+          traceback.print_exc(limit=2)
+          continue
+        row = {
+          "M": m, "K": k, "N": n, "split_k": split, "k_sub": sub, "stages": stages,
+          "dispatch": (split, sub, stages) == (base.split_k, 1, 4), "err": err,
+          "kernel_ms": ms, "bf16_ms": bf16, "kernel_vs_bf16": ms / bf16,
+        }  # fmt: skip
+        rows.append(row)
+        found.append(row)
+        print({a: f"{b:.4g}" if isinstance(b, float) else b for a, b in row.items()}, flush=True)
+      if found:
+        top = min(found, key=lambda r: r["kernel_ms"])
+        now = next((r for r in found if r["dispatch"]), None)
+        best.append((m, k, n, top, now))
+  record(
+    "sweep_nf4_decode",
+    rows,
+    "The NF4 forward kernel's configurations at decoding sizes (8B shapes)",
+    note="Kernel alone (scales prepared, x padded), device time per call over weight copies "
+    "that outgrow L2; bf16 = cuBLAS on a bf16 copy of W in the same run; dispatch = the "
+    "configuration ops._forward_config picks today.",
+    out_dir=args.results_dir,
+  )
+  print("\n|    M     K     N | dispatch / bf16 | best / bf16 | best (split, k_sub, stages) |")
+  for m, k, n, top, now in best:
+    cur = f"{now['kernel_vs_bf16']:.3f}" if now else "-"
+    print(
+      f"| {m:>4} {k:>5} {n:>5} | {cur:>15} | {top['kernel_vs_bf16']:>11.3f} | "
+      f"({top['split_k']}, {top['k_sub']}, {top['stages']}) |"
+    )
+
+
+if __name__ == "__main__":
+  main()
