@@ -40,6 +40,7 @@ def record(
   lent GPU pass $OUT and append the returned files here afterwards. ``device``: as run_meta's.
   """
   out_dir = Path(out_dir) if out_dir else HERE
+  out_dir.mkdir(parents=True, exist_ok=True)
   meta = run_meta(bench, device)
   with open(out_dir / "results.jsonl", "a") as f:
     for row in rows:
