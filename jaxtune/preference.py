@@ -95,7 +95,15 @@ class Preference:
     aux["tokens"] = jnp.sum((n_c + n_r) * w).astype(jnp.int32)
     return jnp.sum(jnp.where(valid, losses, 0.0)), jnp.sum(valid).astype(jnp.int32), aux
 
-  def pair_log_probs(self, graphdef, lora, frozen, batch, key, runtime):
+  def pair_log_probs(
+    self,
+    graphdef: Any,
+    lora: nnx.State,
+    frozen: nnx.State,
+    batch: dict[str, jax.Array],
+    key: jax.Array | None,
+    runtime: Runtime,
+  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Per pair slot [B, P] of each row: chosen and rejected log-probabilities, their
     response lengths, and whether the slot holds a pair."""
     model = nnx.merge(graphdef, lora, frozen)
@@ -111,7 +119,16 @@ class Preference:
     c, r, n_c, n_r = sums[:, 0::2], sums[:, 1::2], counts[:, 0::2], counts[:, 1::2]
     return c, r, n_c, n_r, (n_c > 0) & (n_r > 0)
 
-  def pair_losses(self, c, r, c0, r0, n_c, n_r, valid):
+  def pair_losses(
+    self,
+    c: jax.Array,
+    r: jax.Array,
+    c0: jax.Array | None,
+    r0: jax.Array | None,
+    n_c: jax.Array,
+    n_r: jax.Array,
+    valid: jax.Array,
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(loss, chosen reward, rejected reward) of each pair slot (module docstring); slots
     without a pair (``valid`` False) get finite values, so their zero weight has a finite
     gradient."""

@@ -237,7 +237,9 @@ def _load_data(run: RunConfig, tokenizer, cfg: ModelConfig, data: Any, eval_data
   return dataset, held_out, report
 
 
-def make_objective(run: RunConfig, dataset, eval_dataset) -> step.Objective:
+def make_objective(
+  run: RunConfig, dataset: data_lib.Dataset, eval_dataset: data_lib.Dataset | None
+) -> step.Objective:
   """What the run minimises: SFT's cross-entropy, or the preference objective of
   --method, sized for the most examples a row of either dataset holds."""
   if run.method == "sft":

@@ -41,16 +41,17 @@ def test_forward_matches_reference(lead, k, n):
 
 
 @pytest.mark.parametrize(
-  "cfg",
+  "cfg, k",
   [
-    kernel.Config(block_m=16, compute_wgs=2, split_k=2, a_from_smem=True),
-    kernel.Config(block_m=32, compute_wgs=1, k_sub=2, a_from_smem=True),
+    (kernel.Config(block_m=16, compute_wgs=2, split_k=2, a_from_smem=True), 256),
+    (kernel.Config(block_m=32, compute_wgs=1, k_sub=2, a_from_smem=True), 256),
+    (kernel.Config(block_m=16, compute_wgs=2, split_k=2, k_sub=4, a_from_smem=True), 1024),
   ],
-  ids=["split-k", "two-k-blocks-per-step"],
+  ids=["split-k", "two-k-blocks-per-step", "split-k-four-k-blocks-per-step"],
 )
-def test_forward_configs(cfg):
+def test_forward_configs(cfg, k):
   rng = np.random.default_rng(3)
-  m, k, n = 32, 256, 128
+  m, n = 32, 128
   q = _weights(rng, n, k)
   x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
   w4, scales = kernel.kernel_operands(*q, swap_nibbles=True)
@@ -124,6 +125,19 @@ def test_prmt_lookup_program_on_every_byte():
     pair = _prmt(lows, highs, kernel.INTERLEAVE)
     # bitsandbytes: the even element sits in the high nibble and comes first.
     assert pair & 0xFFFF == want[byte >> 4] and pair >> 16 == want[byte & 15], byte
+
+
+def test_decoding_dispatch_takes_the_swept_configurations():
+  """At decoding sizes dispatch splits K to a cell per SM and takes the most k blocks per
+  step that leave 4 steps: the fastest configurations of experiments/sweep_nf4_decode.py
+  (H100, 8B shapes, M = 1 and 16): (split, k blocks) = (8, 2), (2, 4), (8, 4)."""
+  from pallas_kernels.nf4_matmul import ops
+
+  for (k, n), want in {(4096, 4096): (8, 2), (4096, 14336): (2, 4), (14336, 4096): (8, 4)}.items():
+    for m in (1, 16):
+      cfg = ops._forward_config(m, n, k, interpret=False)
+      assert (cfg.block_m, cfg.split_k, cfg.k_sub) == (16, *want), (m, k, n)
+  assert ops._forward_config(4096, 4096, 4096, interpret=False).k_sub == 1  # training tiles
 
 
 def test_prepared_scales_give_the_same_products():

@@ -291,7 +291,7 @@ def test_a_real_run_under_a_memory_limit_takes_a_leaner_setting_and_learns_the_s
   floor = trainer._floor
 
   def recorded(*args):
-    rt = args[-1]
+    rt = args[6]  # _floor(graphdef, lora, opt_state, frozen, batch, key, runtime, objective)
     floors[rt.remat, rt.loss_chunk] = floor(*args)
     return floors[rt.remat, rt.loss_chunk]
 
