@@ -143,6 +143,21 @@ def check_data_settings(run: RunConfig, given: bool = False) -> None:
         "--eval-split needs the whole dataset, which --data-streaming does not read; pass "
         "--eval-data instead."
       )
+  if run.method in ("dpo", "ipo") and run.beta is not None and run.beta <= 0:
+    raise UserError(f"--beta must be greater than 0 for --method {run.method}, got {run.beta}.")
+  if run.method == "grpo":
+    if not run.reward:
+      raise UserError(
+        "--method grpo needs --reward: reward functions MODULE:FUNCTION (or the built-in "
+        "final_answer, think_format, length_penalty), comma-separated."
+      )
+    if run.eval_data or run.eval_split:
+      raise UserError(
+        "--method grpo evaluates by sampling --eval-prompts at --eval-every; drop --eval-data "
+        "and --eval-split."
+      )
+  elif run.reward:
+    raise UserError(f"--reward scores generations of --method grpo, not --method {run.method}.")
   if run.method != "sft":
     if run.data_streaming:
       raise UserError(

@@ -18,8 +18,12 @@ AUTO_LOSS_CHUNK = 1024
 # What --attention may ask for; None lets runtime.resolve pick the fastest exact one.
 ATTENTION_CHOICES = ("xla", "fused", "pallas")
 
-# What a run optimises: next-token cross-entropy (sft), or preference pairs (preference.py).
-METHODS = ("sft", "dpo", "ipo", "orpo")
+# What a run optimises: next-token cross-entropy (sft), preference pairs (preference.py), or
+# rewards of its own generations (grpo, rl.py).
+METHODS = ("sft", "dpo", "ipo", "orpo", "grpo")
+# --beta unset: the usual value of each method (DPO/IPO's beta; GRPO's KL weight, 0: no
+# reference forward, TRL's default).
+DEFAULT_BETA = {"dpo": 0.1, "ipo": 0.1, "grpo": 0.0}
 
 CHOICES = {
   "method": METHODS,
@@ -66,9 +70,15 @@ MINIMUM = {
   "log_every": 1,
   "save_every": 1,
   "keep_checkpoints": 1,
-  "beta": 0.0,  # exclusive
+  "beta": 0.0,
   "label_smoothing": 0.0,
   "orpo_lambda": 0.0,  # exclusive
+  "num_generations": 2,
+  "max_new_tokens": 1,
+  "temperature": 0.0,  # exclusive
+  "top_p": 0.0,  # exclusive
+  "epsilon": 0.0,  # exclusive
+  "num_iterations": 1,
 }
 EXCLUSIVE = {
   "learning_rate",
@@ -77,8 +87,10 @@ EXCLUSIVE = {
   "epochs",
   "eval_split",
   "memory_limit",
-  "beta",
   "orpo_lambda",
+  "temperature",
+  "top_p",
+  "epsilon",
 }
 # Numeric settings whose default is None (unset: decided from the data or the other settings).
 OPTIONAL_NUMBERS = {
@@ -88,6 +100,7 @@ OPTIONAL_NUMBERS = {
   "eval_split": float,
   "loss_chunk": int,
   "memory_limit": float,
+  "beta": float,
 }
 # The built-in default run (no --model): settings fit for its small model, under the user's.
 DEFAULT_RUN = Path(__file__).parent / "configs" / "default-run.yaml"
@@ -110,11 +123,22 @@ class RunConfig:
   steps: int | None = None  # None: from epochs
   epochs: float | None = None  # None (and no steps): one epoch
   seed: int = 0
-  # What is optimised: sft, or on preference pairs (prompt, chosen, rejected) dpo | ipo | orpo
+  # What is optimised: sft; on preference pairs (prompt, chosen, rejected) dpo | ipo | orpo;
+  # or grpo, on rewards of the model's own completions of prompts
   method: str = "sft"
-  beta: float = 0.1  # dpo/ipo: how far the policy may move from the reference (adapters off)
+  # dpo/ipo: how far the policy may move from the reference (adapters off); grpo: the weight
+  # of the KL penalty to it. None: DEFAULT_BETA of the method
+  beta: float | None = None
   label_smoothing: float = 0.0  # dpo: probability that a pair's preference is flipped (cDPO)
   orpo_lambda: float = 0.1  # orpo: weight of the odds-ratio term beside the chosen NLL
+  # grpo: reward functions MODULE:FUNCTION (or built-in names), comma-separated
+  reward: str | None = None
+  num_generations: int = 8  # grpo: completions sampled per prompt (the group)
+  max_new_tokens: int = 256  # grpo: longest completion
+  temperature: float = 1.0  # grpo: sampling temperature of the rollouts
+  top_p: float = 1.0  # grpo: nucleus sampling of the rollouts
+  epsilon: float = 0.2  # grpo: the policy ratio is clipped to [1 - epsilon, 1 + epsilon]
+  num_iterations: int = 1  # grpo: optimizer steps per batch of rollouts
   # Optimisation
   learning_rate: float = 2e-4
   schedule: str = "cosine"  # cosine | linear | constant
@@ -269,6 +293,8 @@ def _check(name: str, value: Any, default: Any) -> Any:
     if low is not None and (number < low or (name in EXCLUSIVE and number <= low)):
       bound = f"greater than {low}" if name in EXCLUSIVE else f"at least {low}"
       raise RunConfigError(f"{flag} must be {bound}, got {number}.")
+    if name == "top_p" and number > 1:
+      raise RunConfigError(f"{flag} must be at most 1, got {number}.")
     if name == "label_smoothing" and number >= 0.5:
       raise RunConfigError(f"{flag} must be below 0.5, got {number}.")
     if name == "lora_dropout" and number >= 1:

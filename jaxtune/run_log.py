@@ -36,6 +36,15 @@ def device_memory_gib() -> float | None:
 
 
 TRACKERS = ("tensorboard", "wandb")
+# GRPO's figures beside its rewards (rl.py), logged to the trackers.
+RL_FIGURES = (
+  "kl",
+  "clip_fraction",
+  "completion_length",
+  "rollout_s",
+  "rollout_tokens_per_s",
+  "update_s",
+)
 # Figures of preference objectives a training row may carry (preference.METRICS), logged
 # to the trackers beside the loss.
 FIGURES = (
@@ -180,8 +189,9 @@ class RunLog:
     if memory is not None:
       row = {**row, "memory_gib": memory}
     self._write(row)
-    keys = ("loss", "lr", "grad_norm", "tokens_per_s", "memory_gib", *FIGURES)
+    keys = ("loss", "lr", "grad_norm", "tokens_per_s", "memory_gib", *FIGURES, *RL_FIGURES)
     scalars = {f"train/{k}": row[k] for k in keys if k in row}
+    scalars.update({f"train/{k}": v for k, v in row.items() if k.startswith("reward")})
     for t in self.trackers:
       t.scalars(scalars, row["step"])
     width, step = 30, row["step"]
@@ -190,6 +200,7 @@ class RunLog:
       f"step {step}/{self.total} [{'#' * done}{'.' * (width - done)}] loss {row['loss']:.4f} "
       f"lr {row['lr']:.2e} {row['tokens_per_s']:.0f} tok/s "
       + (f"reward acc {row['reward_accuracy']:.2f} " if "reward_accuracy" in row else "")
+      + (f"reward {row['reward']:.3f} " if "reward" in row else "")
       + self._times(step)
     )
     if self.tty:
@@ -210,6 +221,9 @@ class RunLog:
       if generations:
         t.generations(list(generations), step)
     end = "\n" if self.tty else ""
+    if "eval_loss" not in metrics:  # GRPO: generations only
+      print(f"{end}eval at step {step}: {len(generations)} samples logged", file=sys.stderr)
+      return
     if "eval_ppl" in metrics:
       what = f"perplexity {metrics['eval_ppl']:.2f}"
     else:  # preference pairs

@@ -29,6 +29,7 @@ from jaxtune import (
   distributed,
   plan,
   preference,
+  rl,
   run_dir,
   runtime,
   step,
@@ -39,7 +40,7 @@ from jaxtune.config import ModelConfig
 from jaxtune.decoding import generate
 from jaxtune.errors import RunConfigError, TrainingError, UserError
 from jaxtune.lora import apply_lora, parse_pattern
-from jaxtune.run_config import RunConfig
+from jaxtune.run_config import DEFAULT_BETA, RunConfig
 
 
 def say(line: str) -> None:
@@ -201,6 +202,12 @@ def _load_data(run: RunConfig, tokenizer, cfg: ModelConfig, data: Any, eval_data
   run.data/run.eval_data when given as objects (jaxtune.train)."""
   data = run.data or default_model.DATASET if data is None else data
   eval_data = run.eval_data if eval_data is None else eval_data
+  if run.method == "grpo":  # prompts; completions come from the model as it trains
+    prompts = rl.Prompts(
+      data, tokenizer, seq_len=run.seq_len, max_new_tokens=run.max_new_tokens,
+      max_positions=cfg.max_position_embeddings, config=run.data_config, split=run.data_split,
+    )  # fmt: skip
+    return prompts, None, prompts
   common = dict(
     data_format=run.data_format,
     columns=run.data_columns,
@@ -240,19 +247,24 @@ def _load_data(run: RunConfig, tokenizer, cfg: ModelConfig, data: Any, eval_data
 def make_objective(
   run: RunConfig, dataset: data_lib.Dataset, eval_dataset: data_lib.Dataset | None
 ) -> step.Objective:
-  """What the run minimises: SFT's cross-entropy, or the preference objective of
-  --method, sized for the most examples a row of either dataset holds."""
+  """What the run minimises: SFT's cross-entropy, GRPO's clipped objective, or the
+  preference objective of --method, sized for the most examples a row of either dataset
+  holds."""
   if run.method == "sft":
     return step.sft_objective
+  if run.method == "grpo":
+    return rl.GRPO.from_run(run)
   segments = max(dataset.max_segments, eval_dataset.max_segments if eval_dataset else 0)
   return preference.Preference.from_run(run, segments)
 
 
 def _steps(run: RunConfig, dataset) -> int:
-  """--steps, or the steps of --epochs (default one) over the dataset's rows."""
+  """--steps, or the steps of --epochs (default one) over the dataset's rows (GRPO: over its
+  prompts, --num-iterations steps per rollout)."""
   if run.steps is not None:
     return run.steps
-  return max(1, math.ceil((run.epochs or 1.0) * len(dataset) / run.batch_size))
+  steps = max(1, math.ceil((run.epochs or 1.0) * len(dataset) / run.batch_size))
+  return steps * run.num_iterations if run.method == "grpo" else steps
 
 
 def _write_config(run: RunConfig, out: Path) -> None:
@@ -325,11 +337,19 @@ def _summary(history: list[dict], start_time: float, out: Path, run: RunConfig) 
 
 
 def _method(run: RunConfig) -> str:
-  """The preference method and its settings, for the start line."""
+  """The preference or RL method and its settings, for the start line."""
+  if run.method == "grpo":
+    beta = DEFAULT_BETA["grpo"] if run.beta is None else run.beta
+    kl = f"KL {beta:g} to the adapters off" if beta else "no KL term"
+    return (
+      f"grpo ({run.reward}; epsilon {run.epsilon:g}, {kl}, temperature {run.temperature:g}"
+      f", {run.num_iterations} step(s) per rollout)"
+    )
   if run.method == "orpo":
     return f"orpo (lambda {run.orpo_lambda:g})"
+  beta = DEFAULT_BETA[run.method] if run.beta is None else run.beta
   smoothing = f", label smoothing {run.label_smoothing:g}" if run.label_smoothing else ""
-  return f"{run.method} (beta {run.beta:g}{smoothing}; reference: the adapters off)"
+  return f"{run.method} (beta {beta:g}{smoothing}; reference: the adapters off)"
 
 
 def _duration(seconds: float) -> str:
@@ -394,14 +414,18 @@ def _run_locked(
   checks.check_targets(run, cfg)
   if distributed.is_main():
     run_dir.check_room(out, _needs_room(run, cfg, resume))
-  prompts = checks.read_eval_prompts(run, has_eval=eval_data is not None or bool(run.eval_split))
+  has_eval = eval_data is not None or bool(run.eval_split) or run.method == "grpo"
+  prompts = checks.read_eval_prompts(run, has_eval=has_eval)
   runtime.resolve(run, cfg, packed=run.packing)  # its refusals before the data is read
   tokenizer = load_tokenizer(model_path)
   checks.check_vocabulary(tokenizer, cfg, model_path)
   dataset, eval_dataset, report = _load_data(run, tokenizer, cfg, data, eval_data)
   run = run.replace(seq_len=dataset.seq_len, steps=_steps(run, dataset))
-  packed = dataset.packed or (eval_dataset is not None and eval_dataset.packed)
-  rt = runtime.resolve(run, cfg, packed=packed)
+  packed = getattr(dataset, "packed", False) or (eval_dataset is not None and eval_dataset.packed)
+  grpo = run.method == "grpo"
+  # GRPO's step trains on batch-size prompts x num-generations rows.
+  rows_run = run.replace(batch_size=run.batch_size * run.num_generations) if grpo else run
+  rt = runtime.resolve(rows_run, cfg, packed=packed)
   t_load = time.perf_counter()
   model = build_model(run, model_path, rt.mesh, dtype=rt.dtype)
   jax.block_until_ready(nnx.state(model))
@@ -421,9 +445,17 @@ def _run_locked(
   epochs = (
     "" if run.data_streaming else f" ({run.steps * run.batch_size / len(dataset):.2g} epochs)"
   )
+  fill = (
+    f"{run.batch_size} prompts x {run.num_generations} completions of up to "
+    f"{run.max_new_tokens} tokens a step (rows of {run.seq_len}), "
+    if grpo
+    else f"{rows}{dataset.packing_efficiency:.0%} tokens "
+    f"({'packed' if run.packing else 'not packed'}), "
+  )
+  if grpo:
+    epochs = f" ({run.steps * run.batch_size / run.num_iterations / len(dataset):.2g} epochs)"
   shape = (
-    f"jaxtune: {cfg.model_type} {cfg.num_layers} layers, {rows}"
-    f"{dataset.packing_efficiency:.0%} tokens ({'packed' if run.packing else 'not packed'}), "
+    f"jaxtune: {cfg.model_type} {cfg.num_layers} layers, {fill}"
     f"{run.steps} steps{epochs}, "
     + (f"{_method(run)}, " if run.method != "sft" else "")
     + f"mesh {rt.mesh_shape} on {jax.device_count()} {jax.devices()[0].platform} device(s)"
@@ -459,6 +491,7 @@ def _run_locked(
         previous_steps=was_steps,
         announce=announce,
         objective=make_objective(run, dataset, eval_dataset),
+        rollouts=rl.Rollouts(dataset, tokenizer, run, rt) if grpo else None,
       )
   except TrainingError as e:
     reason = str(e).rstrip(".")

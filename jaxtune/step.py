@@ -147,7 +147,10 @@ def make_train_step(
     denom = jnp.maximum(count, 1).astype(jnp.float32)
     grads = jax.tree.map(lambda g: g / (denom * scale), grads)
     loss, grad_norm = loss_sum / denom, optax.global_norm(grads)
-    loss_ok = jnp.isfinite(loss) & (loss != 0)
+    # A loss of exactly 0 means no labelled token, except for objectives where it is a
+    # normal value (GRPO: every group's rewards equal, so every advantage is 0).
+    zero_ok = getattr(objective, "zero_loss_ok", False)
+    loss_ok = jnp.isfinite(loss) & ((loss != 0) | zero_ok)
     overflow = ~jnp.isfinite(grad_norm)
     good = loss_ok & ~overflow
     updates, new_tx_state = tx.update(grads, tx_state, lora)

@@ -54,10 +54,22 @@ _HELP = {
   "seed": "seed of adapter init, data order and dropout",
   "method": "sft (next-token loss), or on preference pairs (prompt, chosen, rejected): dpo, "
   "ipo or orpo (the reference policy is the model with its adapters off)",
-  "beta": "dpo/ipo: the strength of the pull towards the reference (DPO's beta, IPO's tau)",
+  "beta": "dpo/ipo: the strength of the pull towards the reference (DPO's beta, IPO's tau; "
+  "default 0.1); grpo: the weight of the KL penalty to it (default 0: no reference forward)",
   "label_smoothing": "dpo: the assumed probability that a pair's preference is flipped "
   "(conservative DPO), 0 to 0.5",
   "orpo_lambda": "orpo: the weight of the odds-ratio term beside the chosen responses' NLL",
+  "reward": "grpo: reward functions, comma-separated: MODULE:FUNCTION taking (prompts, "
+  "completions, **columns) and returning a float per completion, or final_answer, "
+  "think_format, length_penalty (built in); summed",
+  "num_generations": "grpo: completions sampled per prompt (the group their rewards are "
+  "normalised in)",
+  "max_new_tokens": "grpo: the longest completion, in tokens",
+  "temperature": "grpo: sampling temperature of the rollouts",
+  "top_p": "grpo: nucleus sampling of the rollouts (1: off)",
+  "epsilon": "grpo: clip the policy ratio to [1 - epsilon, 1 + epsilon]",
+  "num_iterations": "grpo: optimizer steps per batch of rollouts (the ratio to the rollout "
+  "policy is then live)",
   "learning_rate": "peak learning rate",
   "schedule": "learning-rate decay after warmup: cosine, linear or constant",
   "warmup_steps": "linear warmup steps",

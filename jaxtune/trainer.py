@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -139,6 +139,7 @@ def train(
   previous_steps: int | None = None,
   announce: Callable[[plan.Plan | None], None] | None = None,
   objective: step.Objective = step.sft_objective,
+  rollouts: Callable[[int, Any, nnx.State, nnx.State], tuple[dict, dict]] | None = None,
 ) -> tuple[nnx.Module, list[dict]]:
   """Run the loop under ``runtime``; returns (trained model, list of per-step metrics).
 
@@ -151,6 +152,8 @@ def train(
   the step is compiled, before the first step (the start line); ``announce(None)`` when no
   step is left to train. ``objective``: what the step minimises (step.Objective; default
   SFT's cross-entropy, preference.Preference for DPO/IPO/ORPO); its figures join the rows.
+  ``rollouts(step, graphdef, lora, frozen) -> (host batch, figures)``: batches made from the
+  current adapters (GRPO, rl.Rollouts) instead of ``dataset``'s; their figures join the rows.
   """
   graphdef, lora, frozen = step.place(model, runtime)
   rows = HostRows(frozen, runtime) if runtime.host_embeddings else None
@@ -167,11 +170,23 @@ def train(
   replicated = runtime.sharding()
   out_shardings = None if replicated is None else (where["lora"], where["opt_state"], replicated)
   batch_at, eval_at = runtime.sharding("accum", "batch", "length"), runtime.sharding("batch")
+  row_at = runtime.sharding("accum", "batch")  # per-row leaves (GRPO's advantages)
+  figures: dict = {}
+
+  def next_batch(i: int) -> dict[str, jax.Array]:
+    """Step ``i``'s batch, placed; a rollout's figures (GRPO) go to ``figures``."""
+    nonlocal figures
+    if rollouts is not None:
+      host, figures = rollouts(i, graphdef, lora, frozen)
+    else:
+      host = dataset.batch(i, run.batch_size, run.grad_accum, run.seed)
+    return _place(host, batch_at, row_at, rows)
+
   first = None
   if start < run.steps:
     # The step compiled for the run's real first arguments, its remat and loss chunk chosen
     # by their memory plan where the settings leave a choice (plan.py).
-    first = _batch(dataset, start, run, batch_at, rows)
+    first = next_batch(start)
     step_fn, chosen = plan.choose(
       lambda rt: step.make_train_step(graphdef, tx, rt, loss_scale, out_shardings, objective),
       (lora, opt_state, frozen, first, jax.random.fold_in(key, start)),
@@ -191,7 +206,7 @@ def train(
   history, counts = [], {"skipped_steps": 0, "overflow_steps": 0}
   # The next batch is assembled while the step runs, where batches are a function of the step
   # alone; a stream's position (saved in checkpoints) must not run ahead of the steps taken.
-  prefetch = not hasattr(dataset, "state")
+  prefetch = not hasattr(dataset, "state") and rollouts is None
   log = run_log.RunLog(
     Path(run.out),
     run.steps,
@@ -211,20 +226,28 @@ def train(
   try:
     for i in range(start, run.steps):
       t0 = time.perf_counter()
-      batch, first = first if first is not None else _batch(dataset, i, run, batch_at, rows), None
+      batch, first = first if first is not None else next_batch(i), None
+      rolled = figures
+      t_step = time.perf_counter()
       lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jax.random.fold_in(key, i))
       if prefetch and i + 1 < run.steps:  # built on the host while the device runs step i
-        first = _batch(dataset, i + 1, run, batch_at, rows)
+        first = next_batch(i + 1)
       row = _row(i, m, schedule, int(np.prod(batch["input_ids"].shape)), t0)
+      if rollouts is not None:
+        row.update(rolled, update_s=time.perf_counter() - t_step)
       _count_bad_step(row, m, run, loss_scale, counts)
       history.append(row)
       last = i + 1 == run.steps
       if (i + 1) % run.log_every == 0 or last:
         log.train(row)
-      if eval_step is not None and (last or (run.eval_every and (i + 1) % run.eval_every == 0)):
-        metrics = step.evaluate(
-          eval_step, lora, frozen, eval_dataset, run.batch_size, eval_at, rows and rows.add
-        )
+      sampling_only = eval_step is None and rollouts is not None and sample_fn is not None
+      due = last or (run.eval_every and (i + 1) % run.eval_every == 0)
+      if (eval_step is not None or sampling_only) and due:
+        metrics = {}
+        if eval_step is not None:
+          metrics = step.evaluate(
+            eval_step, lora, frozen, eval_dataset, run.batch_size, eval_at, rows and rows.add
+          )
         samples = []
         if sample_fn is not None:
           whole = frozen if rows is None else rows.restore(frozen)
@@ -292,13 +315,14 @@ def _logits_bytes(model: nnx.Module, batch: dict, runtime: Runtime) -> int:
   return micro * length * model.config.vocab_size * 4 // runtime.size("data")
 
 
-def _batch(dataset, i: int, run: RunConfig, batch_at, rows=None) -> dict[str, jax.Array]:
-  """Step ``i``'s batch, placed as the step takes it ([accum, micro, T] leaves; with
-  ``rows``, a HostRows, also their embedding rows [accum, micro, T, D])."""
-  host = dataset.batch(i, run.batch_size, run.grad_accum, run.seed)
+def _place(host: dict, batch_at, row_at, rows=None) -> dict[str, jax.Array]:
+  """A host batch placed as the step takes it: [accum, micro, T] leaves (with ``rows``, a
+  HostRows, also their embedding rows [accum, micro, T, D]), [accum, micro] per-row ones."""
   if rows is not None:
     host = rows.add(host)
-  return {k: distributed.global_batch(v, batch_at) for k, v in host.items()}
+  return {
+    k: distributed.global_batch(v, row_at if v.ndim == 2 else batch_at) for k, v in host.items()
+  }
 
 
 def _resume_line(start: int, run: RunConfig, schedule, previous_steps: int | None) -> str:

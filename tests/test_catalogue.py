@@ -484,7 +484,7 @@ CASES = [
   Case(
     "beta-not-positive",
     lambda w: w.train_args("--method", "dpo", "--beta", "0"),
-    r"--beta must be greater than 0",
+    r"--beta must be greater than 0 for --method dpo, got 0\.0",
   ),
   Case(
     "label-smoothing-too-large",

@@ -193,7 +193,7 @@ def test_entry_points_do_not_import_each_other():
 # configs, ModelConfig and RunConfig, are layer 3 with the models, as DESIGN.md has it.)
 _TRAINING = (
   "data", "sources", "formats", "checkpoint", "distributed", "run_log", "losses", "step", "trainer",
-  "checks", "session", "default_model", "run_dir", "plan", "preference",
+  "checks", "session", "default_model", "run_dir", "plan", "preference", "rl", "rewards",
 )  # fmt: skip
 LAYERS = {
   **{m: 1 for m in (*NF4_FORMAT, "jaxtune.errors")},
