@@ -112,8 +112,17 @@ class Prompts:
     max_positions: int | None = None,
     config: str | None = None,
     split: str = "train",
+    columns: str | None = None,
   ):
     table, self.name = sources.open_source(data, config, split)
+    mapping = formats.parse_columns(columns)  # --data-columns prompt=question
+    if mapping:
+      missing = [c for c in mapping if c not in (table.column_names or [])]
+      if missing:
+        raise DataError(
+          f"--data-columns names {', '.join(missing)}, which {self.name} does not have."
+        )
+      table = table.rename_columns(mapping)
     if "prompt" not in (table.column_names or []):
       raise DataError(
         f"--method grpo reads prompts from a 'prompt' column, but {self.name} has "

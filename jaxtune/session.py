@@ -206,6 +206,7 @@ def _load_data(run: RunConfig, tokenizer, cfg: ModelConfig, data: Any, eval_data
     prompts = rl.Prompts(
       data, tokenizer, seq_len=run.seq_len, max_new_tokens=run.max_new_tokens,
       max_positions=cfg.max_position_embeddings, config=run.data_config, split=run.data_split,
+      columns=run.data_columns,
     )  # fmt: skip
     return prompts, None, prompts
   common = dict(
@@ -384,6 +385,8 @@ def run_training(
   checks.check_data_settings(run, given=data is not None)
   checks.check_export_settings(run)
   checks.check_report_to(run)
+  if run.method == "grpo":
+    rl.rewards.load(run.reward)  # an unimportable reward is refused before anything is written
   out = Path(run.out)
   run_dir.check_place(out, run.export)
   model_path = (
@@ -416,16 +419,16 @@ def _run_locked(
     run_dir.check_room(out, _needs_room(run, cfg, resume))
   has_eval = eval_data is not None or bool(run.eval_split) or run.method == "grpo"
   prompts = checks.read_eval_prompts(run, has_eval=has_eval)
-  runtime.resolve(run, cfg, packed=run.packing)  # its refusals before the data is read
+  grpo = run.method == "grpo"
+  # GRPO's step trains on batch-size prompts x num-generations rows.
+  per_step = run.batch_size * run.num_generations if grpo else run.batch_size
+  runtime.resolve(run.replace(batch_size=per_step), cfg, packed=run.packing)  # refusals first
   tokenizer = load_tokenizer(model_path)
   checks.check_vocabulary(tokenizer, cfg, model_path)
   dataset, eval_dataset, report = _load_data(run, tokenizer, cfg, data, eval_data)
   run = run.replace(seq_len=dataset.seq_len, steps=_steps(run, dataset))
   packed = getattr(dataset, "packed", False) or (eval_dataset is not None and eval_dataset.packed)
-  grpo = run.method == "grpo"
-  # GRPO's step trains on batch-size prompts x num-generations rows.
-  rows_run = run.replace(batch_size=run.batch_size * run.num_generations) if grpo else run
-  rt = runtime.resolve(rows_run, cfg, packed=packed)
+  rt = runtime.resolve(run.replace(batch_size=per_step), cfg, packed=packed)
   t_load = time.perf_counter()
   model = build_model(run, model_path, rt.mesh, dtype=rt.dtype)
   jax.block_until_ready(nnx.state(model))

@@ -497,6 +497,49 @@ CASES = [
     r"--method ipo reads its preference pairs whole; drop --data-streaming",
   ),
   Case(
+    "grpo-needs-reward",
+    lambda w: w.train_args("--method", "grpo"),
+    r"--method grpo needs --reward: reward functions MODULE:FUNCTION",
+  ),
+  Case(
+    "reward-cannot-be-imported",
+    lambda w: w.train_args("--method", "grpo", "--reward", "no_such_rewards:correct"),
+    r"--reward no_such_rewards:correct: module 'no_such_rewards' cannot be imported",
+  ),
+  Case(
+    "reward-not-callable",
+    lambda w: w.train_args("--method", "grpo", "--reward", "jaxtune.rewards:BUILT_IN"),
+    r"--reward jaxtune\.rewards:BUILT_IN: module 'jaxtune\.rewards' has a non-callable 'BUILT_IN'",
+  ),
+  Case(
+    "num-generations-below-two",
+    lambda w: w.train_args(
+      "--method", "grpo", "--reward", "final_answer", "--num-generations", "1"
+    ),
+    r"--num-generations must be at least 2, got 1",
+  ),
+  Case(
+    "grpo-data-without-prompt",
+    lambda w: w.train_args("--method", "grpo", "--reward", "final_answer"),
+    r"--method grpo reads prompts from a 'prompt' column, but .*data\.jsonl has messages",
+  ),
+  Case(
+    "grpo-prompts-leave-no-room",
+    lambda w: w.train_args(
+      "--method",
+      "grpo",
+      "--reward",
+      "final_answer",
+      "--seq-len",
+      "64",
+      "--max-new-tokens",
+      "60",
+      "--data",
+      str(w.file("q.jsonl", json.dumps({"prompt": "word " * 30}) + "\n")),
+    ),
+    r"no prompt of .*q\.jsonl leaves room for --max-new-tokens 60 within --seq-len 64",
+  ),
+  Case(
     "data-mixed-formats",
     lambda w: w.train_args(
       "--data", str(w.file("mixed.jsonl", '{"text": "hi"}\n' + _messages("user", "assistant")))
