@@ -95,12 +95,7 @@ def write_inputs(
   print(f"wrote {shape} in {time.perf_counter() - t:.0f}s", flush=True)
   # Words of the bundled dataset, drawn at random into documents of 50 to 2,400 words
   # (log-uniform), so packing has short and long examples to fit together.
-  text = " ".join(
-    m["content"]
-    for line in default_model.DATASET.read_text().splitlines()
-    for m in json.loads(line).get("messages", [])
-  )
-  words = np.asarray(text.split())
+  words = _words()
   rng = np.random.default_rng(seed)
   data = root / "docs.jsonl"
   with open(data, "w") as f:
@@ -110,10 +105,8 @@ def write_inputs(
   return ckpt, data
 
 
-def write_pairs(root: Path, n: int, seed: int = 1) -> Path:
-  """n preference pairs of the bundled dataset's words: a prompt of 60-80 words, chosen and
-  rejected responses of 600-680 words each (about 1,000 tokens a side with the built-in
-  tokenizer, so a pair fills most of a 2,048-token row)."""
+def _words():
+  """Every word of the bundled dataset's messages, as a numpy array."""
   import numpy as np
 
   from jaxtune import default_model
@@ -123,7 +116,16 @@ def write_pairs(root: Path, n: int, seed: int = 1) -> Path:
     for line in default_model.DATASET.read_text().splitlines()
     for m in json.loads(line).get("messages", [])
   )
-  words = np.asarray(text.split())
+  return np.asarray(text.split())
+
+
+def write_pairs(root: Path, n: int, seed: int = 1) -> Path:
+  """n preference pairs of the bundled dataset's words: a prompt of 60-80 words, chosen and
+  rejected responses of 600-680 words each (about 1,000 tokens a side with the built-in
+  tokenizer, so a pair fills most of a 2,048-token row)."""
+  import numpy as np
+
+  words = _words()
   rng = np.random.default_rng(seed)
   path = root / "pairs.jsonl"
   with open(path, "w") as f:

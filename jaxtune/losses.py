@@ -117,9 +117,7 @@ def chunked_loss_sums(
   ``logits_piece(h, start, size)`` giving the logits of entries start .. start + size - 1,
   with an online log-sum-exp, so at most [B, chunk, piece] logits exist.
   """
-  b, t, d = h.shape
-  c = _largest_divisor(t, chunk)
-  pieces = (h.reshape(b, t // c, c, d).swapaxes(0, 1), labels.reshape(b, t // c, c).swapaxes(0, 1))
+  pieces = _pieces(h, labels, chunk)
 
   @jax.checkpoint
   def piece(h_c, labels_c):
@@ -143,17 +141,23 @@ def chunked_token_losses(
 ) -> jax.Array:
   """The per-token cross-entropy [B, T] (0 where the label is IGNORE) of ``chunked_loss_sums``,
   its logits alive a piece at a time in either pass."""
-  b, t, d = h.shape
-  c = _largest_divisor(t, chunk)
-  pieces = (h.reshape(b, t // c, c, d).swapaxes(0, 1), labels.reshape(b, t // c, c).swapaxes(0, 1))
+  b, t, _ = h.shape
 
   @jax.checkpoint
   def piece(h_c, labels_c):
     ce, mask = _piece_ce(head, vocab, h_c, labels_c)
     return jnp.where(mask, ce, 0.0)
 
-  ce = jax.lax.map(lambda xs: piece(*xs), pieces)  # [T / c, B, c]
+  ce = jax.lax.map(lambda xs: piece(*xs), _pieces(h, labels, chunk))  # [T / c, B, c]
   return ce.swapaxes(0, 1).reshape(b, t)
+
+
+def _pieces(h: jax.Array, labels: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
+  """[B, T, D] and [B, T] -> [T / c, B, c, D] and [T / c, B, c], c the largest divisor of T
+  not above ``chunk``."""
+  b, t, d = h.shape
+  c = _largest_divisor(t, chunk)
+  return h.reshape(b, t // c, c, d).swapaxes(0, 1), labels.reshape(b, t // c, c).swapaxes(0, 1)
 
 
 def _piece_ce(head, vocab, h_c, labels_c):

@@ -406,3 +406,53 @@ def assert_lora_grads_match_peft(model, grads, peft_model, rel: float = 1e-5) ->
       assert np.abs(g - want).max() / scale <= rel, (path, field)
       compared += 1
   return compared
+
+
+# A tiny Llama for mesh tests: 8 heads / 4 kv heads so that tensor=4 divides both; hidden 256
+# keeps NF4 blocks whole.
+MESH_SHAPE = dict(
+  hidden_size=256,
+  intermediate_size=512,
+  num_attention_heads=8,
+  num_key_value_heads=4,
+  head_dim=32,
+  num_hidden_layers=2,
+)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def peft_with_random_adapters(hf, rank: int, alpha: float, seed: int, **config):
+  """``hf`` under PEFT LoRA on all seven projections, every A and B random (N(0, 0.05^2)),
+  so that the adapters change the output."""
+  from peft import LoraConfig, get_peft_model
+
+  peft_model = get_peft_model(
+    hf,
+    LoraConfig(
+      r=rank, lora_alpha=alpha, target_modules=list(LORA_TARGETS), lora_dropout=0.0, **config
+    ),
+  )
+  torch.manual_seed(seed)
+  with torch.no_grad():
+    for name, p in peft_model.named_parameters():
+      if "lora_" in name:
+        p.copy_(0.05 * torch.randn_like(p))
+  return peft_model
+
+
+def mesh_lora_model(path, run, spec: str):
+  """(runtime, NF4 model with rank-4 LoRA placed on it) of ``run`` under mesh ``spec`` on the
+  first devices of the 8 fake CPU ones."""
+  import math
+
+  import jax
+
+  import jaxtune
+  from jaxtune import mesh as meshlib
+  from jaxtune import runtime
+
+  devices = jax.devices()[: math.prod(meshlib.parse_mesh(spec, 8).values())]
+  cfg = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32").config
+  rt = runtime.resolve(run.replace(mesh=spec), cfg, devices=devices)
+  model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32", mesh=rt.mesh)
+  return rt, jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 import torch
-from conftest import assert_lora_grads_match_peft, copy_peft_lora_into
+from conftest import assert_lora_grads_match_peft, copy_peft_lora_into, peft_with_random_adapters
 from flax import nnx
 
 import jaxtune
@@ -87,26 +87,12 @@ def test_gradient_touches_only_adapters(hf_llama_dir):
   "rslora,rank_pattern", [(False, None), (True, None), (False, {"down_proj": 8, "q_proj": 2})]
 )
 def test_gradients_match_peft(hf_llama_dir, rslora, rank_pattern):
-  from peft import LoraConfig, get_peft_model
 
   path, hf = hf_llama_dir(seed=3)
   rank, alpha = 4, 12
-  peft_model = get_peft_model(
-    hf,
-    LoraConfig(
-      r=rank,
-      lora_alpha=alpha,
-      target_modules=list(TARGETS),
-      lora_dropout=0.0,
-      use_rslora=rslora,
-      rank_pattern=rank_pattern or {},
-    ),
+  peft_model = peft_with_random_adapters(
+    hf, rank, alpha, seed=0, use_rslora=rslora, rank_pattern=rank_pattern or {}
   )
-  torch.manual_seed(0)
-  with torch.no_grad():
-    for name, p in peft_model.named_parameters():
-      if "lora_" in name:
-        p.copy_(0.05 * torch.randn_like(p))
 
   model = jaxtune.apply_lora(
     jaxtune.from_pretrained(path, quantization=None, dtype="float32"),

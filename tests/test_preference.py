@@ -12,29 +12,21 @@ import numpy as np
 import pytest
 import torch
 from conftest import (
+  MESH_SHAPE,
   assert_lora_grads_match_peft,
   build_hf_llama,
   copy_peft_lora_into,
+  mesh_lora_model,
+  peft_with_random_adapters,
 )
 from flax import nnx
 
 import jaxtune
 from jaxtune import data, default_model, formats, preference, runtime, trainer
-from jaxtune import mesh as meshlib
 from jaxtune.errors import DataError
 from jaxtune.run_config import RunConfig
 
 IGNORE = data.IGNORE
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# 8 heads / 4 kv heads so that tensor=4 divides both (the mesh test).
-SHAPE = dict(
-  hidden_size=256,
-  intermediate_size=512,
-  num_attention_heads=8,
-  num_key_value_heads=4,
-  head_dim=32,
-  num_hidden_layers=2,
-)
 
 
 def _pairs(n: int, seed: int = 0):
@@ -92,19 +84,10 @@ def _torch_loss(method, beta, smoothing, lam, c, r, c0, r0, n_c, n_r):
 def parity_setup(tmp_path_factory):
   """A tiny float32 Llama with random PEFT adapters (so policy != reference), and 5 pairs
   packed into rows of 40 tokens (some rows hold two pairs)."""
-  from peft import LoraConfig, get_peft_model
-
   path = tmp_path_factory.mktemp("pref") / "llama"
   hf = build_hf_llama(7)
   hf.save_pretrained(path)
-  peft_model = get_peft_model(
-    hf, LoraConfig(r=4, lora_alpha=8, target_modules=list(TARGETS), lora_dropout=0.0)
-  )
-  torch.manual_seed(1)
-  with torch.no_grad():
-    for name, p in peft_model.named_parameters():
-      if "lora_" in name:
-        p.copy_(0.05 * torch.randn_like(p))
+  peft_model = peft_with_random_adapters(hf, rank=4, alpha=8, seed=1)
   model = jaxtune.apply_lora(
     jaxtune.from_pretrained(path, quantization=None, dtype="float32"), rank=4, alpha=8
   )
@@ -297,7 +280,7 @@ def test_dpo_learns_to_prefer_the_right_answers_on_held_out_pairs(tmp_path, caps
 @pytest.fixture(scope="module")
 def mesh_checkpoint(tmp_path_factory):
   path = tmp_path_factory.mktemp("pref_mesh") / "llama"
-  build_hf_llama(11, **SHAPE).save_pretrained(path)
+  build_hf_llama(11, **MESH_SHAPE).save_pretrained(path)
   return path
 
 
@@ -308,11 +291,7 @@ def _mesh_losses(path, spec, tmp_path):
     warmup_steps=0, dtype="float32", lora_rank=4, remat="full", method="dpo", beta=0.5,
   )  # fmt: skip
   (tmp_path / spec).mkdir()
-  devices = jax.devices()[: math.prod(meshlib.parse_mesh(spec, 8).values())]
-  cfg = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32").config
-  rt = runtime.resolve(run.replace(mesh=spec), cfg, devices=devices)
-  model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32", mesh=rt.mesh)
-  model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
+  rt, model = mesh_lora_model(path, run, spec)
   objective = preference.Preference.from_run(run, dataset.max_segments)
   _, history = trainer.train(model, dataset, run, rt, objective=objective)
   return np.array([[h["loss"], h["reward_margin"]] for h in history])

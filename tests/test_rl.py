@@ -4,7 +4,6 @@ learning rate), an exact resume, and one update under a 2x4 mesh. Bad input is i
 test_catalogue.py."""
 
 import json
-import math
 import shutil
 
 import jax
@@ -12,16 +11,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import assert_lora_grads_match_peft, build_hf_llama, copy_peft_lora_into
+from conftest import (
+  MESH_SHAPE,
+  assert_lora_grads_match_peft,
+  build_hf_llama,
+  copy_peft_lora_into,
+  mesh_lora_model,
+  peft_with_random_adapters,
+)
 from flax import nnx
 
 import jaxtune
 from jaxtune import data, rewards, rl, runtime, trainer
-from jaxtune import mesh as meshlib
 from jaxtune.run_config import RunConfig
 
 IGNORE = data.IGNORE
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _rows(n: int, t: int, seed: int) -> dict[str, np.ndarray]:
@@ -51,18 +55,9 @@ def test_grpo_objective_and_lora_gradients_match_the_formula(tmp_path):
   """TRL 1.16's default GRPO loss ("dapo"), written out on transformers' logits: clipped
   ratios against fixed rollout log-probs (some ratios outside the clip range), the KL to the
   adapters disabled, summed over completion tokens and divided by their count."""
-  from peft import LoraConfig, get_peft_model
-
   hf = build_hf_llama(9)
   hf.save_pretrained(tmp_path / "llama")
-  peft_model = get_peft_model(
-    hf, LoraConfig(r=4, lora_alpha=8, target_modules=list(TARGETS), lora_dropout=0.0)
-  )
-  torch.manual_seed(2)
-  with torch.no_grad():
-    for name, p in peft_model.named_parameters():
-      if "lora_" in name:
-        p.copy_(0.05 * torch.randn_like(p))
+  peft_model = peft_with_random_adapters(hf, rank=4, alpha=8, seed=2)
   model = jaxtune.apply_lora(
     jaxtune.from_pretrained(tmp_path / "llama", quantization=None, dtype="float32"),
     rank=4,
@@ -133,7 +128,10 @@ def test_a_reward_of_the_wrong_length_or_kind_is_named_with_the_step():
   def words(prompts, completions, **_):
     return ["good" for _ in completions]
 
-  for fn, match in ((short, "returned 1 values for 2 completions at step 7"), (words, "returned a value that is not a number at step 7")):
+  for fn, match in (
+    (short, "returned 1 values for 2 completions at step 7"),
+    (words, "returned a value that is not a number at step 7"),
+  ):
     with pytest.raises(jaxtune.UserError, match=f"reward {fn.__name__} {match}"):
       rewards.score([(fn.__name__, fn)], ["p", "q"], ["a", "b"], {}, step=7)
 
@@ -199,11 +197,7 @@ def test_grpo_learns_a_toy_task_and_resumes_exactly(toy_task, tmp_path, monkeypa
 def test_grpo_update_under_a_mesh_equals_one_device(tmp_path):
   """One GRPO update of fixed completions (rollouts given), 2x4 against one device."""
   path = tmp_path / "llama"
-  shape = dict(
-    hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4,
-    head_dim=32, num_hidden_layers=2,
-  )  # fmt: skip
-  build_hf_llama(11, **shape).save_pretrained(path)
+  build_hf_llama(11, **MESH_SHAPE).save_pretrained(path)
   host = _rows(16, 32, seed=4)
   host["advantages"] = np.random.default_rng(5).normal(size=16).astype(np.float32)
   host = {k: v.reshape(2, 8, *v.shape[1:]) for k, v in host.items()}
@@ -214,11 +208,7 @@ def test_grpo_update_under_a_mesh_equals_one_device(tmp_path):
       warmup_steps=0, dtype="float32", lora_rank=4, remat="full", method="grpo", beta=0.04,
     )  # fmt: skip
     (tmp_path / spec).mkdir()
-    devices = jax.devices()[: math.prod(meshlib.parse_mesh(spec, 8).values())]
-    cfg = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32").config
-    rt = runtime.resolve(run.replace(mesh=spec), cfg, devices=devices)
-    model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32", mesh=rt.mesh)
-    model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
+    rt, model = mesh_lora_model(path, run, spec)
     fixed = lambda i, graphdef, lora, frozen: (host, {})  # noqa: E731
     _, history = trainer.train(
       model, None, run, rt, objective=rl.GRPO.from_run(run), rollouts=fixed

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 import torch
-from conftest import background_run, build_hf_llama, max_rel_err, run_cli
+from conftest import MESH_SHAPE, background_run, build_hf_llama, max_rel_err, run_cli
 from flax import nnx
 
 import jaxtune
@@ -18,15 +18,7 @@ from jaxtune import data, default_model, losses, runtime, step, trainer
 from jaxtune import mesh as meshlib
 from jaxtune.run_config import RunConfig
 
-# 8 heads / 4 kv heads so that tensor=4 divides both; hidden 256 keeps NF4 blocks whole.
-SHAPE = dict(
-  hidden_size=256,
-  intermediate_size=512,
-  num_attention_heads=8,
-  num_key_value_heads=4,
-  head_dim=32,
-  num_hidden_layers=2,
-)
+SHAPE = MESH_SHAPE
 
 
 def _tiny_dir(hf_llama_dir, seed=11, **overrides):
