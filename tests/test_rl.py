@@ -158,32 +158,32 @@ def _grpo(toy_task, out, monkeypatch, **settings):
   monkeypatch.syspath_prepend(str(toy_task))
   run_dir, _ = jaxtune.train(
     data=toy_task / "prompts.jsonl", method="grpo", reward="toy_rewards:has_a",
-    num_generations=8, batch_size=4, max_new_tokens=8, warmup_steps=0, schedule="constant",
+    num_generations=4, batch_size=4, max_new_tokens=8, warmup_steps=0, schedule="constant",
     out=str(out), export=None, report_to="none", save_every=3, **settings,
   )  # fmt: skip
   return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_grpo_learns_a_toy_task_and_resumes_exactly(toy_task, tmp_path, monkeypatch, capsys):
-  rows = _grpo(toy_task, tmp_path / "run", monkeypatch, steps=5, learning_rate=5e-3)
+  rows = _grpo(toy_task, tmp_path / "run", monkeypatch, steps=4, learning_rate=5e-3)
   assert "grpo (toy_rewards:has_a; epsilon 0.2, no KL term" in capsys.readouterr().out
   reward = [r["reward"] for r in rows]
-  assert reward[0] < 0.7 and min(reward[-2:]) >= 0.9, reward  # learned (from ~0.2-0.4)
+  assert reward[0] < 0.7 and min(reward[-2:]) >= 0.8, reward  # learned (from ~0.2-0.4)
   for key in ("reward/toy_rewards:has_a", "kl", "clip_fraction", "completion_length", "rollout_s"):
     assert key in rows[-1], key
   # At (almost) zero learning rate the reward stays at its starting level: the check can fail.
   still = _grpo(toy_task, tmp_path / "still", monkeypatch, steps=3, learning_rate=1e-9)
-  assert max(r["reward"] for r in still) < 0.8, [r["reward"] for r in still]
+  assert max(r["reward"] for r in still) < 0.7, [r["reward"] for r in still]
   # Resumed from step 3, the same rollouts (sampling keys) and updates as uninterrupted.
   shutil.copytree(tmp_path / "run", tmp_path / "resumed")
-  shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "5")
+  shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "4")
   metrics = tmp_path / "resumed" / "metrics.jsonl"
   metrics.write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
   monkeypatch.syspath_prepend(str(toy_task))
   jaxtune.train(
     data=toy_task / "prompts.jsonl", method="grpo", reward="toy_rewards:has_a",
-    num_generations=8, batch_size=4, max_new_tokens=8, warmup_steps=0, schedule="constant",
-    out=str(tmp_path / "resumed"), export=None, report_to="none", save_every=3, steps=5,
+    num_generations=4, batch_size=4, max_new_tokens=8, warmup_steps=0, schedule="constant",
+    out=str(tmp_path / "resumed"), export=None, report_to="none", save_every=3, steps=4,
     learning_rate=5e-3, resume=True,
   )  # fmt: skip
   again = [json.loads(x) for x in metrics.read_text().splitlines()]
