@@ -156,6 +156,11 @@ def check_data_settings(run: RunConfig, given: bool = False) -> None:
         "--method grpo evaluates by sampling --eval-prompts at --eval-every; drop --eval-data "
         "and --eval-split."
       )
+    if run.embeddings == "host":
+      raise UserError(
+        "--method grpo generates its rollouts on the devices, which needs the embedding table "
+        "there; drop --embeddings host."
+      )
   elif run.reward:
     raise UserError(f"--reward scores generations of --method grpo, not --method {run.method}.")
   if run.method != "sft":

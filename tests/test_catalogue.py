@@ -512,6 +512,11 @@ CASES = [
     r"--reward jaxtune\.rewards:BUILT_IN: module 'jaxtune\.rewards' has a non-callable 'BUILT_IN'",
   ),
   Case(
+    "grpo-with-host-embeddings",
+    lambda w: w.train_args("--method", "grpo", "--reward", "final_answer", "--embeddings", "host"),
+    r"--method grpo generates its rollouts on the devices, which needs the embedding table there",
+  ),
+  Case(
     "num-generations-below-two",
     lambda w: w.train_args(
       "--method", "grpo", "--reward", "final_answer", "--num-generations", "1"
