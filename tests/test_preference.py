@@ -1,10 +1,11 @@
 """Preference tuning (--method dpo, ipo, orpo): the objective and its LoRA gradients against
 transformers + peft, pairs in the data (encoded, packed whole, fitted to seq-len), learning on
-CPU and mesh equality. Bad input (missing responses, no room, the wrong data for the method,
---beta, --label-smoothing) is in test_catalogue.py."""
+CPU. Mesh equality is in test_rl.py, beside GRPO's; bad input (missing responses, no room,
+the wrong data for the method, --beta, --label-smoothing) in test_catalogue.py."""
 
 import json
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,19 +13,18 @@ import numpy as np
 import pytest
 import torch
 from conftest import (
-  MESH_SHAPE,
   assert_lora_grads_match_peft,
+  background_run,
   build_hf_llama,
   copy_peft_lora_into,
-  mesh_lora_model,
   peft_with_random_adapters,
+  run_cli,
 )
 from flax import nnx
 
 import jaxtune
-from jaxtune import data, default_model, formats, preference, runtime, trainer
+from jaxtune import data, default_model, formats, preference, runtime
 from jaxtune.errors import DataError
-from jaxtune.run_config import RunConfig
 
 IGNORE = data.IGNORE
 
@@ -251,18 +251,28 @@ def _task_rows(n: int, seed: int) -> list[dict]:
   ]
 
 
-def test_dpo_learns_to_prefer_the_right_answers_on_held_out_pairs(tmp_path, capsys):
-  train_path, eval_path = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+@background_run("dpo_cli_run")
+def _dpo_cli_run(directory, runs):
+  """`python -m jaxtune.train --method dpo` on the built-in model: 64 training pairs, 16
+  held out, 16 steps, a PEFT export. Returns (run directory, the finished process)."""
+  train_path, eval_path = directory / "train.jsonl", directory / "eval.jsonl"
   train_path.write_text("".join(json.dumps(r) + "\n" for r in _task_rows(64, 0)))
   eval_path.write_text("".join(json.dumps(r) + "\n" for r in _task_rows(16, 1)))
-  run_dir, _ = jaxtune.train(
-    data=train_path, eval_data=eval_path, method="dpo", beta=0.1, out=str(tmp_path / "run"),
-    steps=24, batch_size=8, learning_rate=2e-3, eval_every=24, export=None, seq_len=64,
-    report_to="none",
-  )  # fmt: skip
-  said = capsys.readouterr()
-  assert "dpo (beta 0.1; reference: the adapters off)" in said.out
-  rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  out = directory / "run"
+  argv = [
+    sys.executable, "-m", "jaxtune.train", "--method", "dpo", "--data", str(train_path),
+    "--eval-data", str(eval_path), "--beta", "0.1", "--steps", "16", "--batch-size", "8",
+    "--learning-rate", "2e-3", "--eval-every", "16", "--export", "peft", "--seq-len", "64",
+    "--report-to", "none", "--out", str(out),
+  ]  # fmt: skip
+  return out, run_cli(argv)
+
+
+def test_dpo_learns_to_prefer_the_right_answers_on_held_out_pairs(dpo_cli_run):
+  out, proc = dpo_cli_run
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "dpo (beta 0.1; reference: the adapters off)" in proc.stdout
+  rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
   train = [r for r in rows if "loss" in r]
   assert abs(train[0]["loss"] - math.log(2)) < 1e-3  # B = 0: the policy is the reference
   # (bfloat16: the two forwards round differently, so the margin is ~0, not exactly 0)
@@ -271,37 +281,5 @@ def test_dpo_learns_to_prefer_the_right_answers_on_held_out_pairs(tmp_path, caps
   assert final["eval_pairs"] == 16
   assert final["eval_reward_accuracy"] >= 0.9, final
   assert final["eval_reward_margin"] > 0 and final["eval_loss"] < math.log(2)
-  assert "reward accuracy" in said.err
-
-
-# ---------------------------------------------------------------- meshes
-
-
-@pytest.fixture(scope="module")
-def mesh_checkpoint(tmp_path_factory):
-  path = tmp_path_factory.mktemp("pref_mesh") / "llama"
-  build_hf_llama(11, **MESH_SHAPE).save_pretrained(path)
-  return path
-
-
-def _mesh_losses(path, spec, tmp_path):
-  dataset = _pair_dataset(_pairs(16, seed=5), seq_len=32, pack=False)
-  run = RunConfig(
-    out=str(tmp_path / spec), steps=2, batch_size=8, grad_accum=2, learning_rate=1e-2,
-    warmup_steps=0, dtype="float32", lora_rank=4, remat="full", method="dpo", beta=0.5,
-  )  # fmt: skip
-  (tmp_path / spec).mkdir()
-  rt, model = mesh_lora_model(path, run, spec)
-  objective = preference.Preference.from_run(run, dataset.max_segments)
-  _, history = trainer.train(model, dataset, run, rt, objective=objective)
-  return np.array([[h["loss"], h["reward_margin"]] for h in history])
-
-
-def test_dpo_under_meshes_equals_one_device(mesh_checkpoint, tmp_path):
-  one = _mesh_losses(mesh_checkpoint, "1", tmp_path)
-  # The first step trains, so the second's loss and margin are not the constants ln 2 and 0.
-  assert abs(one[1, 0] - one[0, 0]) > 1e-3 and abs(one[1, 1]) > 1e-3
-  for spec in ("2x4", "1x2x2"):
-    np.testing.assert_allclose(
-      _mesh_losses(mesh_checkpoint, spec, tmp_path), one, rtol=2e-5, atol=1e-7, err_msg=spec
-    )
+  assert "reward accuracy" in proc.stderr
+  assert (out / "export" / "adapter_config.json").is_file()

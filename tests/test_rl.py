@@ -5,6 +5,7 @@ test_catalogue.py."""
 
 import json
 import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,15 +15,17 @@ import torch
 from conftest import (
   MESH_SHAPE,
   assert_lora_grads_match_peft,
+  background_run,
   build_hf_llama,
   copy_peft_lora_into,
   mesh_lora_model,
   peft_with_random_adapters,
+  run_cli,
 )
 from flax import nnx
 
 import jaxtune
-from jaxtune import data, rewards, rl, runtime, trainer
+from jaxtune import data, rewards, rl, runtime
 from jaxtune.run_config import RunConfig
 
 IGNORE = data.IGNORE
@@ -139,82 +142,107 @@ def test_a_reward_of_the_wrong_length_or_kind_is_named_with_the_step():
 # ---------------------------------------------------------------- learning, resume
 
 
-@pytest.fixture(scope="module")
-def toy_task(tmp_path_factory):
-  """A directory with 32 chat prompts and a reward module: 1 when a completion holds "a"."""
-  root = tmp_path_factory.mktemp("grpo")
+@background_run("grpo_cli_runs")
+def _grpo_cli_runs(directory, runs):
+  """`python -m jaxtune.train --method grpo` on the built-in model, on a toy task (32 chat
+  prompts; reward 1 when a completion holds "a"): 3 steps at learning rate 5e-3, 2 at 1e-9,
+  and the first run resumed from its step-2 checkpoint in a copy. Returns {name: (run
+  directory, finished process)} for "learn", "still", "resumed"."""
   rows = [
     {"prompt": [{"role": "user", "content": f"Question {i}: is it good?"}]} for i in range(32)
   ]
-  (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-  (root / "toy_rewards.py").write_text(
+  (directory / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  (directory / "toy_rewards.py").write_text(
     "def has_a(prompts, completions, **columns):\n"
     "  return [1.0 if 'a' in c else 0.0 for c in completions]\n"
   )
-  return root
+
+  def train(name, *flags):
+    argv = [
+      sys.executable, "-m", "jaxtune.train", "--method", "grpo", "--data", "prompts.jsonl",
+      "--reward", "toy_rewards:has_a", "--num-generations", "4", "--batch-size", "4",
+      "--max-new-tokens", "8", "--warmup-steps", "0", "--schedule", "constant",
+      "--save-every", "2", "--export", "none", "--report-to", "none", "--out", name, *flags,
+    ]  # fmt: skip
+    return directory / name, run_cli(argv, cwd=directory)
+
+  done = {
+    "learn": train("learn", "--steps", "3", "--learning-rate", "5e-3"),
+    "still": train("still", "--steps", "2", "--learning-rate", "1e-9"),
+  }
+  shutil.copytree(directory / "learn", directory / "resumed")
+  shutil.rmtree(directory / "resumed" / "checkpoints" / "3")
+  metrics = directory / "resumed" / "metrics.jsonl"
+  metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:2]))
+  done["resumed"] = train("resumed", "--steps", "3", "--learning-rate", "5e-3", "--resume")
+  return done
 
 
-def _grpo(toy_task, out, monkeypatch, **settings):
-  monkeypatch.syspath_prepend(str(toy_task))
-  run_dir, _ = jaxtune.train(
-    data=toy_task / "prompts.jsonl", method="grpo", reward="toy_rewards:has_a",
-    num_generations=4, batch_size=4, max_new_tokens=8, warmup_steps=0, schedule="constant",
-    out=str(out), export=None, report_to="none", save_every=3, **settings,
-  )  # fmt: skip
-  return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def _metrics(out):
+  return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_grpo_learns_a_toy_task_and_resumes_exactly(toy_task, tmp_path, monkeypatch, capsys):
-  rows = _grpo(toy_task, tmp_path / "run", monkeypatch, steps=4, learning_rate=5e-3)
-  assert "grpo (toy_rewards:has_a; epsilon 0.2, no KL term" in capsys.readouterr().out
+def test_grpo_learns_a_toy_task_and_resumes_exactly(grpo_cli_runs):
+  for name, (_, proc) in grpo_cli_runs.items():
+    assert proc.returncode == 0, (name, proc.stderr[-2000:])
+  out, proc = grpo_cli_runs["learn"]
+  assert "grpo (toy_rewards:has_a; epsilon 0.2, no KL term" in proc.stdout
+  rows = _metrics(out)
   reward = [r["reward"] for r in rows]
-  assert reward[0] < 0.7 and min(reward[-2:]) >= 0.8, reward  # learned (from ~0.2-0.4)
+  assert reward[0] < 0.7 and reward[-1] >= 0.8, reward  # learned in two updates (from ~0.3)
   for key in ("reward/toy_rewards:has_a", "kl", "clip_fraction", "completion_length", "rollout_s"):
     assert key in rows[-1], key
   # At (almost) zero learning rate the reward stays at its starting level: the check can fail.
-  still = _grpo(toy_task, tmp_path / "still", monkeypatch, steps=3, learning_rate=1e-9)
-  assert max(r["reward"] for r in still) < 0.7, [r["reward"] for r in still]
-  # Resumed from step 3, the same rollouts (sampling keys) and updates as uninterrupted.
-  shutil.copytree(tmp_path / "run", tmp_path / "resumed")
-  shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "4")
-  metrics = tmp_path / "resumed" / "metrics.jsonl"
-  metrics.write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
-  monkeypatch.syspath_prepend(str(toy_task))
-  jaxtune.train(
-    data=toy_task / "prompts.jsonl", method="grpo", reward="toy_rewards:has_a",
-    num_generations=4, batch_size=4, max_new_tokens=8, warmup_steps=0, schedule="constant",
-    out=str(tmp_path / "resumed"), export=None, report_to="none", save_every=3, steps=4,
-    learning_rate=5e-3, resume=True,
-  )  # fmt: skip
-  again = [json.loads(x) for x in metrics.read_text().splitlines()]
+  still = [r["reward"] for r in _metrics(grpo_cli_runs["still"][0])]
+  assert max(still) < 0.7, still
+  # Resumed from step 2: the same rollouts (sampling keys) and updates as uninterrupted.
+  again = _metrics(grpo_cli_runs["resumed"][0])
   keys = ("loss", "reward", "grad_norm", "completion_length")
   assert [[r[k] for k in keys] for r in again] == [[r[k] for k in keys] for r in rows]
 
 
-# ---------------------------------------------------------------- a mesh
+# ---------------------------------------------------------------- meshes
 
 
-def test_grpo_update_under_a_mesh_equals_one_device(tmp_path):
-  """One GRPO update of fixed completions (rollouts given), 2x4 against one device."""
+def test_dpo_and_grpo_under_meshes_equal_one_device(tmp_path):
+  """The DPO loss (pairs packed two to a row) and its LoRA gradients under 2x4 and 1x2x2 (a
+  pipeline), and the GRPO loss (fixed completions, the KL on) and gradients under 2x4, equal
+  one device."""
+  from test_preference import _pair_dataset, _pairs
+
+  from jaxtune import distributed, preference, step
+
   path = tmp_path / "llama"
   build_hf_llama(11, **MESH_SHAPE).save_pretrained(path)
-  host = _rows(16, 32, seed=4)
-  host["advantages"] = np.random.default_rng(5).normal(size=16).astype(np.float32)
-  host = {k: v.reshape(2, 8, *v.shape[1:]) for k, v in host.items()}
+  pairs = _pair_dataset(_pairs(12, seed=5), seq_len=32)
+  dpo_rows = pairs.rows(np.arange(4))
+  assert pairs.max_segments == 4
+  grpo_rows = {**_rows(4, 32, seed=4), "advantages": np.float32([0.5, -1.0, 1.5, -0.3])}
+  run = RunConfig(batch_size=4, dtype="float32", lora_rank=4, remat="full", beta=0.04)
 
-  def losses(spec):
-    run = RunConfig(
-      out=str(tmp_path / spec), steps=2, batch_size=16, grad_accum=2, learning_rate=1e-2,
-      warmup_steps=0, dtype="float32", lora_rank=4, remat="full", method="grpo", beta=0.04,
-    )  # fmt: skip
-    (tmp_path / spec).mkdir()
+  def losses_and_grads(spec):
     rt, model = mesh_lora_model(path, run, spec)
-    fixed = lambda i, graphdef, lora, frozen: (host, {})  # noqa: E731
-    _, history = trainer.train(
-      model, None, run, rt, objective=rl.GRPO.from_run(run), rollouts=fixed
-    )
-    return np.array([[h["loss"], h["kl"]] for h in history])
+    graphdef, lora, frozen = step.place(model, rt)
+    lora = jax.tree.map(lambda x: x + 0.01, lora)  # B = 0 would make policy = reference
+    out = []
+    dpo = (preference.Preference("dpo", 0.5, segments=pairs.max_segments), dpo_rows)
+    grpo = (rl.GRPO(beta=0.04), grpo_rows)
+    for objective, host in (dpo, grpo) if spec != "1x2x2" else (dpo,):
+      at = {2: rt.sharding("batch", "length"), 1: rt.sharding("batch")}
+      batch = {k: distributed.global_batch(v, at[v.ndim]) for k, v in host.items()}
 
-  one = losses("1")
-  assert one[1, 1] > 0  # after one update the policy has left the reference
-  np.testing.assert_allclose(losses("2x4"), one, rtol=2e-5, atol=1e-7)
+      def mean(lo, objective=objective, batch=batch):
+        s, n, _ = objective(graphdef, lo, frozen, batch, None, rt)
+        return s / n
+
+      loss, grads = jax.jit(jax.value_and_grad(mean))(lora)
+      out.append((float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]))
+    return out
+
+  one = losses_and_grads("1")
+  assert all(np.abs(g).max() > 0 for _, grads in one for g in grads)
+  for spec in ("2x4", "1x2x2"):
+    for (loss, grads), (want, want_grads) in zip(losses_and_grads(spec), one, strict=False):
+      np.testing.assert_allclose(loss, want, rtol=2e-5, err_msg=spec)
+      for g, w in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6 * np.abs(w).max(), err_msg=spec)
