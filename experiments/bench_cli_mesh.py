@@ -21,7 +21,9 @@ extra CLI flags, e.g. "1 --attention xla" or "XLA_FLAGS=--xla_dump_to=/tmp/d 2x4
 ("BENCH_PROFILE=FILE 1": that run under cProfile, its statistics in FILE).
 With --pairs N a second file of N synthetic preference pairs (prompt ~100 tokens, chosen
 and rejected ~900 each) is written too; "{pairs}" in an entry stands for its path, e.g.
-"1 --method dpo --data={pairs}".
+"1 --method dpo --data={pairs}". With --prompts N, N prompts of ~100 tokens for GRPO,
+"{prompts}", e.g. "1 --method grpo --data={prompts} --reward length_penalty --batch-size 8"
+(the row then also has the median rollout and update seconds of a step).
 Mesh "1" runs on the first GPU only (CUDA_VISIBLE_DEVICES=0) with --base-batch sequences; every
 other run takes --batch sequences per step (global), so all multi-GPU runs do the same work.
 
@@ -136,6 +138,19 @@ def write_pairs(root: Path, n: int, seed: int = 1) -> Path:
   return path
 
 
+def write_prompts(root: Path, n: int, seed: int = 2) -> Path:
+  """n prompts of 60-80 words of the bundled dataset (about 100 tokens each)."""
+  import numpy as np
+
+  words = _words()
+  rng = np.random.default_rng(seed)
+  path = root / "prompts.jsonl"
+  with open(path, "w") as f:
+    for _ in range(n):
+      f.write(json.dumps({"prompt": " ".join(rng.choice(words, rng.integers(60, 81)))}) + "\n")
+  return path
+
+
 def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
   """One CLI run; returns its row (raises RuntimeError with the CLI's last lines if it fails)."""
   words = shlex.split(entry)
@@ -146,8 +161,9 @@ def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
   if not words:
     raise RuntimeError(f"run {entry!r} names no mesh")
   mesh, *extra = words
-  if getattr(args, "pairs_path", None) is not None:
-    extra = [w.replace("{pairs}", str(args.pairs_path)) for w in extra]
+  for key, path in (("{pairs}", args.pairs_path), ("{prompts}", args.prompts_path)):
+    if path is not None:
+      extra = [w.replace(key, str(path)) for w in extra]
   single = mesh == "1"
   batch = args.base_batch if single else args.batch
   # BENCH_PROFILE=FILE (in the entry): the run under cProfile, its statistics written to FILE.
@@ -240,6 +256,11 @@ def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
     "loss_first": steps[0]["loss"],
     "loss_last": steps[-1]["loss"],
     "timed_steps": len(timed),
+    **{
+      f"{k}_median": statistics.median(r[k] for r in steps if r["step"] > args.warmup)
+      for k in ("rollout_s", "update_s", "rollout_tokens_per_s")
+      if all(k in r for r in steps)
+    },
   }
 
 
@@ -259,6 +280,7 @@ def main():
   ap.add_argument("--results-dir", default=None)
   ap.add_argument("--bnb-4bit", action="store_true", help="write the checkpoint as *-bnb-4bit")
   ap.add_argument("--pairs", type=int, default=0, help="also write N preference pairs ({pairs})")
+  ap.add_argument("--prompts", type=int, default=0, help="also write N GRPO prompts ({prompts})")
   args = ap.parse_args()
   if args.tiny:
     args.shape, args.seq, args.steps, args.batch, args.docs = "tiny", 128, 4, 8, 200
@@ -285,6 +307,7 @@ def main():
   with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
     ckpt, data = write_inputs(Path(tmp), args.shape, args.tiny, args.docs, bnb_4bit=args.bnb_4bit)
     args.pairs_path = write_pairs(Path(tmp), args.pairs) if args.pairs else None
+    args.prompts_path = write_prompts(Path(tmp), args.prompts) if args.prompts else None
     for i, entry in enumerate(e.strip() for e in args.runs.split(";") if e.strip()):
       try:
         row = run_cli(entry, ckpt, data, Path(tmp) / f"run{i}", args)

@@ -45,7 +45,7 @@ def record(
   with open(out_dir / "results.jsonl", "a") as f:
     for row in rows:
       f.write(json.dumps({**meta, **row}) + "\n")
-  keys = list(rows[0])
+  keys = list(dict.fromkeys(k for row in rows for k in row))  # every row's, first seen first
   lines = [
     f"\n## {title}\n",
     f"{meta['date']}, {meta['device']}, jax {meta['jax']}, `{meta['command']}`\n",
@@ -55,7 +55,7 @@ def record(
   lines.append("| " + " | ".join(keys) + " |")
   lines.append("|" + "---|" * len(keys))
   for row in rows:
-    lines.append("| " + " | ".join(_fmt(row[k]) for k in keys) + " |")
+    lines.append("| " + " | ".join(_fmt(row[k]) if k in row else "" for k in keys) + " |")
   with open(out_dir / "RESULTS.md", "a") as f:
     f.write("\n".join(lines) + "\n")
 

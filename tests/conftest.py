@@ -450,9 +450,9 @@ def mesh_lora_model(path, run, spec: str):
   import jaxtune
   from jaxtune import mesh as meshlib
   from jaxtune import runtime
+  from jaxtune.config import ModelConfig
 
   devices = jax.devices()[: math.prod(meshlib.parse_mesh(spec, 8).values())]
-  cfg = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32").config
-  rt = runtime.resolve(run.replace(mesh=spec), cfg, devices=devices)
+  rt = runtime.resolve(run.replace(mesh=spec), ModelConfig.from_hf(path), devices=devices)
   model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32", mesh=rt.mesh)
   return rt, jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)

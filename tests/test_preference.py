@@ -85,7 +85,7 @@ def parity_setup(tmp_path_factory):
   """A tiny float32 Llama with random PEFT adapters (so policy != reference), and 5 pairs
   packed into rows of 40 tokens (some rows hold two pairs)."""
   path = tmp_path_factory.mktemp("pref") / "llama"
-  hf = build_hf_llama(7)
+  hf = build_hf_llama(7, num_hidden_layers=2)
   hf.save_pretrained(path)
   peft_model = peft_with_random_adapters(hf, rank=4, alpha=8, seed=1)
   model = jaxtune.apply_lora(

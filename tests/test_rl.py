@@ -3,6 +3,7 @@ transformers + peft, advantages, rewards, learning a toy task on CPU (and not at
 learning rate), an exact resume, and one update under a 2x4 mesh. Bad input is in
 test_catalogue.py."""
 
+import functools
 import json
 import shutil
 import sys
@@ -58,7 +59,7 @@ def test_grpo_objective_and_lora_gradients_match_the_formula(tmp_path):
   """TRL 1.16's default GRPO loss ("dapo"), written out on transformers' logits: clipped
   ratios against fixed rollout log-probs (some ratios outside the clip range), the KL to the
   adapters disabled, summed over completion tokens and divided by their count."""
-  hf = build_hf_llama(9)
+  hf = build_hf_llama(9, num_hidden_layers=2)
   hf.save_pretrained(tmp_path / "llama")
   peft_model = peft_with_random_adapters(hf, rank=4, alpha=8, seed=2)
   model = jaxtune.apply_lora(
@@ -221,23 +222,29 @@ def test_dpo_and_grpo_under_meshes_equal_one_device(tmp_path):
   run = RunConfig(batch_size=4, dtype="float32", lora_rank=4, remat="full", beta=0.04)
 
   def losses_and_grads(spec):
+    """[(loss, gradient leaves)] of DPO, then GRPO (not under the pipeline), one program."""
     rt, model = mesh_lora_model(path, run, spec)
     graphdef, lora, frozen = step.place(model, rt)
     lora = jax.tree.map(lambda x: x + 0.01, lora)  # B = 0 would make policy = reference
-    out = []
-    dpo = (preference.Preference("dpo", 0.5, segments=pairs.max_segments), dpo_rows)
-    grpo = (rl.GRPO(beta=0.04), grpo_rows)
-    for objective, host in (dpo, grpo) if spec != "1x2x2" else (dpo,):
-      at = {2: rt.sharding("batch", "length"), 1: rt.sharding("batch")}
-      batch = {k: distributed.global_batch(v, at[v.ndim]) for k, v in host.items()}
+    at = {2: rt.sharding("batch", "length"), 1: rt.sharding("batch")}
+    place = lambda host: {k: distributed.global_batch(v, at[v.ndim]) for k, v in host.items()}  # noqa: E731
+    cases = [(preference.Preference("dpo", 0.5, segments=pairs.max_segments), dpo_rows)]
+    if spec != "1x2x2":
+      cases.append((rl.GRPO(beta=0.04), grpo_rows))
+    batches = [place(host) for _, host in cases]
 
-      def mean(lo, objective=objective, batch=batch):
-        s, n, _ = objective(graphdef, lo, frozen, batch, None, rt)
-        return s / n
+    def mean(objective, batch, lo):
+      s, n, _ = objective(graphdef, lo, frozen, batch, None, rt)
+      return s / n
 
-      loss, grads = jax.jit(jax.value_and_grad(mean))(lora)
-      out.append((float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]))
-    return out
+    def value_and_grads(lo, batches):
+      return [
+        jax.value_and_grad(functools.partial(mean, objective, batch))(lo)
+        for (objective, _), batch in zip(cases, batches, strict=True)
+      ]
+
+    out = jax.jit(value_and_grads)(lora, batches)
+    return [(float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]) for loss, grads in out]
 
   one = losses_and_grads("1")
   assert all(np.abs(g).max() > 0 for _, grads in one for g in grads)
