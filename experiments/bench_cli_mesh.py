@@ -67,7 +67,7 @@ TINY = dict(  # CPU smoke shape: 8 heads and 8 KV heads so tensor=8 divides, 4 l
   tie_word_embeddings=False,
 )
 START_LINE = re.compile(
-  r"(?P<fill>\d+)% tokens.*attention (?P<attention>\w+), "
+  r"(?:(?P<fill>\d+)% tokens|prompts x).*attention (?P<attention>\w+), "
   r"remat (?P<remat>\w+(?:, loss chunk \d+)?)(?: \((?:auto: )?planned (?P<plan>[\d.]+ [GM]iB))?"
   r"[^;]*; loaded in (?P<load>[\d.]+)s(?:, compiled in (?P<compile>[\d.]+)s"
   r"(?P<cached> \(from the compilation cache\))?)?"
@@ -241,7 +241,7 @@ def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
     "batch": batch,
     "seq": args.seq,
     "attention": start and start["attention"],
-    "packing_fill": start and int(start["fill"]) / 100,
+    "packing_fill": start and start["fill"] and int(start["fill"]) / 100,
     "tokens_per_s": statistics.median(timed),
     "tokens_per_s_per_gpu": statistics.median(timed) / devices,
     "ms_per_step": 1e3 * batch * args.seq / statistics.median(timed),
