@@ -35,7 +35,7 @@ from flax import nnx
 
 from jaxtune.data import IGNORE
 from jaxtune.losses import token_log_probs
-from jaxtune.run_config import DEFAULT_BETA, RunConfig
+from jaxtune.run_config import RunConfig
 from jaxtune.run_log import FIGURES as METRICS  # per pair, summed (the step takes the means)
 from jaxtune.runtime import Runtime
 
@@ -55,8 +55,7 @@ class Preference:
   @classmethod
   def from_run(cls, run: RunConfig, segments: int) -> "Preference":
     """The objective of ``run`` (--method dpo/ipo/orpo); ``segments``: Dataset.max_segments."""
-    beta = DEFAULT_BETA[run.method] if run.beta is None else run.beta
-    return cls(run.method, beta, run.label_smoothing, run.orpo_lambda, max(2, segments))
+    return cls(run.method, run.method_beta, run.label_smoothing, run.orpo_lambda, max(2, segments))
 
   @property
   def figures(self) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from jaxtune import decoding, formats, rewards, sources
 from jaxtune.data import IGNORE
 from jaxtune.errors import DataError
 from jaxtune.losses import token_log_probs
-from jaxtune.run_config import DEFAULT_BETA, RunConfig
+from jaxtune.run_config import RunConfig
 from jaxtune.runtime import Runtime
 
 
@@ -48,7 +48,7 @@ class GRPO:
 
   @classmethod
   def from_run(cls, run: RunConfig) -> "GRPO":
-    return cls(DEFAULT_BETA["grpo"] if run.beta is None else run.beta, run.epsilon)
+    return cls(run.method_beta, run.epsilon)
 
   @property
   def figures(self) -> dict[str, Any]:

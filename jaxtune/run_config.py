@@ -203,6 +203,11 @@ class RunConfig:
   push_to_hub: str | None = None  # ORG/NAME: upload OUT/export there at the end
   hub_private: bool = False
 
+  @property
+  def method_beta(self) -> float:
+    """--beta, or the usual value of --method when unset (DEFAULT_BETA; 0 for sft/orpo)."""
+    return DEFAULT_BETA.get(self.method, 0.0) if self.beta is None else self.beta
+
   @classmethod
   def from_yaml(cls, path: str | Path) -> "RunConfig":
     return cls.from_settings(cls.read_yaml(path))

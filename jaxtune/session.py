@@ -29,6 +29,7 @@ from jaxtune import (
   distributed,
   plan,
   preference,
+  rewards,
   rl,
   run_dir,
   runtime,
@@ -40,7 +41,7 @@ from jaxtune.config import ModelConfig
 from jaxtune.decoding import generate
 from jaxtune.errors import RunConfigError, TrainingError, UserError
 from jaxtune.lora import apply_lora, parse_pattern
-from jaxtune.run_config import DEFAULT_BETA, RunConfig
+from jaxtune.run_config import RunConfig
 
 
 def say(line: str) -> None:
@@ -340,15 +341,14 @@ def _summary(history: list[dict], start_time: float, out: Path, run: RunConfig) 
 def _method(run: RunConfig) -> str:
   """The preference or RL method and its settings, for the start line."""
   if run.method == "grpo":
-    beta = DEFAULT_BETA["grpo"] if run.beta is None else run.beta
-    kl = f"KL {beta:g} to the adapters off" if beta else "no KL term"
+    kl = f"KL {run.method_beta:g} to the adapters off" if run.method_beta else "no KL term"
     return (
       f"grpo ({run.reward}; epsilon {run.epsilon:g}, {kl}, temperature {run.temperature:g}"
       f", {run.num_iterations} step(s) per rollout)"
     )
   if run.method == "orpo":
     return f"orpo (lambda {run.orpo_lambda:g})"
-  beta = DEFAULT_BETA[run.method] if run.beta is None else run.beta
+  beta = run.method_beta
   smoothing = f", label smoothing {run.label_smoothing:g}" if run.label_smoothing else ""
   return f"{run.method} (beta {beta:g}{smoothing}; reference: the adapters off)"
 
@@ -386,7 +386,7 @@ def run_training(
   checks.check_export_settings(run)
   checks.check_report_to(run)
   if run.method == "grpo":
-    rl.rewards.load(run.reward)  # an unimportable reward is refused before anything is written
+    rewards.load(run.reward)  # an unimportable reward is refused before anything is written
   out = Path(run.out)
   run_dir.check_place(out, run.export)
   model_path = (
