@@ -66,7 +66,7 @@ def main():
           continue
         row = {
           "M": m, "K": k, "N": n, "split_k": split, "k_sub": sub, "stages": stages,
-          "dispatch": (split, sub, stages) == (base.split_k, 1, 4), "err": err,
+          "dispatch": (split, sub, stages) == (base.split_k, base.k_sub, 4), "err": err,
           "kernel_ms": ms, "bf16_ms": bf16, "kernel_vs_bf16": ms / bf16,
         }  # fmt: skip
         rows.append(row)

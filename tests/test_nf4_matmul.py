@@ -5,6 +5,8 @@ and the dequantized tile staged in shared memory; the "prmt" lookup (inline PTX)
 a CPU, so its byte-permute program is checked here by emulating prmt on every possible byte.
 """
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,6 +140,25 @@ def test_decoding_dispatch_takes_the_swept_configurations():
       cfg = ops._forward_config(m, n, k, interpret=False)
       assert (cfg.block_m, cfg.split_k, cfg.k_sub) == (16, *want), (m, k, n)
   assert ops._forward_config(4096, 4096, 4096, interpret=False).k_sub == 1  # training tiles
+
+
+def test_dispatched_forward_configurations_fit_in_shared_memory():
+  """Every configuration dispatch can pick for the 8B and 70B projections fits in Hopper's
+  shared memory, counted by kernel.forward_smem_bytes; that count is not below what Mosaic GPU
+  asked for on an H100 (241,728 bytes: 64 tokens, 4 k blocks a step, split K, 2 warpgroups:
+  the GRPO rollout that failed), and 4 k blocks are still taken where they fit."""
+  from pallas_kernels.nf4_matmul import ops
+
+  failed = kernel.Config(block_m=64, compute_wgs=2, split_k=2, k_sub=4)
+  assert kernel.forward_smem_bytes(failed) >= 241_728 > kernel.SMEM_BYTES
+  shapes = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]  # 8B (K, N)
+  shapes += [(8192, 8192), (8192, 1024), (8192, 28672), (28672, 8192)]  # 70B
+  subs = set()
+  for (k, n), m in itertools.product(shapes, (1, 8, 16, 17, 32, 33, 48, 64, 65, 4096)):
+    cfg = ops._forward_config(m, n, k, interpret=False)
+    assert kernel.forward_smem_bytes(cfg) <= kernel.SMEM_BYTES, (m, k, n, cfg)
+    subs.add((cfg.block_m, cfg.k_sub))
+  assert (64, 2) in subs and (16, 4) in subs and (32, 4) in subs, subs
 
 
 def test_prepared_scales_give_the_same_products():

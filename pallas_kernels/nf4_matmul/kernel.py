@@ -43,6 +43,7 @@ from jaxtune.nf4_maps import NF4_CODE
 
 BLOCK_K = nf4.BLOCKSIZE  # one scale per 64 inputs: the natural k step
 WG_ROWS = 64  # rows of wgmma's register operand per warpgroup
+SMEM_BYTES = 232_448  # dynamic shared memory one block may have on Hopper (227 KiB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,19 @@ class Config:
   # Forward: 64-wide k blocks per pipeline step; their wgmmas are issued back to back, so the
   # next block's dequantization overlaps the previous block's matrix product.
   k_sub: int = 1
+
+
+def forward_smem_bytes(config: Config, x_itemsize: int = 2) -> int:
+  """Shared memory the forward kernel asks for with ``config``: the pipeline's stages of x,
+  codes and scales, the output tile, the dequantized-tile staging, and 1 KiB for Mosaic GPU's
+  barriers (64 bytes measured). 64 tokens, 4 k blocks a step and split K measured 241,728
+  bytes, this counts 242,688: over ``SMEM_BYTES``, so dispatch takes 2 blocks there."""
+  bm, wgs, sub = config.block_m, config.compute_wgs, config.k_sub
+  bk, cta_n = BLOCK_K * sub, WG_ROWS * config.compute_wgs
+  stage = bm * bk * x_itemsize + cta_n * bk // 2 + sub * cta_n * 2
+  out = wgs * WG_ROWS * bm * (4 if config.split_k > 1 else x_itemsize)
+  staged = (wgs * sub if config.a_from_smem else 1) * WG_ROWS * BLOCK_K * x_itemsize
+  return config.max_concurrent_steps * stage + out + staged + 1024
 
 
 def kernel_operands(

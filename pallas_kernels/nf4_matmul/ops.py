@@ -70,7 +70,8 @@ def _forward_config(m: int, n: int, k: int, interpret: bool):
   Decoding tiles (at most 64 tokens) follow the sweep of experiments/sweep_nf4_decode.py
   (one H100, 8B shapes, M = 1 and 16): K is split until the grid has a cell per
   streaming multiprocessor, and each pipeline step takes the most 64-wide k blocks (4, 2, 1)
-  that still leave it 4 steps; 21-24% faster than one block a step over twice the cells.
+  that still leave it 4 steps and fit in shared memory (64 tokens with split K: 2 blocks);
+  21-24% faster than one block a step over twice the cells.
   """
   kernel = _kernel()
   wgs = 2 if n % (2 * kernel.WG_ROWS) == 0 else 1
@@ -86,12 +87,17 @@ def _forward_config(m: int, n: int, k: int, interpret: bool):
     if k // (split * 2) < 4 * kernel.BLOCK_K:
       break
     split *= 2
+  config = functools.partial(
+    kernel.Config, block_m=bm, compute_wgs=wgs, a_from_smem=interpret, split_k=split
+  )
   sub = 1
   if bm <= 64:
     part = k // split
     steps = lambda s: part // (s * kernel.BLOCK_K)  # noqa: E731
-    sub = next((s for s in (4, 2) if part % (s * kernel.BLOCK_K) == 0 and steps(s) >= 4), 1)
-  return kernel.Config(block_m=bm, compute_wgs=wgs, a_from_smem=interpret, split_k=split, k_sub=sub)
+    fits = lambda s: kernel.forward_smem_bytes(config(k_sub=s)) <= kernel.SMEM_BYTES  # noqa: E731
+    ok = lambda s: part % (s * kernel.BLOCK_K) == 0 and steps(s) >= 4 and fits(s)  # noqa: E731
+    sub = next((s for s in (4, 2) if ok(s)), 1)
+  return config(k_sub=sub)
 
 
 def _backward_config(m: int, n: int, k: int):
