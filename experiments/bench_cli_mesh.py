@@ -107,6 +107,15 @@ def write_inputs(
   return ckpt, data
 
 
+def _ms_per_step(steps: list, args, batch: int, timed: list) -> float | None:
+  """The median step time: rollout + update where the run generates (GRPO), else the packed
+  tokens of a step over its tokens/s (None without a set --seq)."""
+  later = [r for r in steps if r["step"] > args.warmup]
+  if later and all("rollout_s" in r and "update_s" in r for r in later):
+    return 1e3 * statistics.median(r["rollout_s"] + r["update_s"] for r in later)
+  return 1e3 * batch * args.seq / statistics.median(timed) if args.seq else None
+
+
 def _words():
   """Every word of the bundled dataset's messages, as a numpy array."""
   import numpy as np
@@ -179,7 +188,7 @@ def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
     f"--mesh={mesh}",
     f"--steps={args.steps}",
     f"--batch-size={batch}",
-    f"--seq-len={args.seq}",
+    *([f"--seq-len={args.seq}"] if args.seq else []),
     "--log-every=1",
     f"--save-every={args.steps}",
     "--export=none",
@@ -239,12 +248,12 @@ def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
     "flags": " ".join([*(f"{k}={v}" for k, v in run_env.items()), *extra]),
     "devices": devices,
     "batch": batch,
-    "seq": args.seq,
+    "seq": args.seq or None,
     "attention": start and start["attention"],
     "packing_fill": start and start["fill"] and int(start["fill"]) / 100,
     "tokens_per_s": statistics.median(timed),
     "tokens_per_s_per_gpu": statistics.median(timed) / devices,
-    "ms_per_step": 1e3 * batch * args.seq / statistics.median(timed),
+    "ms_per_step": _ms_per_step(steps, args, batch, timed),
     "peak_gib": steps[-1].get("memory_gib"),
     "load_s": start and float(start["load"]),
     "remat": start and start["remat"],
@@ -272,7 +281,7 @@ def main():
   ap.add_argument("--flags", default="--remat dots_no_batch", help="CLI flags for every run")
   ap.add_argument("--batch", type=int, default=32, help="global sequences per step, multi-GPU")
   ap.add_argument("--base-batch", type=int, default=4, help="sequences per step on 1 GPU")
-  ap.add_argument("--seq", type=int, default=2048)
+  ap.add_argument("--seq", type=int, default=2048, help="--seq-len; 0: the run chooses")
   ap.add_argument("--steps", type=int, default=12)
   ap.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
   ap.add_argument("--docs", type=int, default=3000, help="documents in the synthetic data")
@@ -283,7 +292,7 @@ def main():
   ap.add_argument("--prompts", type=int, default=0, help="also write N GRPO prompts ({prompts})")
   args = ap.parse_args()
   if args.tiny:
-    args.shape, args.seq, args.steps, args.batch, args.docs = "tiny", 128, 4, 8, 200
+    args.shape, args.seq, args.steps, args.batch, args.docs = "tiny", 128 if args.seq else 0, 4, 8, 200
     args.warmup = 1
     # A smoke run is not a measurement: its rows go to a temporary folder unless asked.
     args.results_dir = args.results_dir or tempfile.mkdtemp(prefix="bench_cli_mesh_tiny.")
