@@ -132,13 +132,18 @@ def test_prmt_lookup_program_on_every_byte():
 def test_decoding_dispatch_takes_the_swept_configurations():
   """At decoding sizes dispatch splits K to a cell per SM and takes the most k blocks per
   step that leave 4 steps: the fastest configurations of experiments/sweep_nf4_decode.py
-  (H100, 8B shapes, M = 1 and 16): (split, k blocks) = (8, 2), (2, 4), (8, 4)."""
+  (H100, 8B shapes, M = 1 and 16): (split, k blocks) = (8, 2), (2, 4), (8, 4); at M = 64 half
+  the cells and the most blocks that fit in shared memory: (4, 2), (1, 4), (4, 2)."""
   from pallas_kernels.nf4_matmul import ops
 
   for (k, n), want in {(4096, 4096): (8, 2), (4096, 14336): (2, 4), (14336, 4096): (8, 4)}.items():
     for m in (1, 16):
       cfg = ops._forward_config(m, n, k, interpret=False)
       assert (cfg.block_m, cfg.split_k, cfg.k_sub) == (16, *want), (m, k, n)
+  # 64 tokens (GRPO's rollouts of 8 x 8): the sweep's fastest at M = 64 is half the cells.
+  for (k, n), want in {(4096, 4096): (4, 2), (4096, 14336): (1, 4), (14336, 4096): (4, 2)}.items():
+    cfg = ops._forward_config(64, n, k, interpret=False)
+    assert (cfg.block_m, cfg.split_k, cfg.k_sub) == (64, *want), (k, n)
   assert ops._forward_config(4096, 4096, 4096, interpret=False).k_sub == 1  # training tiles
 
 

@@ -65,7 +65,8 @@ class Config:
 
 
 def forward_smem_bytes(config: Config, x_itemsize: int = 2) -> int:
-  """Shared memory the forward kernel asks for with ``config``: the pipeline's stages of x,
+  """Shared memory the forward kernel asks for with ``config``, at most (a pipeline of fewer
+  steps than ``max_concurrent_steps`` has fewer stages): the pipeline's stages of x,
   codes and scales, the output tile, the dequantized-tile staging, and 1 KiB for Mosaic GPU's
   barriers (64 bytes measured). 64 tokens, 4 k blocks a step and split K measured 241,728
   bytes, this counts 242,688: over ``SMEM_BYTES``, so dispatch takes 2 blocks there."""
