@@ -97,7 +97,11 @@ class Checkpoints:
     self.read_only = read_only
     self.manager = ocp.CheckpointManager(
       self.directory,
-      item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+      item_handlers={
+        "state": ocp.StandardCheckpointHandler(),
+        "meta": ocp.JsonCheckpointHandler(),
+        "rollout": ocp.StandardCheckpointHandler(),
+      },
       options=ocp.CheckpointManagerOptions(
         max_to_keep=None if read_only else keep,
         save_interval_steps=0 if read_only else 1,
@@ -110,19 +114,28 @@ class Checkpoints:
       ),
     )
 
-  def save(self, step: int, state: dict, data: dict | None = None) -> None:
+  def save(
+    self, step: int, state: dict, data: dict | None = None, rollout: dict | None = None
+  ) -> None:
     """Write ``state`` (a dict of pytrees; ``state["key"]`` a typed PRNG key) as ``step``;
-    ``data``: a streamed dataset's position (data.StreamingDataset.state)."""
+    ``data``: a streamed dataset's position (data.StreamingDataset.state); ``rollout``: a GRPO
+    rollout the next steps still train on (rl.Rollouts.state: {"index", "figures", "host"},
+    the host batch's arrays saved beside the state)."""
     state = {**state, "key": jax.random.key_data(state["key"])}
     # The data position is the step (batches are a pure function of it: data.Dataset.batch),
     # and for a stream where it stands in the source.
-    meta = {"step": step, "data_position": step, "data": data, "checksum": checksum(state)}
+    meta = {"step": step, "data_position": step, "data": data}
+    items = {"state": ocp.args.StandardSave(state)}
+    summed = state
+    if rollout is not None:
+      meta["rollout"] = {k: v for k, v in rollout.items() if k != "host"}
+      items["rollout"] = ocp.args.StandardSave(rollout["host"])
+      summed = {**state, "rollout": rollout["host"]}
+    meta["checksum"] = checksum(summed)
     previous = self.manager.latest_step()
     try:
       self.manager.save(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-        force=True,
+        step, args=ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta)), force=True
       )
     except (OSError, ValueError, RuntimeError) as e:
       self._remove_partial(step)
@@ -168,12 +181,10 @@ class Checkpoints:
       try:
         saved = self.manager.item_metadata(step)["state"]
         self._check_shapes(step, saved, abstract)
-        restored = self.manager.restore(
-          step,
-          args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-          ),
-        )
+        items = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
+        if (self.directory / str(step) / "rollout").is_dir():
+          items["rollout"] = ocp.args.StandardRestore()
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
       except RestoreError:
         raise
       except Exception as e:  # orbax and tensorstore raise many types, plain Exception too
@@ -185,8 +196,10 @@ class Checkpoints:
         )
         continue
       state = dict(restored["state"])
+      rollout = restored.get("rollout")
+      summed = state if rollout is None else {**state, "rollout": rollout}
       saved_sum = restored["meta"].get("checksum")
-      if saved_sum is not None and checksum(state) != saved_sum:
+      if saved_sum is not None and checksum(summed) != saved_sum:
         moved = self._move_aside(step)
         where = f"; moved it to {moved}" if moved else ""
         _say(
@@ -196,6 +209,9 @@ class Checkpoints:
         continue
       state["key"] = jax.random.wrap_key_data(state["key"])
       state["data"] = restored["meta"].get("data")
+      if rollout is not None:
+        host = {k: np.asarray(v) for k, v in rollout.items()}
+        state["rollout"] = {**restored["meta"]["rollout"], "host": host}
       return state, int(restored["meta"]["step"])
     raise RestoreError(
       f"none of the checkpoints in {self.directory} (steps {', '.join(map(str, steps))}) can be "

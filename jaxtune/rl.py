@@ -221,6 +221,22 @@ class Rollouts:
     _, host, figures = self._held
     return host, figures
 
+  def state(self, step: int) -> dict | None:
+    """What a checkpoint written after ``step`` steps must keep so a resumed run trains on
+    the same rollout: the held one while the next step still trains on it (--num-iterations >
+    1, mid-group; regenerating it from later adapters would sample other completions), else
+    None (the next step samples anew, seeded by its rollout number)."""
+    if step % self.run.num_iterations == 0 or self._held is None:
+      return None
+    rollout, host, figures = self._held
+    if rollout != step // self.run.num_iterations:
+      return None
+    return {"index": rollout, "figures": figures, "host": host}
+
+  def restore(self, saved: dict) -> None:
+    """Take back a rollout ``state`` saved mid-group."""
+    self._held = (int(saved["index"]), dict(saved["host"]), dict(saved["figures"]))
+
   def _old_log_probs(self, graphdef, lora, frozen, host) -> np.ndarray:
     """The rollout policy's log-probabilities of the rows' labels (--num-iterations > 1)."""
     if self._old is None:

@@ -99,10 +99,11 @@ class StopSignals:
     )
 
 
-def _start(lora, tx, runtime: Runtime, loss_scale, checkpoints, seed: int, dataset):
+def _start(lora, tx, runtime: Runtime, loss_scale, checkpoints, seed: int, dataset, rollouts):
   """(lora, opt_state, key, first step): fresh, or restored from the latest checkpoint (a
-  streamed dataset then seeks to where it was). A fresh start and a resumed one give the step
-  the same placement (no recompile)."""
+  streamed dataset then seeks to where it was; GRPO's rollouts take back the rollout the next
+  steps train on). A fresh start and a resumed one give the step the same placement (no
+  recompile)."""
   state = {"lora": lora, "opt_state": step.init_opt_state(tx, lora, loss_scale)}
   key, start = jax.random.key(seed), 0
   where = step.placements(state, runtime)
@@ -118,6 +119,8 @@ def _start(lora, tx, runtime: Runtime, loss_scale, checkpoints, seed: int, datas
             "resume without --data-streaming, or start a new --out."
           )
         dataset.seek(saved["data"])
+      if saved.get("rollout") is not None and hasattr(rollouts, "restore"):
+        rollouts.restore(saved["rollout"])
   state = jax.device_put(state, where)
   if runtime.mesh is not None:
     # Typed keys cannot be device_put across processes; their raw data can.
@@ -163,7 +166,7 @@ def train(
     loss_scale = step.LossScale()
   tx, schedule = step.make_optimizer(run)
   lora, opt_state, key, start, where = _start(
-    lora, tx, runtime, loss_scale, checkpoints, run.seed, dataset
+    lora, tx, runtime, loss_scale, checkpoints, run.seed, dataset, rollouts
   )
   if start and distributed.is_main():
     print(_resume_line(start, run, schedule, previous_steps), file=sys.stderr, flush=True)
@@ -220,7 +223,8 @@ def train(
     nonlocal saved
     if checkpoints is not None and n != saved:
       data_state = dataset.state() if hasattr(dataset, "state") else None
-      checkpoints.save(n, {"lora": lora, "opt_state": opt_state, "key": key}, data_state)
+      held = rollouts.state(n) if hasattr(rollouts, "state") else None
+      checkpoints.save(n, {"lora": lora, "opt_state": opt_state, "key": key}, data_state, held)
       saved = n
 
   try:

@@ -94,14 +94,17 @@ def test_packed_rows_give_each_example_its_own_loss(tmp_path, kernels):
     model, packed.input_ids, packed.labels, packed.positions, packed.segment_ids, rt
   )[0]
   tol = dict(rtol=3e-2, atol=3e-2) if kernels else dict(rtol=1e-5, atol=1e-5)
-  # Each example alone in a row of its own (no segment ids), the three rows in one batch: rows
-  # never see each other, and one call costs the interpreter far less than three.
+  # Each example alone in a row of its own (no segment ids), the three rows in one batch, on
+  # XLA: the interpreted kernels' packed losses must equal XLA's unpacked ones (the
+  # interpreter is what costs here, so it runs the packed row only).
   alone = data.to_rows(examples, labels, SEQ, pack=False)
   assert len(alone) == 3 and not alone.packed
-  want = _token_losses(model, alone.input_ids, alone.labels, rt=rt)
+  want = _token_losses(model, alone.input_ids, alone.labels, rt=_use_kernels(False))
   for s, example in enumerate(examples, 1):
     np.testing.assert_allclose(got[packed.segment_ids[0] == s], want[s - 1, : len(example)], **tol)
   # Without segment ids the later examples would attend to the earlier ones: not the same.
+  if kernels:
+    return  # shown on XLA by the other case; the kernels' segments are what this case adds
   mixed = _token_losses(model, packed.input_ids, packed.labels, packed.positions, rt=rt)[0]
   second = packed.segment_ids[0] == 2
   assert np.abs(mixed[second] - got[second]).max() > 10 * tol["atol"]
