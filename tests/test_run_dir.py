@@ -168,11 +168,11 @@ def test_disk_filling_up_mid_run_is_one_sentence_and_leaves_nothing_half_written
   argv = ["--out", str(out), "--steps", "4", *FLAGS]
   real_save, saves, filler = checkpoint.Checkpoints.save, [], []
 
-  def fill_then_save(self, step, state, data=None):
+  def fill_then_save(self, step, state, data=None, rollout=None):
     saves.append(step)
     if len(saves) == 2:
       filler.append(_fill(disk))
-    return real_save(self, step, state, data)
+    return real_save(self, step, state, data, rollout)
 
   caplog.set_level(logging.WARNING)
   with monkeypatch.context() as m:
