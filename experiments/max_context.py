@@ -25,6 +25,10 @@ Summary rows: max_seq per policy and the shortest failure above it. Trials are a
   python experiments/max_context.py --results-dir $OUT                  # llama-3.1-8b
   python experiments/max_context.py --remat offload --results-dir $OUT  # one policy, 540 s
   python experiments/max_context.py --tiny     # CPU smoke run (tiny-llama, 64..256 tokens)
+  python experiments/max_context.py --context 4 --remat offload  # the sequence over 4 GPUs
+
+--context C: each sequence split over the first C devices (a ``context`` mesh axis, ring
+attention, zigzag layout, as ``--mesh context=C`` trains); peak_gib is the busiest device's.
 """
 
 import argparse
@@ -80,6 +84,14 @@ def random_nf4_model(cfg, seed: int = 0):
   return model
 
 
+def _peak_gib(devices: int) -> float:
+  """The busiest of the trial's first ``devices`` devices: its peak bytes in use, in GiB."""
+  import jax
+
+  stats = [d.memory_stats() or {} for d in jax.devices()[:devices]]
+  return max(s.get("peak_bytes_in_use", 0) for s in stats) / 2**30
+
+
 def run_trial(args) -> None:
   """One trial (in its own process): build, compile and run the step at --trial-seq."""
   import jax
@@ -87,7 +99,8 @@ def run_trial(args) -> None:
   import numpy as np
 
   import jaxtune
-  from jaxtune import runtime
+  from jaxtune import context, runtime
+  from jaxtune import mesh as meshlib
   from jaxtune import step as trainer
   from jaxtune.run_config import RunConfig
 
@@ -107,8 +120,12 @@ def run_trial(args) -> None:
     model = jaxtune.apply_lora(random_nf4_model(cfg), rank=LORA_RANK, alpha=LORA_RANK)
     asked = None if args.attention == "default" else args.attention
     impl, _ = runtime.resolve_attention(asked, cfg, dtype="bfloat16", packed=False)
+    mesh = None
+    if args.context > 1:  # the sequence split over the first --context devices, ring attention
+      mesh = meshlib.make_mesh(f"context={args.context}", jax.devices()[: args.context])
+      impl = "ring"
     rt = runtime.Runtime(
-      dtype="bfloat16", remat=args.remat, attention=impl, loss_chunk=args.loss_chunk,
+      mesh=mesh, dtype="bfloat16", remat=args.remat, attention=impl, loss_chunk=args.loss_chunk,
       mlp_chunk=args.mlp_chunk,
     )  # fmt: skip
     graphdef, lora, frozen = trainer.place(model, rt)
@@ -119,11 +136,14 @@ def run_trial(args) -> None:
     step = trainer.make_train_step(graphdef, tx, rt)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, cfg.vocab_size, (1, 1, seq + 1)).astype(np.int32)
-    batch = {
-      "input_ids": jnp.asarray(ids[..., :-1]),
-      "labels": jnp.asarray(ids[..., 1:]),
-      "segment_ids": jnp.ones((1, 1, seq), jnp.int32),
+    host = {
+      "input_ids": ids[..., :-1],
+      "labels": ids[..., 1:],
+      "segment_ids": np.ones((1, 1, seq), np.int32),
     }
+    host = context.zigzag_batch(host, args.context, 2)  # as the trainer lays a row out
+    at = rt.sharding("accum", "batch", "length")
+    batch = {k: jnp.asarray(v) if at is None else jax.device_put(v, at) for k, v in host.items()}
     jax.block_until_ready((jax.tree.leaves(frozen), batch))
     say(phase="built", attention=impl, build_s=time.perf_counter() - t0)
     t = time.perf_counter()
@@ -140,13 +160,13 @@ def run_trial(args) -> None:
       lora, opt_state, metrics = compiled(lora, opt_state, frozen, batch, jax.random.key(i))
       loss = float(metrics["loss"])  # waits for the step
       step_s = time.perf_counter() - t
-    peak = (device.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
+    peak = _peak_gib(args.context)
     say(phase="done", status="ok", step_s=step_s, loss=loss, peak_gib=peak)
   except Exception as e:  # the parent records it; an out-of-memory is the expected answer
     text = str(e)
     oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
     first = (text.strip().splitlines() or [""])[0][:300]
-    peak = (device.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
+    peak = _peak_gib(args.context)
     say(phase="failed", status="oom" if oom else "error", error=f"{type(e).__name__}: {first}",
         peak_gib=peak)  # fmt: skip
 
@@ -159,7 +179,7 @@ def launch(args, seq: int, remat: str, timeout: float) -> dict:
     *("--trial-seq", str(seq), "--remat", remat, "--shape", args.shape),
     *("--loss-chunk", str(args.loss_chunk), "--attention", args.attention),
     *("--mlp-chunk", str(args.mlp_chunk)),
-    *("--steps", str(args.steps)),
+    *("--steps", str(args.steps), "--context", str(args.context)),
   ]
   env = dict(os.environ)
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(args.mem_fraction))
@@ -199,6 +219,7 @@ def trial_row(args, seq: int, remat: str, fields: dict) -> dict:
   return {
     "model": args.shape,
     "batch": 1,
+    "context": args.context,
     "seq": seq,
     "remat": remat,
     "loss_chunk": args.loss_chunk,
@@ -265,6 +286,9 @@ def main():
   ap.add_argument("--mem-fraction", type=float, default=0.95, help="of GPU memory JAX may use")
   ap.add_argument("--results-dir", default=None, help="default: experiments/ (--tiny: a temp dir)")
   ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny-llama, 64..256 tokens")
+  ap.add_argument(
+    "--context", type=int, default=1, help="split each sequence over this many devices (ring)"
+  )
   ap.add_argument("--trial-seq", type=int, default=None, help=argparse.SUPPRESS)  # a trial
   args = ap.parse_args()
   if "offload" in args.remat.split(","):  # as the CLI does: trials inherit the environment
@@ -273,6 +297,8 @@ def main():
 
     allow_host_memory_for_offload(RunConfig(remat="offload"))
   if args.tiny:
+    if args.context > 1:  # trials inherit this: that many CPU devices
+      os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.context}"
     args.shape = args.shape or "tiny-llama"
     args.start, args.cap, args.granularity, args.loss_chunk = 64, 256, 32, 16
     args.min_trial_s = min(args.min_trial_s, 5)
@@ -319,6 +345,7 @@ def main():
       {
         "model": args.shape,
         "batch": 1,
+        "context": args.context,
         "remat": remat,
         "loss_chunk": args.loss_chunk,
         "mlp_chunk": args.mlp_chunk,

@@ -6,6 +6,7 @@ this module runs the one it is given:
   "cudnn":     jax.nn.dot_product_attention's cuDNN kernel (asked for by name: left to
                choose, JAX picks its XLA version, which materialises float32 scores); causal
                only, exact when each row holds one document followed by padding.
+  "ring":      a ``context`` mesh axis: ring attention over the sequence's pieces (context.py).
   "mosaic", "interpret", "flash_xla": pallas_kernels.flash_attention (the Hopper kernel, the
                same kernel interpreted on CPU, or its jnp reference). Under a mesh it runs
                per (data, tensor) shard in a ``shard_map``: a custom call has no partitioning
@@ -15,6 +16,7 @@ this module runs the one it is given:
 import jax
 import jax.numpy as jnp
 
+from jaxtune import context
 from jaxtune.runtime import DEFAULT, FLASH, Runtime
 from pallas_kernels.flash_attention import flash_attention
 
@@ -40,6 +42,7 @@ def attention(
   window: int | jax.Array = 0,
   softcap: float | None = None,
   runtime: Runtime = DEFAULT,
+  positions: jax.Array | None = None,
 ) -> jax.Array:
   """Causal self-attention within documents. q [B, T, N, H], k/v [B, T, K, H] -> [B, T, N, H].
 
@@ -47,9 +50,17 @@ def attention(
   segment (0 = padding). ``window`` (int or traced scalar, 0 = none): keys fewer than that many
   positions back. ``softcap``: cap * tanh(scores / cap) (Gemma 2). "cudnn" reads neither
   segments, window nor softcap (``runtime.resolve`` uses it only where they do not matter).
+  "ring" (a ``context`` mesh axis): tokens in zigzag order, masked by ``positions`` [B, T]
+  (jaxtune.context).
   """
   with jax.named_scope("attention"):
     impl = runtime.attention
+    if impl == "ring":
+      heads = runtime.spec("batch", "length", "heads", "head_dim")
+      return context.ring_attention(
+        q, k, v, positions, segment_ids, scale=scale, window=window, softcap=softcap,
+        mesh=runtime.mesh, specs=(heads, runtime.spec("batch", "length")),
+      )  # fmt: skip
     if impl in FLASH:
       return _flash_sharded(q, k, v, segment_ids, window, scale, softcap, runtime)
     if impl == "cudnn":

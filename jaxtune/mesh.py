@@ -1,8 +1,10 @@
-"""``--mesh`` strings -> a ``jax.sharding.Mesh`` with axes (data, tensor, pipe).
+"""``--mesh`` strings -> a ``jax.sharding.Mesh`` with axes (data, tensor, pipe, context).
 
 "8"                          data=8
 "2x4"                        data=2, tensor=4
 "2x2x2"                      data=2, tensor=2, pipe=2 (pipeline stages: see pipeline.py)
+"2x1x1x4"                    data=2, context=4 (each sequence's tokens split 4 ways:
+                             ring attention, see context.py)
 "data=2,tensor=4"            explicit (``pipeline`` is accepted for ``pipe``)
 """
 
@@ -16,31 +18,35 @@ from jax.sharding import Mesh
 from jaxtune import pipeline
 from jaxtune.errors import MeshError
 
-AXES = ("data", "tensor", "pipe")
+AXES = ("data", "tensor", "pipe", "context")
 
 
 def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
   """Axis sizes from a mesh string; None means all devices data-parallel."""
+  sizes = dict.fromkeys(AXES, 1)
   if spec is None or str(spec).strip() == "":
-    return {"data": num_devices, "tensor": 1, "pipe": 1}
+    return {**sizes, "data": num_devices}
   text = str(spec).strip().lower()
-  sizes = {"data": 1, "tensor": 1, "pipe": 1}
   try:
     if "=" in text:
       for part in text.split(","):
         name, value = (x.strip() for x in part.split("="))
         name = "pipe" if name == "pipeline" else name
         if name not in sizes:
-          raise MeshError(f"unknown mesh axis {name!r} in --mesh {spec}; use data, tensor, pipe.")
+          raise MeshError(
+            f"unknown mesh axis {name!r} in --mesh {spec}; use data, tensor, pipe, context."
+          )
         sizes[name] = int(value)
     else:
       values = [int(v) for v in text.split("x")]
-      if len(values) > 3:
-        raise MeshError(f"--mesh {spec} has {len(values)} axes; at most data x tensor x pipe.")
+      if len(values) > len(AXES):
+        raise MeshError(
+          f"--mesh {spec} has {len(values)} axes; at most data x tensor x pipe x context."
+        )
       sizes.update(zip(AXES, values, strict=False))
   except ValueError as e:  # int() of something that is not a number
     raise MeshError(
-      f"cannot read --mesh {spec}; write e.g. 8, 2x4, 2x2x2 or data=2,tensor=4."
+      f"cannot read --mesh {spec}; write e.g. 8, 2x4, 2x2x2, data=2,tensor=4 or data=2,context=4."
     ) from e
   if any(v < 1 for v in sizes.values()):
     raise MeshError(f"--mesh {spec}: every axis needs at least 1 device.")
@@ -61,7 +67,7 @@ def make_mesh(spec: str | None, devices: Sequence[jax.Device] | None = None) -> 
       f"--mesh {spec} multiplies to {product} devices but JAX sees {len(devices)}; "
       f"the product must equal {len(devices)} (or limit the devices, e.g. CUDA_VISIBLE_DEVICES)."
     )
-  grid = np.array(devices).reshape(sizes["data"], sizes["tensor"], sizes["pipe"])
+  grid = np.array(devices).reshape(*(sizes[a] for a in AXES))
   return Mesh(grid, AXES)
 
 

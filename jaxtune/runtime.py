@@ -15,6 +15,8 @@ Attention, as resolved (``Runtime.attention``), names exactly the code that runs
   "interpret"  the same kernel in Mosaic GPU's CPU interpreter (tests)
   "flash_xla"  the flash op's own jnp reference, per shard: ``--attention pallas`` where the
                kernel cannot run (no Hopper GPU, or a dtype/head size it does not take)
+  "ring"       a ``context`` mesh axis: ring attention over the pieces of each sequence
+               (context.py), each block by XLA
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxtune import context, pipeline, sharding
 from jaxtune import mesh as meshlib
-from jaxtune import pipeline, sharding
 from jaxtune.errors import MeshError, UserError
 from jaxtune.run_config import AUTO_LOSS_CHUNK, AUTO_REMAT, REMAT, RunConfig
 from pallas_kernels.flash_attention import mosaic_supports
@@ -35,7 +37,7 @@ from pallas_kernels.flash_attention import mosaic_supports
 if TYPE_CHECKING:
   from jaxtune.config import ModelConfig
 
-ATTENTION = ("xla", "cudnn", "mosaic", "interpret", "flash_xla")
+ATTENTION = ("xla", "cudnn", "mosaic", "interpret", "flash_xla", "ring")
 NF4_MATMUL = ("auto", "kernel", "xla", "interpret")  # interpret: the kernel on CPU (tests)
 FLASH = ("mosaic", "interpret", "flash_xla")  # run per shard through the flash op
 
@@ -91,6 +93,11 @@ class Runtime:
     return self.size(pipeline.AXIS) > 1
 
   @property
+  def context(self) -> int:
+    """The context group's size: each row's tokens split that many ways (1: whole)."""
+    return self.size(context.AXIS)
+
+  @property
   def rules(self) -> dict[str, str | None]:
     """Logical axis -> mesh axis for activations under this runtime (sharding.RULES, with the
     residual stream's tokens over tensor under sequence parallelism)."""
@@ -128,6 +135,8 @@ class Runtime:
       parts.append(f"mlp chunk {self.mlp_chunk}")
     if self.sequence_parallel:
       parts.append("sequence parallel")
+    if self.context > 1:
+      parts.append(f"each sequence split over {self.context} devices (zigzag)")
     if self.shard_frozen:
       parts.append("frozen weights sharded over data")
     if self.host_embeddings:
@@ -251,13 +260,21 @@ def resolve(
   if pp > 1:
     per_shard = max(1, micro_batch // mesh.shape["data"])
     microbatches = pipeline.num_microbatches(per_shard, run.microbatches)
+  cp = mesh.shape[context.AXIS]
+  if cp > 1:
+    _check_context(run, cp, pp, seq_len)
   candidates = remat_candidates(run, pipelined=pp > 1)
   if run.embeddings == "host":
     _check_host_embeddings(run, cfg)
   dtype, dtype_note = compute_dtype(run.dtype, devices)
-  attention, attention_note = resolve_attention(
-    run.attention, cfg, dtype=dtype, packed=packed, pipelined=pp > 1, device=devices[0]
-  )
+  if cp > 1:
+    attention, attention_note = "ring", None
+    if run.attention == "pallas":
+      attention_note = "ring attention by XLA blocks (the Pallas kernel per block: not yet)"
+  else:
+    attention, attention_note = resolve_attention(
+      run.attention, cfg, dtype=dtype, packed=packed, pipelined=pp > 1, device=devices[0]
+    )
   return Runtime(
     mesh=mesh if mesh.size > 1 else None,
     dtype=dtype,
@@ -274,6 +291,29 @@ def resolve(
     host_embeddings=run.embeddings == "host",
     notes=tuple(n for n in (dtype_note, attention_note) if n),
   )
+
+
+def _check_context(run: RunConfig, cp: int, pp: int, seq_len: int) -> None:
+  """What a ``context`` axis does not run with yet, and the lengths it cannot split."""
+  where = f"--mesh {run.mesh} splits each sequence over context={cp}"
+  if pp > 1:
+    raise MeshError(f"{where}, which does not run with a pipe axis yet; drop one of the two.")
+  if run.sequence_parallel:
+    raise MeshError(f"{where}; drop --sequence-parallel (it splits the tokens over tensor).")
+  if run.attention == "fused":
+    raise MeshError(
+      f"{where} with ring attention, which merges blocks by their softmax statistics that "
+      "cuDNN's kernel (--attention fused) does not return; use --attention xla or leave it unset."
+    )
+  if run.method == "grpo":
+    raise MeshError(
+      f"{where}, but GRPO generates its rollouts on whole sequences; drop the context axis."
+    )
+  if seq_len % (2 * cp):
+    raise MeshError(
+      f"{where} in {2 * cp} zigzag chunks, which --seq-len {seq_len} does not divide into; "
+      f"make --seq-len a multiple of {2 * cp}."
+    )
 
 
 def _check_host_embeddings(run: RunConfig, cfg: ModelConfig) -> None:

@@ -7,6 +7,7 @@ Megatron-style: the column-parallel projections (q/k/v/gate/up) split their outp
 over ``tensor``, the row-parallel ones (o/down) their input features, so each block needs one
 all-reduce after attention and one after the MLP. The batch is split over ``data``. The
 stacked ``layers`` axis is split over ``pipe`` into equal contiguous stages (pipeline.py).
+Each row's tokens are split over ``context`` (in zigzag order, context.py).
 
 With ``shard_frozen`` the frozen NF4 weights are split over ``data`` as well (FSDP-style,
 ``FROZEN_RULES``): each data shard stores 1/data of them and the decoder gathers one layer at
@@ -35,8 +36,8 @@ RULES: dict[str, str | None] = {
   # activations only
   "batch": "data",  # sequences of a step
   "accum": None,  # gradient-accumulation micro-batches of a step
-  "length": None,  # tokens of a sequence
-  "norm_length": None,  # tokens of the residual stream (tensor under sequence parallelism)
+  "length": "context",  # tokens of a sequence (context parallelism: context.py)
+  "norm_length": "context",  # tokens of the residual stream (tensor under sequence parallelism)
   "head_dim": None,
 }
 # Added for frozen NF4 storage with shard_frozen: the hidden dimension of every projection,

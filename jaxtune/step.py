@@ -237,7 +237,8 @@ def evaluate(
 ) -> dict:
   """Held-out loss and perplexity over every example of ``dataset`` (token-weighted; a
   preference objective: pair-weighted loss and its figures, e.g. eval_reward_accuracy).
-  ``add_rows``: adds the embedding rows to a host batch (``--embeddings host``)."""
+  ``add_rows``: what a host batch goes through before placement (the embedding rows of
+  ``--embeddings host``, the zigzag order of a context axis)."""
   total, count, figures = 0.0, 0, {}
   n = len(dataset)
   for start in range(0, n, batch_size):

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxtune import distributed, plan, run_log, step
+from jaxtune import context, distributed, plan, run_log, step
 from jaxtune.data import Dataset, StreamingDataset
 from jaxtune.errors import TrainingError
 from jaxtune.run_config import RunConfig
@@ -172,7 +172,8 @@ def train(
     print(_resume_line(start, run, schedule, previous_steps), file=sys.stderr, flush=True)
   replicated = runtime.sharding()
   out_shardings = None if replicated is None else (where["lora"], where["opt_state"], replicated)
-  batch_at, eval_at = runtime.sharding("accum", "batch", "length"), runtime.sharding("batch")
+  batch_at = runtime.sharding("accum", "batch", "length")
+  eval_at = runtime.sharding("batch", "length")
   row_at = runtime.sharding("accum", "batch")  # per-row leaves (GRPO's advantages)
   figures: dict = {}
 
@@ -183,7 +184,12 @@ def train(
       host, figures = rollouts(i, graphdef, lora, frozen)
     else:
       host = dataset.batch(i, run.batch_size, run.grad_accum, run.seed)
-    return _place(host, batch_at, row_at, rows)
+    return _place(context.zigzag_batch(host, runtime.context, 2), batch_at, row_at, rows)
+
+  def eval_rows(host: dict) -> dict:
+    """A held-out host batch [B, T] as the eval step takes it."""
+    host = context.zigzag_batch(host, runtime.context, 1)
+    return host if rows is None else rows.add(host)
 
   first = None
   if start < run.steps:
@@ -250,7 +256,7 @@ def train(
         metrics = {}
         if eval_step is not None:
           metrics = step.evaluate(
-            eval_step, lora, frozen, eval_dataset, run.batch_size, eval_at, rows and rows.add
+            eval_step, lora, frozen, eval_dataset, run.batch_size, eval_at, eval_rows
           )
         samples = []
         if sample_fn is not None:

@@ -700,6 +700,27 @@ CASES = [
     r"tensor=1",
   ),
   Case(
+    "mesh-context-with-pipe",
+    lambda w: w.train_args("--mesh", "1x1x2x4"),
+    r"--mesh 1x1x2x4 splits each sequence over context=4, which does not run with a pipe axis",
+  ),
+  Case(
+    "mesh-context-not-dividing-seq-len",
+    lambda w: w.train_args("--mesh", "data=2,context=4", "--seq-len", "100", "--batch-size", "2"),
+    r"in 8 zigzag chunks, which --seq-len 100 does not divide into; make --seq-len a multiple "
+    r"of 8",
+  ),
+  Case(
+    "mesh-context-with-fused-attention",
+    lambda w: w.train_args("--mesh", "data=2,context=4", "--attention", "fused"),
+    r"cuDNN's kernel \(--attention fused\) does not return",
+  ),
+  Case(
+    "mesh-context-with-sequence-parallel",
+    lambda w: w.train_args("--mesh", "tensor=2,context=4", "--sequence-parallel"),
+    r"splits each sequence over context=4; drop --sequence-parallel",
+  ),
+  Case(
     "embeddings-host-with-tied-output",
     lambda w: w.config(tie_word_embeddings=True) or w.train_args("--embeddings", "host"),
     r"--embeddings host keeps the input embedding table off the devices, but this llama uses "

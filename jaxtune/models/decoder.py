@@ -128,9 +128,11 @@ class Attention(nnx.Module):
     keys: Sequence[jax.Array | None],
     runtime: Runtime,
     cache: Callable[..., tuple[jax.Array, Any]] | None = None,
+    positions: jax.Array | None = None,
   ) -> jax.Array | tuple[jax.Array, Any]:
     """With ``cache``, a function (q, k, v, scale, softcap) -> (out, new cache) that stores
-    this chunk's keys and attends over the cached ones, returns (out, new cache)."""
+    this chunk's keys and attends over the cached ones, returns (out, new cache).
+    ``positions`` [B, T]: what ring attention masks by (a ``context`` axis)."""
     b, t, _ = x.shape
     mm = runtime.nf4_matmul
     q = self.q_proj(x, keys[0], mm).reshape(b, t, self.num_heads, self.head_dim)
@@ -151,6 +153,7 @@ class Attention(nnx.Module):
         window=window,
         softcap=self.softcap,
         runtime=runtime,
+        positions=positions,
       )
       out = checkpoint_name(out, "attention_out")
     else:  # the decoder decides where keys are kept and which it attends to
@@ -242,12 +245,15 @@ class Block(nnx.Module):
     key: jax.Array | None,
     runtime: Runtime,
     cache: Callable[..., tuple[jax.Array, Any]] | None = None,
+    positions: jax.Array | None = None,
   ) -> jax.Array | tuple[jax.Array, Any]:
     """The layer's output; with a KV ``cache`` (see Attention), (output, new cache)."""
     keys = [None] * len(PROJECTIONS)
     if key is not None:
       keys = [jax.random.fold_in(key, i) for i in range(len(PROJECTIONS))]
-    h = self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, window, keys, runtime, cache)
+    h = self.self_attn(
+      self.input_layernorm(x), cos, sin, segment_ids, window, keys, runtime, cache, positions
+    )
     h, new_cache = (h, None) if cache is None else h
     # Decoding (cache) runs on the model as it is: no training layout.
     res = (lambda x: self._residual(x, runtime)) if cache is None else (lambda x: x)  # noqa: E731
@@ -320,7 +326,9 @@ class Decoder(nnx.Module):
     local_cs = rope.cos_sin(positions, rope.inverse_frequencies(local, cfg.head_dim), self.dtype)
     return x, (cos, sin), local_cs
 
-  def _layers(self, x, rope_global, rope_local, segment_ids, dropout_key, runtime: Runtime):
+  def _layers(
+    self, x, rope_global, rope_local, segment_ids, positions, dropout_key, runtime: Runtime
+  ):
     """Run the stacked layers under scan (training and plain forward); pipelined over the
     mesh's ``pipe`` axis when it has one (pipeline.py)."""
     window, local = self.per_layer()
@@ -330,7 +338,7 @@ class Decoder(nnx.Module):
 
     def step(x, xs, side):
       layer_state, key, w, is_local = xs
-      (cos_g, sin_g), (cos_l, sin_l), seg = side
+      (cos_g, sin_g), (cos_l, sin_l), seg, pos = side
       # The residual stream's layout at each block boundary.
       x = runtime.constrain(x, "batch", "norm_length", "embed")
       if runtime.shard_frozen:
@@ -339,7 +347,7 @@ class Decoder(nnx.Module):
       x = checkpoint_name(x, "layer_input")  # what remat="offload" keeps on the host
       c = jnp.where(is_local, cos_l, cos_g)
       s = jnp.where(is_local, sin_l, sin_g)
-      return nnx.merge(graphdef, layer_state)(x, c, s, seg, w, key, runtime)
+      return nnx.merge(graphdef, layer_state)(x, c, s, seg, w, key, runtime, positions=pos)
 
     if runtime.remat != "none":
       step = jax.checkpoint(step, policy=REMAT_POLICIES[runtime.remat], prevent_cse=False)
@@ -352,7 +360,7 @@ class Decoder(nnx.Module):
       return x
 
     xs = (state, layer_keys, jnp.asarray(window), jnp.asarray(local))
-    side = (rope_global, rope_local, segment_ids)
+    side = (rope_global, rope_local, segment_ids, positions)
     if not runtime.pipelined:
       return run(x, xs, side)
 
@@ -383,7 +391,7 @@ class Decoder(nnx.Module):
     if segment_ids is None:
       segment_ids = jnp.ones((b, t), jnp.int32)
     x, rope_global, rope_local = self.embed(input_ids, positions, inputs_embeds)
-    h = self._layers(x, rope_global, rope_local, segment_ids, dropout_key, runtime)
+    h = self._layers(x, rope_global, rope_local, segment_ids, positions, dropout_key, runtime)
     return self.norm(h)
 
   def logits_from_hidden(self, h: jax.Array) -> jax.Array:

@@ -1,0 +1,156 @@
+"""Context parallelism: each sequence's tokens split over the mesh's ``context`` axis.
+
+Layout (zigzag): a row of T tokens is cut into 2C chunks; device i of the C-device context
+group holds chunks i and 2C-1-i, one early and one late, so that under the causal mask every
+device has the same number of (query, key) pairs to compute. The reordering is done once, on
+the host, to every [.., T] leaf of a batch (``zigzag_batch``); from then on the step sees
+rows whose tokens are in zigzag order, split contiguously over ``context`` by the sharding
+rule "length" -> "context". Everything token-local (embeddings, norms, projections, MLP,
+loss) is indifferent to the order; attention masks by the tokens' positions and segment ids,
+never by their index (``ring_attention``), which is what makes the reordering exact.
+
+Ring attention: inside a ``shard_map`` every device holds its queries and one block of keys
+and values; C times it attends its queries to the block it holds (online softmax: running
+max, running sum, rescaled output) and passes the block, with its positions and segment
+ids, to the next device with ``ppermute``. Of every block but its own, half is hidden from
+all of the device's queries by the causal order of the zigzag chunks, and is skipped: each
+device computes 4 + 2(C - 1) pairs of chunks, the same on every device. Its gradient is
+JAX's: the transpose of each ``ppermute`` sends the keys' and values' cotangents back
+around the ring.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtune.errors import MeshError
+
+AXIS = "context"
+
+
+def zigzag_order(seq_len: int, size: int) -> np.ndarray:
+  """The token indices of a row in zigzag order for a context group of ``size``: device i's
+  tokens (chunks i and 2*size-1-i of 2*size) at [i*T/size, (i+1)*T/size)."""
+  if seq_len % (2 * size):
+    raise MeshError(
+      f"rows of {seq_len} tokens do not cut into the {2 * size} zigzag chunks of context={size}; "
+      f"set --seq-len to a multiple of {2 * size}."
+    )
+  chunks = np.arange(seq_len).reshape(2 * size, seq_len // (2 * size))
+  return np.concatenate([np.concatenate([chunks[i], chunks[-1 - i]]) for i in range(size)])
+
+
+def zigzag_batch(host: dict, size: int, length_axis: int) -> dict:
+  """A host batch with every leaf that has the length axis (at ``length_axis``: tokens of a
+  row; ``inputs_embeds`` too) put in zigzag order; leaves without it (per-row values such as
+  GRPO's advantages) unchanged. Positions and segment ids are made explicit first (a row
+  without them is one document whose positions count from 0), since attention reads them."""
+  if size == 1:
+    return host
+  ids = host["input_ids"]
+  seq_len = ids.shape[length_axis]
+  host = dict(host)
+  if "positions" not in host:
+    shape = [1] * ids.ndim
+    shape[length_axis] = seq_len
+    host["positions"] = np.broadcast_to(np.arange(seq_len).reshape(shape), ids.shape)
+  if "segment_ids" not in host:
+    host["segment_ids"] = np.ones(ids.shape, np.int32)
+  order = zigzag_order(seq_len, size)
+  return {
+    k: np.take(v, order, axis=length_axis) if v.ndim > length_axis else v for k, v in host.items()
+  }
+
+
+def causal_pairs(order: np.ndarray, size: int) -> np.ndarray:
+  """[size]: the (query, key) pairs the causal mask leaves to each device of the group when a
+  row's tokens are laid out in ``order`` (device i: its T/size contiguous slots)."""
+  local = order.reshape(size, -1)
+  return np.array([int(np.sum(q[:, None] >= order[None, :])) for q in local])
+
+
+def ring_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  positions: jax.Array,
+  segment_ids: jax.Array,
+  *,
+  scale: float,
+  window: int | jax.Array,
+  softcap: float | None,
+  mesh: jax.sharding.Mesh,
+  specs: tuple,
+) -> jax.Array:
+  """Causal attention within documents over a sequence split on ``context``.
+
+  q [B, T, N, H], k/v [B, T, K, H], positions/segment_ids [B, T] (T in zigzag order);
+  ``specs`` = (PartitionSpec of q/k/v/out, of positions/segment_ids) on ``mesh``. A key is
+  seen where it has the query's segment id, a position no later, and (``window`` > 0) fewer
+  than ``window`` positions back: the mask of jaxtune.attention, read from positions."""
+  heads, tokens = specs
+  size = mesh.shape[AXIS]
+  ring = [(i, (i + 1) % size) for i in range(size)]
+
+  def local(q, k, v, pos, seg, window):
+    b, t, n, h = q.shape
+    kv, c = k.shape[2], t // 2  # c: one zigzag chunk; the device holds chunks i and 2C-1-i
+    q = q.reshape(b, t, kv, n // kv, h)  # [B, Tq, K, G, H]
+    o = jnp.zeros((b, kv, n // kv, t, h), jnp.float32)
+    m = jnp.full((b, kv, n // kv, t), -jnp.inf, jnp.float32)
+    s = jnp.zeros((b, kv, n // kv, t), jnp.float32)
+
+    def attend(o, m, s, start, length, k, v, kpos, kseg):
+      """The running (output, max, sum) of the local query tokens [start, start + length)
+      (``start`` may be traced) after the keys k/v with positions/segments kpos/kseg."""
+      rows = lambda a, axis: jax.lax.dynamic_slice_in_dim(a, start, length, axis)  # noqa: E731
+      qr, qpos, qseg = rows(q, 1), rows(pos, 1), rows(seg, 1)
+      scores = jnp.einsum("btkgh,bskh->bkgts", qr, k).astype(jnp.float32) * scale
+      if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+      seen = (qseg[:, :, None] == kseg[:, None, :]) & (kpos[:, None, :] <= qpos[:, :, None])
+      seen &= (window == 0) | (qpos[:, :, None] - kpos[:, None, :] < window)
+      seen = seen[:, None, None]  # [B, 1, 1, Tq, Tk]
+      scores = jnp.where(seen, scores, jnp.finfo(jnp.float32).min)
+      o_r, m_r, s_r = rows(o, 3), rows(m, 3), rows(s, 3)
+      m_new = jnp.maximum(m_r, scores.max(-1))
+      p = jnp.where(seen, jnp.exp(scores - m_new[..., None]), 0.0)
+      rescale = jnp.exp(m_r - m_new)
+      s_r = s_r * rescale + p.sum(-1)
+      o_r = o_r * rescale[..., None] + jnp.einsum("bkgts,bskh->bkgth", p.astype(v.dtype), v)
+      put = lambda a, x: jax.lax.dynamic_update_slice_in_dim(a, x, start, 3)  # noqa: E731
+      return put(o, o_r), put(m, m_new), put(s, s_r)
+
+    # The device's own block: both chunks against both, under the causal mask.
+    o, m, s = attend(o, m, s, 0, t, k, v, pos, seg)
+    me = jax.lax.axis_index(AXIS)
+
+    def step(carry, r):
+      """Block r (1..C-1) arrives from device j = i - r: of its chunks j and 2C-1-j, an
+      earlier device's (j < i) first chunk precedes both of this device's and its second
+      follows both; a later device's (j > i) chunks both fall between this device's two. So
+      half of each block is never seen. The visible half is two chunk pairs: (this device's
+      second chunk, the block's first) always, and (first, first) from an earlier device or
+      (second, second) from a later one; only those are computed, with the same shapes on
+      every device."""
+      o, m, s, block = carry
+      block = tuple(jax.lax.ppermute(a, AXIS, ring) for a in block)
+      first = tuple(a[:, :c] for a in block)
+      o, m, s = attend(o, m, s, c, c, *first)
+      at = jnp.where(me >= r, 0, c)  # j < i: the first chunks; j > i: the second ones
+      pick = tuple(jax.lax.dynamic_slice_in_dim(a, at, c, 1) for a in block)
+      o, m, s = attend(o, m, s, at, c, *pick)
+      return (o, m, s, block), None
+
+    carry = (o, m, s, (k, v, pos, seg))
+    (o, _, s, _), _ = jax.lax.scan(step, carry, jnp.arange(1, size))
+    out = (o / s[..., None]).astype(v.dtype)  # every query sees at least itself: s > 0
+    return jnp.moveaxis(out, 3, 1).reshape(b, t, n, h)
+
+  return jax.shard_map(
+    local,
+    mesh=mesh,
+    in_specs=(heads, heads, heads, tokens, tokens, jax.sharding.PartitionSpec()),
+    out_specs=heads,
+    check_vma=False,
+  )(q, k, v, positions, segment_ids, jnp.asarray(window, jnp.int32))
