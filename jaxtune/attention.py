@@ -10,7 +10,8 @@ this module runs the one it is given:
   "mosaic", "interpret", "flash_xla": pallas_kernels.flash_attention (the Hopper kernel, the
                same kernel interpreted on CPU, or its jnp reference). Under a mesh it runs
                per (data, tensor) shard in a ``shard_map``: a custom call has no partitioning
-               rule of its own.
+               rule of its own; inside pipeline stages that are manual over every axis, on
+               the stage's rows directly.
 """
 
 import jax
@@ -81,8 +82,9 @@ def _flash_sharded(q, k, v, segment_ids, window, scale, softcap, runtime: Runtim
       scale=scale, implementation=kernel,
     )  # fmt: skip
 
-  if runtime.mesh is None:
-    return flash(q, k, v, segment_ids, window)
+  here = jax.sharding.get_abstract_mesh()
+  if runtime.mesh is None or (not here.empty and here.are_all_axes_manual):
+    return flash(q, k, v, segment_ids, window)  # one device, or a pipeline stage's own rows
   heads = runtime.spec("batch", "length", "heads", "head_dim")
   return jax.shard_map(
     flash,

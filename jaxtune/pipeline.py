@@ -10,8 +10,11 @@ the M + P - 1 ticks: the bubble, ``bubble_fraction(P, M)``.
 
 Only ``pipe`` is manual inside the ``shard_map``: ``data`` and ``tensor`` stay automatic, so
 the same Block code, its tensor-parallel weights and the batch split over ``data`` work
-unchanged within a stage. Autodiff runs through the schedule (the transpose of a ``ppermute``
-is the reverse ``ppermute``), so the backward pass is the mirrored schedule.
+unchanged within a stage. Without a tensor axis every axis is manual instead (``manual``):
+each stage then runs on its data shard's rows alone, where custom calls such as the Pallas
+flash kernel run (they do not partition inside a partly automatic region). Autodiff runs
+through the schedule (the transpose of a ``ppermute`` is the reverse ``ppermute``), so the
+backward pass is the mirrored schedule.
 """
 
 from collections.abc import Callable
@@ -87,6 +90,7 @@ def gpipe(
   *,
   mesh: Mesh,
   microbatches: int,
+  manual: bool = False,
 ) -> jax.Array:
   """Run ``stage_fn`` over the stages of ``layer_xs`` for every micro-batch of ``x``.
 
@@ -96,6 +100,9 @@ def gpipe(
     (rope tables, segment ids), cut into micro-batches like x.
   stage_fn(x_mb, local_layer_xs, batch_xs_mb, j) -> x_mb: run this stage's layers on
     micro-batch j.
+  manual: the stages run manual over every mesh axis (Runtime.manual_stages: no tensor axis),
+    each on its data shard's rows, so custom calls (the Pallas kernels) run inside them;
+    else only ``pipe`` is manual and the partitioner splits the rest inside a stage.
   Returns the last stage's output [B, ...], the same on every stage.
   """
   stages = mesh.shape[AXIS]
@@ -125,11 +132,15 @@ def gpipe(
   # (rather than psum inside) leaves the reductions of the backward pass to XLA, whose
   # collectives keep the input dtype (a bfloat16 psum inside crashes XLA:CPU's compiler).
   x = jnp.broadcast_to(x[None], (stages, *x.shape))
+  rows = "data" if manual and mesh.shape.get("data", 1) > 1 else None
   out = jax.shard_map(
     per_stage,
     mesh=mesh,
-    in_specs=(PartitionSpec(AXIS), PartitionSpec(AXIS), PartitionSpec()),
-    out_specs=PartitionSpec(AXIS),
-    axis_names={AXIS},
+    in_specs=(PartitionSpec(AXIS), PartitionSpec(AXIS, rows), PartitionSpec(rows)),
+    out_specs=PartitionSpec(AXIS, rows),
+    axis_names=set(mesh.axis_names) if manual else {AXIS},
+    # Manual over every axis the stage may hold custom calls (Pallas kernels), whose outputs
+    # carry no record of the axes they vary over: that bookkeeping is off there.
+    check_vma=not manual,
   )(layer_xs, x, batch_xs)
   return out[stages - 1]

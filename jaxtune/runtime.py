@@ -93,6 +93,16 @@ class Runtime:
     return self.size(pipeline.AXIS) > 1
 
   @property
+  def manual_stages(self) -> bool:
+    """Whether the pipeline's stages run manual over every mesh axis: a pipe axis with no
+    tensor axis (nothing for the partitioner to split inside a stage), no --shard-frozen and
+    no context axis. Custom calls (the Pallas kernels) then run inside the stages, each on
+    its device's rows."""
+    return (
+      self.pipelined and self.size("tensor") == 1 and not self.shard_frozen and self.context == 1
+    )
+
+  @property
   def context(self) -> int:
     """The context group's size: each row's tokens split that many ways (1: whole)."""
     return self.size(context.AXIS)
@@ -114,12 +124,19 @@ class Runtime:
 
   def constrain(self, x: jax.Array, *names: str | None) -> jax.Array:
     """``x`` constrained to the layout of ``names`` (a no-op on one device). Inside a
-    ``shard_map`` (the pipeline) the constraint is stated on its abstract mesh."""
+    ``shard_map`` (the pipeline) the constraint is stated on its abstract mesh, for the axes
+    it leaves automatic (none: a no-op)."""
     if self.mesh is None:
       return x
     here = jax.sharding.get_abstract_mesh()
-    mesh = self.mesh if here.empty else here
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, self.spec(*names)))
+    spec = self.spec(*names)
+    if here.empty:
+      return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+    if here.are_all_axes_manual:  # each device's own piece: nothing left to lay out
+      return x
+    manual = set(here.manual_axes)
+    kept = PartitionSpec(*(None if _names(a) & manual else a for a in spec))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(here, kept))
 
   def describe(self, remat_note: str = "") -> str:
     """The start line's account of the runtime; ``remat_note``: how the remat setting was
@@ -144,6 +161,11 @@ class Runtime:
     if self.pipelined:
       parts.append(f"{self.microbatches} pipeline micro-batches")
     return ", ".join(parts + list(self.notes))
+
+
+def _names(axis: str | tuple | None) -> set[str]:
+  """The mesh axes of one PartitionSpec entry."""
+  return set() if axis is None else {axis} if isinstance(axis, str) else set(axis)
 
 
 # What a model computes with when given no runtime: one device, no remat, XLA attention.
@@ -180,25 +202,33 @@ def resolve_attention(
   packed: bool,
   pipelined: bool = False,
   device: jax.Device | None = None,
+  manual_stages: bool = False,
 ) -> tuple[str, str | None]:
   """(the attention implementation that runs, a note when it is not what was asked).
 
   Unset: cuDNN on a GPU where it computes the model's function (one document per row, no
   softcap or window: measured 2.5% faster than the Pallas kernel in the 1B train step on an
-  H100, and compiles in seconds), else the Pallas kernel on Hopper, else XLA; XLA under a
-  pipeline (neither custom call partitions inside the pipeline's shard_map yet). Refuses what
-  cannot compute the model's function.
+  H100, and compiles in seconds), else the Pallas kernel on Hopper, else XLA. Under a
+  pipeline XLA, unless --attention pallas asks for the kernel where the stages run manual
+  over every axis (``manual_stages``: no tensor axis, no --shard-frozen; a custom call does
+  not partition inside a partly automatic shard_map): not the default until it is measured
+  on several GPUs. Refuses what cannot compute the model's function.
   """
   device = device or jax.devices()[0]
   gpu, hopper = device.platform == "gpu", _on_hopper(device)
   special = bool(cfg.attn_logit_softcap) or cfg.has_sliding_layers
   cudnn_exact = gpu and not (special or packed)
   kernel_ok = hopper and mosaic_supports(dtype, cfg.head_dim)
-  if requested in ("fused", "pallas") and pipelined:
-    kind = "cuDNN" if requested == "fused" else "the Mosaic GPU kernel"
+  if requested == "fused" and pipelined:
     raise MeshError(
-      f"--attention {requested} ({kind}) cannot run inside the pipeline yet; use "
-      "--attention xla with a pipe axis in --mesh."
+      "--attention fused (cuDNN) cannot run inside the pipeline yet; use --attention xla or "
+      "pallas with a pipe axis in --mesh."
+    )
+  if requested == "pallas" and pipelined and not manual_stages:
+    raise MeshError(
+      "--attention pallas (the Mosaic GPU kernel) cannot run inside pipeline stages that "
+      "also split over a tensor axis (or with --shard-frozen) yet; use --attention xla, or a "
+      "mesh of data and pipe axes only."
     )
   if requested == "fused":
     if special:
@@ -216,7 +246,7 @@ def resolve_attention(
     if kernel_ok:
       return "mosaic", None
     return "flash_xla", "flash attention's jnp reference (the kernel needs a Hopper GPU)"
-  if requested == "xla" or pipelined:
+  if requested == "xla" or pipelined:  # the kernel in stages only when asked for
     return "xla", None
   if cudnn_exact:
     return "cudnn", None
@@ -273,8 +303,9 @@ def resolve(
       attention_note = "ring attention by XLA blocks (the Pallas kernel per block: not yet)"
   else:
     attention, attention_note = resolve_attention(
-      run.attention, cfg, dtype=dtype, packed=packed, pipelined=pp > 1, device=devices[0]
-    )
+      run.attention, cfg, dtype=dtype, packed=packed, pipelined=pp > 1, device=devices[0],
+      manual_stages=pp > 1 and tp == 1 and not run.shard_frozen,
+    )  # fmt: skip
   return Runtime(
     mesh=mesh if mesh.size > 1 else None,
     dtype=dtype,

@@ -66,7 +66,9 @@ def _mesh(spec):
   return meshlib.make_mesh(spec, jax.devices() if spec != "1" else jax.devices()[:1])
 
 
-def loss_and_grads(model_parts, spec, *, remat="full", shard_frozen=False, microbatches=0):
+def loss_and_grads(
+  model_parts, spec, *, remat="full", shard_frozen=False, microbatches=0, attention="xla"
+):
   """(loss, LoRA gradients as numpy, frozen state as placed) of one batch under ``spec``."""
   graphdef, lora, frozen = model_parts
   model = nnx.merge(graphdef, lora, frozen)
@@ -77,8 +79,9 @@ def loss_and_grads(model_parts, spec, *, remat="full", shard_frozen=False, micro
   if mesh.shape["pipe"] > 1:
     m = pipeline.num_microbatches(len(batch["input_ids"]) // mesh.shape["data"], microbatches)
   rt = runtime.Runtime(
-    mesh=mesh if multi else None, remat=remat, shard_frozen=shard_frozen, microbatches=m
-  )
+    mesh=mesh if multi else None, remat=remat, shard_frozen=shard_frozen, microbatches=m,
+    attention=attention,
+  )  # fmt: skip
   graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
   if multi:
     lora = jax.device_put(lora, sharding.state_shardings(lora, mesh))
@@ -141,6 +144,18 @@ def test_offload_keeps_layer_inputs_on_the_host_under_a_pipeline(host_model, sin
   jaxpr = str(jax.make_jaxpr(grad_fn)(lora))
   # The layer scan's saved residual stream [L, B, T, D] lives in host memory.
   assert "f32<host>[8,8,16,128]" in jaxpr
+
+
+def test_flash_attention_runs_inside_pipeline_stages(host_model, single):
+  """Without a tensor axis the stages run manual over every axis, so the flash op runs
+  inside them on each data shard's rows (no shard_map of its own nested in the pipeline's,
+  which the partitioner rejects): the same loss and gradients as one device. On CPU the op is
+  its jnp reference ("flash_xla"); the interpreted Mosaic kernel cannot run here (its
+  callbacks are ordered effects, which deadlock against the pipeline's ppermutes on fake CPU
+  devices)."""
+  assert runtime.Runtime(mesh=_mesh("4x1x2")).manual_stages
+  assert not runtime.Runtime(mesh=_mesh("2x2x2")).manual_stages  # tensor: partly automatic
+  _assert_same(loss_and_grads(host_model, "4x1x2", attention="flash_xla"), single, "4x1x2")
 
 
 @pytest.mark.slow

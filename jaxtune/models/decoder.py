@@ -371,7 +371,10 @@ class Decoder(nnx.Module):
       return run(x, (state, keys, w, is_local), side)
 
     mesh = runtime.mesh
-    x = pipeline.gpipe(stage, xs, x, side, mesh=mesh, microbatches=runtime.microbatches)
+    x = pipeline.gpipe(
+      stage, xs, x, side, mesh=mesh, microbatches=runtime.microbatches,
+      manual=runtime.manual_stages,
+    )  # fmt: skip
     return jax.lax.with_sharding_constraint(x, sharding.after_pipeline(mesh, x.shape[0]))
 
   def hidden_states(
