@@ -19,6 +19,8 @@ JAX's: the transpose of each ``ppermute`` sends the keys' and values' cotangents
 around the ring.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +28,12 @@ import numpy as np
 from jaxtune.errors import MeshError
 
 AXIS = "context"
+TILE = 512  # tokens of a query or key tile in ring attention's blocks
+
+
+def _tile(length: int, tile: int) -> int:
+  """The tile for ``length`` tokens: ``tile`` or a divisor of ``length`` near it."""
+  return length if length <= tile else math.gcd(length, tile)
 
 
 def zigzag_order(seq_len: int, size: int) -> np.ndarray:
@@ -81,13 +89,15 @@ def ring_attention(
   softcap: float | None,
   mesh: jax.sharding.Mesh,
   specs: tuple,
+  tile: int = TILE,
 ) -> jax.Array:
   """Causal attention within documents over a sequence split on ``context``.
 
   q [B, T, N, H], k/v [B, T, K, H], positions/segment_ids [B, T] (T in zigzag order);
   ``specs`` = (PartitionSpec of q/k/v/out, of positions/segment_ids) on ``mesh``. A key is
   seen where it has the query's segment id, a position no later, and (``window`` > 0) fewer
-  than ``window`` positions back: the mask of jaxtune.attention, read from positions."""
+  than ``window`` positions back: the mask of jaxtune.attention, read from positions.
+  ``tile``: the most query (and key) tokens whose scores exist at once."""
   heads, tokens = specs
   size = mesh.shape[AXIS]
   ring = [(i, (i + 1) % size) for i in range(size)]
@@ -100,11 +110,9 @@ def ring_attention(
     m = jnp.full((b, kv, n // kv, t), -jnp.inf, jnp.float32)
     s = jnp.zeros((b, kv, n // kv, t), jnp.float32)
 
-    def attend(o, m, s, start, length, k, v, kpos, kseg):
-      """The running (output, max, sum) of the local query tokens [start, start + length)
-      (``start`` may be traced) after the keys k/v with positions/segments kpos/kseg."""
-      rows = lambda a, axis: jax.lax.dynamic_slice_in_dim(a, start, length, axis)  # noqa: E731
-      qr, qpos, qseg = rows(q, 1), rows(pos, 1), rows(seg, 1)
+    def update(carry, qr, qpos, qseg, k, v, kpos, kseg):
+      """The running (output, max, sum) of queries qr after one tile of keys."""
+      o_r, m_r, s_r = carry
       scores = jnp.einsum("btkgh,bskh->bkgts", qr, k).astype(jnp.float32) * scale
       if softcap is not None:
         scores = softcap * jnp.tanh(scores / softcap)
@@ -112,14 +120,46 @@ def ring_attention(
       seen &= (window == 0) | (qpos[:, :, None] - kpos[:, None, :] < window)
       seen = seen[:, None, None]  # [B, 1, 1, Tq, Tk]
       scores = jnp.where(seen, scores, jnp.finfo(jnp.float32).min)
-      o_r, m_r, s_r = rows(o, 3), rows(m, 3), rows(s, 3)
       m_new = jnp.maximum(m_r, scores.max(-1))
       p = jnp.where(seen, jnp.exp(scores - m_new[..., None]), 0.0)
       rescale = jnp.exp(m_r - m_new)
       s_r = s_r * rescale + p.sum(-1)
       o_r = o_r * rescale[..., None] + jnp.einsum("bkgts,bskh->bkgth", p.astype(v.dtype), v)
-      put = lambda a, x: jax.lax.dynamic_update_slice_in_dim(a, x, start, 3)  # noqa: E731
-      return put(o, o_r), put(m, m_new), put(s, s_r)
+      return o_r, m_new, s_r
+
+    def tiles(a, size, axis):
+      """[..., n * size, ...] -> [n, ..., size, ...] along ``axis``."""
+      a = a.reshape(*a.shape[:axis], a.shape[axis] // size, size, *a.shape[axis + 1 :])
+      return jnp.moveaxis(a, axis, 0)
+
+    def untile(a, axis):
+      a = jnp.moveaxis(a, 0, axis)
+      return a.reshape(*a.shape[:axis], -1, *a.shape[axis + 2 :])
+
+    def attend(o, m, s, start, length, k, v, kpos, kseg):
+      """The running (output, max, sum) of the local query tokens [start, start + length)
+      (``start`` may be traced) after the keys k/v with positions/segments kpos/kseg, a tile
+      of queries against a tile of keys at a time (each recomputed in the backward pass):
+      the scores never exist for more than one pair of tiles."""
+      rows = lambda a, axis: jax.lax.dynamic_slice_in_dim(a, start, length, axis)  # noqa: E731
+      tq, tk = _tile(length, tile), _tile(k.shape[1], tile)
+      keys = tuple(tiles(a, tk, 1) for a in (k, v, kpos, kseg))
+
+      def one_query_tile(_, xs):
+        *carry, qr, qpos, qseg = xs
+
+        @jax.checkpoint
+        def one_key_tile(carry, key_tile):
+          return update(carry, qr, qpos, qseg, *key_tile), None
+
+        carry, _ = jax.lax.scan(one_key_tile, tuple(carry), keys)
+        return None, carry
+
+      xs = (*(tiles(rows(a, 3), tq, 3) for a in (o, m, s)), tiles(rows(q, 1), tq, 1))
+      xs = (*xs, tiles(rows(pos, 1), tq, 1), tiles(rows(seg, 1), tq, 1))
+      _, (o_r, m_r, s_r) = jax.lax.scan(one_query_tile, None, xs)
+      put = lambda a, x: jax.lax.dynamic_update_slice_in_dim(a, untile(x, 3), start, 3)  # noqa: E731
+      return put(o, o_r), put(m, m_r), put(s, s_r)
 
     # The device's own block: both chunks against both, under the causal mask.
     o, m, s = attend(o, m, s, 0, t, k, v, pos, seg)

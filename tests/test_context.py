@@ -10,6 +10,7 @@ causal work.
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import MESH_SHAPE, build_hf_llama, mesh_lora_model
@@ -135,3 +136,47 @@ def test_grpo_with_a_context_axis_is_one_sentence(tmp_path):
   run = RUN.replace(method="grpo", reward="length_penalty")
   with pytest.raises(MeshError, match=r"GRPO generates its rollouts on whole sequences"):
     _runtime(path, run, "context=8")
+
+
+@pytest.mark.parametrize("window", [6])
+def test_ring_attention_in_tiles_equals_masked_attention(window):
+  """The ring on its own, with tiles smaller than a chunk (4 tokens: 2 x 2 tiles per chunk
+  pair), packed segments, positions restarting, softcap and a window: output and the
+  gradients of q, k and v equal jaxtune.attention's masked attention on the natural order."""
+  from jax.sharding import NamedSharding
+
+  from jaxtune import attention
+
+  rng = np.random.default_rng(7)
+  b, t, n, kv, h, size = 2, 64, 4, 2, 16, 4
+  q, k, v, cot = (rng.standard_normal(s).astype(np.float32) for s in [(b, t, n, h)] * 4)
+  k, v = k[:, :, :kv], v[:, :, :kv]
+  seg = np.repeat([[1] * 30 + [2] * 20 + [3] * 14, [1] * 50 + [0] * 14], 1, axis=0)
+  pos = np.stack([np.concatenate([np.arange(30), np.arange(20), np.arange(14)]), np.r_[
+    np.arange(50), np.zeros(14, int)]]).astype(np.int32)  # fmt: skip
+  seg = seg.astype(np.int32)
+  cot = cot * (seg > 0)[:, :, None, None]  # padding rows attend among themselves: unread
+
+  def reference(q, k, v):
+    mask = attention.window_mask(attention.make_mask(jnp.asarray(seg)), window)
+    return attention.masked_attention(q, k, v, mask, 0.25, softcap=3.0)
+
+  want, vjp = jax.vjp(reference, q, k, v)
+  want_grads = vjp(cot)
+  rt = runtime.Runtime(mesh=meshlib.make_mesh(f"context={size}", jax.devices()[:size]))
+  order = context.zigzag_order(t, size)
+  heads, tokens = rt.spec("batch", "length", "heads", "head_dim"), rt.spec("batch", "length")
+  put = lambda a, spec: jax.device_put(a[:, order], NamedSharding(rt.mesh, spec))  # noqa: E731
+
+  def ring(q, k, v):
+    return context.ring_attention(
+      q, k, v, put(pos, tokens), put(seg, tokens), scale=0.25, window=window, softcap=3.0,
+      mesh=rt.mesh, specs=(heads, tokens), tile=4,
+    )  # fmt: skip
+
+  got, vjp = jax.vjp(jax.jit(ring), put(q, heads), put(k, heads), put(v, heads))
+  grads = vjp(put(cot, heads))
+  real = seg[:, order] > 0
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[:, order][real], atol=1e-5)
+  for g, w in zip(grads, want_grads, strict=True):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w)[:, order], atol=1e-4)
