@@ -57,6 +57,8 @@ def attention(
   with jax.named_scope("attention"):
     impl = runtime.attention
     if impl == "ring":
+      if positions is None:  # the ring masks by them: natural-order ones would be wrong
+        raise ValueError("ring attention needs the positions of the zigzag-ordered tokens")
       heads = runtime.spec("batch", "length", "heads", "head_dim")
       return context.ring_attention(
         q, k, v, positions, segment_ids, scale=scale, window=window, softcap=softcap,

@@ -19,8 +19,6 @@ JAX's: the transpose of each ``ppermute`` sends the keys' and values' cotangents
 around the ring.
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,8 +30,8 @@ TILE = 512  # tokens of a query or key tile in ring attention's blocks
 
 
 def _tile(length: int, tile: int) -> int:
-  """The tile for ``length`` tokens: ``tile`` or a divisor of ``length`` near it."""
-  return length if length <= tile else math.gcd(length, tile)
+  """The tile for ``length`` tokens: the largest divisor of ``length`` up to ``tile``."""
+  return next(d for d in range(min(length, tile), 0, -1) if length % d == 0)
 
 
 def zigzag_order(seq_len: int, size: int) -> np.ndarray:
@@ -96,7 +94,8 @@ def ring_attention(
   q [B, T, N, H], k/v [B, T, K, H], positions/segment_ids [B, T] (T in zigzag order);
   ``specs`` = (PartitionSpec of q/k/v/out, of positions/segment_ids) on ``mesh``. A key is
   seen where it has the query's segment id, a position no later, and (``window`` > 0) fewer
-  than ``window`` positions back: the mask of jaxtune.attention, read from positions.
+  than ``window`` positions back: the mask of jaxtune.attention, read from positions (for
+  real tokens; padding, segment 0 at position 0, attends among itself differently, unread).
   ``tile``: the most query (and key) tokens whose scores exist at once."""
   heads, tokens = specs
   size = mesh.shape[AXIS]
@@ -145,6 +144,7 @@ def ring_attention(
       tq, tk = _tile(length, tile), _tile(k.shape[1], tile)
       keys = tuple(tiles(a, tk, 1) for a in (k, v, kpos, kseg))
 
+      @jax.checkpoint  # the backward keeps each query tile's inputs, not its key steps
       def one_query_tile(_, xs):
         *carry, qr, qpos, qseg = xs
 

@@ -293,7 +293,7 @@ def resolve(
   cp = mesh.shape[context.AXIS]
   if cp > 1:
     _check_context(run, cp, pp, seq_len)
-  candidates = remat_candidates(run, pipelined=pp > 1)
+  candidates = remat_candidates(run, pipelined=pp > 1, whole_logits=cp > 1)
   if run.embeddings == "host":
     _check_host_embeddings(run, cfg)
   dtype, dtype_note = compute_dtype(run.dtype, devices)
@@ -340,7 +340,13 @@ def _check_context(run: RunConfig, cp: int, pp: int, seq_len: int) -> None:
     raise MeshError(
       f"{where}, but GRPO generates its rollouts on whole sequences; drop the context axis."
     )
-  if seq_len % (2 * cp):
+  if run.loss_chunk or run.mlp_chunk:
+    flag = "--loss-chunk" if run.loss_chunk else "--mlp-chunk"
+    raise MeshError(
+      f"{where}, and {flag} would gather each sequence back to cut it into pieces; drop "
+      f"{flag} (each device's logits and MLP already hold 1/{cp} of the tokens)."
+    )
+  if run.seq_len is not None and seq_len % (2 * cp):
     raise MeshError(
       f"{where} in {2 * cp} zigzag chunks, which --seq-len {seq_len} does not divide into; "
       f"make --seq-len a multiple of {2 * cp}."
@@ -356,13 +362,18 @@ def _check_host_embeddings(run: RunConfig, cfg: ModelConfig) -> None:
     )
 
 
-def remat_candidates(run: RunConfig, pipelined: bool = False) -> tuple[tuple[str, int], ...]:
+def remat_candidates(
+  run: RunConfig, pipelined: bool = False, whole_logits: bool = False
+) -> tuple[tuple[str, int], ...]:
   """The (remat, loss_chunk) settings ``run`` leaves open, fastest first: every one of
   AUTO_REMAT under ``--remat auto`` (offload not inside a pipeline), each with the logits
-  whole, then in chunks of AUTO_LOSS_CHUNK, where ``--loss-chunk`` is unset."""
+  whole, then in chunks of AUTO_LOSS_CHUNK, where ``--loss-chunk`` is unset (whole only with
+  ``whole_logits``: a context axis, whose pieces would gather the sequence)."""
   remats = [r for r in AUTO_REMAT if not (pipelined and r == "offload")]
   remats = remats if run.remat == "auto" else [run.remat]
   chunks = [0, AUTO_LOSS_CHUNK] if run.loss_chunk is None else [run.loss_chunk]
+  if whole_logits:
+    chunks = [0]
   out = []
   for remat in remats:
     # Offloading is for the leanest memory: with the logits in pieces only.

@@ -320,9 +320,10 @@ def _floor(graphdef, lora, opt_state, frozen, batch, key, runtime: Runtime, obje
 
 
 def _logits_bytes(model: nnx.Module, batch: dict, runtime: Runtime) -> int:
-  """The float32 logits of one micro-batch on one device."""
+  """The float32 logits of one micro-batch on one device (its rows' share of a context
+  group's tokens)."""
   _, micro, length = batch["input_ids"].shape
-  return micro * length * model.config.vocab_size * 4 // runtime.size("data")
+  return micro * length * model.config.vocab_size * 4 // (runtime.size("data") * runtime.context)
 
 
 def _place(host: dict, batch_at, row_at, rows=None) -> dict[str, jax.Array]:

@@ -712,6 +712,11 @@ CASES = [
     r"of 8",
   ),
   Case(
+    "mesh-context-with-loss-chunk",
+    lambda w: w.train_args("--mesh", "data=2,context=4", "--loss-chunk", "32"),
+    r"--loss-chunk would gather each sequence back to cut it into pieces; drop --loss-chunk",
+  ),
+  Case(
     "mesh-context-with-fused-attention",
     lambda w: w.train_args("--mesh", "data=2,context=4", "--attention", "fused"),
     r"cuDNN's kernel \(--attention fused\) does not return",

@@ -368,6 +368,9 @@ class Decoder(nnx.Module):
       state, keys, w, is_local = xs
       if keys is not None:  # each micro-batch its own dropout masks
         keys = jax.vmap(lambda k: jax.random.fold_in(k, j))(keys)
+        if runtime.manual_stages and runtime.size("data") > 1:  # a shard's rows, its masks
+          shard = jax.lax.axis_index("data")
+          keys = jax.vmap(lambda k: jax.random.fold_in(k, shard))(keys)
       return run(x, (state, keys, w, is_local), side)
 
     mesh = runtime.mesh
