@@ -147,7 +147,7 @@ def test_a_reward_of_the_wrong_length_or_kind_is_named_with_the_step():
 def _grpo_cli_runs(directory, runs):
   """`python -m jaxtune.train --method grpo` on the built-in model, on a toy task (32 chat
   prompts; reward 1 when a completion holds "a"): 3 steps at learning rate 5e-3, 2 at 1e-9,
-  6 with two updates per rollout (--num-iterations 2) and that run resumed in a copy from its
+  5 with two updates per rollout (--num-iterations 2) and that run resumed in a copy from its
   step-3 checkpoint (mid-rollout). Returns {name: (run directory, finished process)} for
   "learn", "still", "iter", "resumed"."""
   rows = [
@@ -172,10 +172,10 @@ def _grpo_cli_runs(directory, runs):
     "learn": train("learn", "--steps", "3", "--learning-rate", "5e-3"),
     "still": train("still", "--steps", "2", "--learning-rate", "1e-9"),
   }
-  iters = ("--steps", "6", "--learning-rate", "5e-3", "--num-iterations", "2", "--save-every", "3")
+  iters = ("--steps", "5", "--learning-rate", "5e-3", "--num-iterations", "2", "--save-every", "3")
   done["iter"] = train("iter", *iters)
   shutil.copytree(directory / "iter", directory / "resumed")
-  shutil.rmtree(directory / "resumed" / "checkpoints" / "6")
+  shutil.rmtree(directory / "resumed" / "checkpoints" / "5")
   metrics = directory / "resumed" / "metrics.jsonl"
   metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:3]))
   done["resumed"] = train("resumed", *iters, "--resume")
@@ -201,11 +201,11 @@ def test_grpo_learns_a_toy_task_and_resumes_exactly(grpo_cli_runs):
   assert max(still) < 0.7, still
   # Two updates per rollout, resumed from step 3, between the two updates of the second
   # rollout: step 4 trains on the rollout the checkpoint kept (sampling it again from the
-  # step-3 adapters would give other completions), steps 5-6 sample the third rollout from
+  # step-3 adapters would give other completions), step 5 samples the third rollout from
   # its seed: the same rollouts and updates as uninterrupted.
   rows = _metrics(grpo_cli_runs["iter"][0])
   again = _metrics(grpo_cli_runs["resumed"][0])
-  assert [r["step"] for r in again] == [1, 2, 3, 4, 5, 6]
+  assert [r["step"] for r in again] == [1, 2, 3, 4, 5]
   keys = ("loss", "reward", "grad_norm", "completion_length", "clip_fraction")
   assert [[r[k] for k in keys] for r in again] == [[r[k] for k in keys] for r in rows]
   assert rows[2]["reward"] == rows[3]["reward"] != rows[4]["reward"]  # rollouts 2 and 3
