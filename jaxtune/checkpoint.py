@@ -179,10 +179,10 @@ class Checkpoints:
     for i, step in enumerate(steps):
       instead = f"using checkpoint {steps[i + 1]} instead" if i + 1 < len(steps) else ""
       try:
-        saved = self.manager.item_metadata(step)["state"]
-        self._check_shapes(step, saved, abstract)
+        saved = self.manager.item_metadata(step)
+        self._check_shapes(step, saved["state"], abstract)
         items = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
-        if (self.directory / str(step) / "rollout").is_dir():
+        if saved.get("rollout") is not None:  # a GRPO rollout kept mid-group
           items["rollout"] = ocp.args.StandardRestore()
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
       except RestoreError:

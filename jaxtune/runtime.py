@@ -98,9 +98,7 @@ class Runtime:
     tensor axis (nothing for the partitioner to split inside a stage), no --shard-frozen and
     no context axis. Custom calls (the Pallas kernels) then run inside the stages, each on
     its device's rows."""
-    return (
-      self.pipelined and self.size("tensor") == 1 and not self.shard_frozen and self.context == 1
-    )
+    return manual_stages(self.mesh_shape, self.shard_frozen)
 
   @property
   def context(self) -> int:
@@ -161,6 +159,16 @@ class Runtime:
     if self.pipelined:
       parts.append(f"{self.microbatches} pipeline micro-batches")
     return ", ".join(parts + list(self.notes))
+
+
+def manual_stages(sizes: dict[str, int], shard_frozen: bool) -> bool:
+  """Runtime.manual_stages for a mesh of these axis sizes."""
+  return (
+    sizes.get(pipeline.AXIS, 1) > 1
+    and sizes.get("tensor", 1) == 1
+    and sizes.get(context.AXIS, 1) == 1
+    and not shard_frozen
+  )
 
 
 def _names(axis: str | tuple | None) -> set[str]:
@@ -304,7 +312,7 @@ def resolve(
   else:
     attention, attention_note = resolve_attention(
       run.attention, cfg, dtype=dtype, packed=packed, pipelined=pp > 1, device=devices[0],
-      manual_stages=pp > 1 and tp == 1 and not run.shard_frozen,
+      manual_stages=manual_stages(dict(mesh.shape), run.shard_frozen),
     )  # fmt: skip
   return Runtime(
     mesh=mesh if mesh.size > 1 else None,

@@ -92,14 +92,13 @@ def _forward_config(m: int, n: int, k: int, interpret: bool):
     split *= 2
   config = functools.partial(kernel.Config, block_m=bm, compute_wgs=wgs, split_k=split)
   sub = 1
-  if bm <= 64:
-    part = k // split
-    steps = lambda s: part // (s * kernel.BLOCK_K)  # noqa: E731
-    # Counted as the GPU runs it (the interpreter stages tiles in shared memory besides).
-    gpu = lambda s: config(k_sub=s, a_from_smem=False)  # noqa: E731
-    fits = lambda s: kernel.forward_smem_bytes(gpu(s)) <= kernel.SMEM_BYTES  # noqa: E731
-    ok = lambda s: part % (s * kernel.BLOCK_K) == 0 and steps(s) >= 4 and fits(s)  # noqa: E731
-    sub = next((s for s in (4, 2) if ok(s)), 1)
+  for s in (4, 2) if bm <= 64 else ():
+    block = s * kernel.BLOCK_K
+    # Shared memory counted as the GPU runs it (the interpreter stages tiles there besides).
+    smem = kernel.forward_smem_bytes(config(k_sub=s, a_from_smem=False))
+    if (k // split) % block == 0 and k // split // block >= 4 and smem <= kernel.SMEM_BYTES:
+      sub = s
+      break
   return config(k_sub=sub, a_from_smem=interpret)
 
 
