@@ -72,11 +72,31 @@ def model_tensors(model: nnx.Module) -> Iterator[tuple[str, tuple[str, ...], int
 
 def merged_weight(linear: "Linear", layer: int | None) -> jax.Array:
   """float32 [out, in]: frozen weight plus the LoRA update, of one layer if stacked."""
-  w = linear.dense_weight(jnp.float32, layer)
+  if linear.quantized:
+    held = (linear.codes, linear.absmax, linear.nested_absmax, linear.offset)
+  else:
+    held = (linear.weight,)
+  frozen = tuple(v[...] for v in held)
+  lora = ()
   if linear.lora_a is not None:
-    a = _layer(linear.lora_a[...], layer)
-    b = _layer(linear.lora_b[...], layer)
-    w = w + layer_scale(linear, layer) * (a @ b).T  # columns past a layer's rank are zero
+    scale = jnp.float32(layer_scale(linear, layer))
+    lora = (linear.lora_a[...], linear.lora_b[...], scale)
+  return _merged(frozen, lora, None if layer is None else jnp.int32(layer))
+
+
+@jax.jit
+def _merged(frozen: tuple, lora: tuple, layer: jax.Array | None) -> jax.Array:
+  """merged_weight as one program per weight shape (the layer traced), not op by op: a
+  tiny model's export compiled for seconds eagerly."""
+  pick = (lambda x: x) if layer is None else (lambda x: x[layer])  # noqa: E731
+  frozen = [pick(x) for x in frozen]
+  if len(frozen) == 4:
+    w = nf4.dequantize_linear(*frozen, jnp.float32)
+  else:
+    w = frozen[0].astype(jnp.float32)
+  if lora:
+    a, b, scale = lora
+    w = w + scale * (pick(a) @ pick(b)).T  # columns past a layer's rank are zero
   return w
 
 

@@ -342,11 +342,11 @@ def copy_dequantized_into(model, hf) -> int:
 
   Asserts quantization changed each weight (so the copy matters); returns how many it copied.
   """
-  import jaxtune
+  from jaxtune import lora
 
   modules = dict(hf.named_modules())
   count = 0
-  for path, linear in jaxtune.lora.iter_linears(model):
+  for path, linear in lora.iter_linears(model):
     if not linear.quantized:
       continue
     for layer in range(linear.codes.shape[0]):
