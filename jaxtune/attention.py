@@ -63,6 +63,7 @@ def attention(
       return context.ring_attention(
         q, k, v, positions, segment_ids, scale=scale, window=window, softcap=softcap,
         mesh=runtime.mesh, specs=(heads, runtime.spec("batch", "length")),
+        kernel=_FLASH_KERNEL.get(runtime.ring_blocks),
       )  # fmt: skip
     if impl in FLASH:
       return _flash_sharded(q, k, v, segment_ids, window, scale, softcap, runtime)
@@ -74,9 +75,13 @@ def attention(
     return masked_attention(q, k, v, mask, scale, softcap)
 
 
+# Runtime FLASH names -> the flash op's implementation.
+_FLASH_KERNEL = {"mosaic": "mosaic", "interpret": "interpret", "flash_xla": "xla"}
+
+
 def _flash_sharded(q, k, v, segment_ids, window, scale, softcap, runtime: Runtime):
   """The flash op, per (data, tensor) shard of a mesh with more than one device."""
-  kernel = "xla" if runtime.attention == "flash_xla" else runtime.attention
+  kernel = _FLASH_KERNEL[runtime.attention]
 
   def flash(q, k, v, segment_ids, window):
     return flash_attention(

@@ -17,13 +17,22 @@ all of the device's queries by the causal order of the zigzag chunks, and is ski
 device computes 4 + 2(C - 1) pairs of chunks, the same on every device. Its gradient is
 JAX's: the transpose of each ``ppermute`` sends the keys' and values' cotangents back
 around the ring.
+
+Each pair of chunks is computed either by XLA in tiles (any mask: positions, segments,
+sliding windows) or, for models without a sliding window, by the flash attention op
+(``kernel``: the Pallas kernel on Hopper), which returns every query's log-sum-exp; blocks
+are then merged by it. Own block: one causal call (a device's two chunks are in causal order);
+every other block: two non-causal calls of one chunk each, the keys' segment ids the block's.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxtune.errors import MeshError
+from pallas_kernels.flash_attention import flash_attention
 
 AXIS = "context"
 TILE = 512  # tokens of a query or key tile in ring attention's blocks
@@ -88,6 +97,7 @@ def ring_attention(
   mesh: jax.sharding.Mesh,
   specs: tuple,
   tile: int = TILE,
+  kernel: str | None = None,
 ) -> jax.Array:
   """Causal attention within documents over a sequence split on ``context``.
 
@@ -96,10 +106,23 @@ def ring_attention(
   seen where it has the query's segment id, a position no later, and (``window`` > 0) fewer
   than ``window`` positions back: the mask of jaxtune.attention, read from positions (for
   real tokens; padding, segment 0 at position 0, attends among itself differently, unread).
-  ``tile``: the most query (and key) tokens whose scores exist at once."""
+  ``tile``: the most query (and key) tokens whose scores exist at once (XLA's tiles).
+  ``kernel``: each pair of chunks by the flash op with this implementation instead (no
+  window: it masks by index, exact within a chunk pair only where no window reaches across)."""
   heads, tokens = specs
   size = mesh.shape[AXIS]
   ring = [(i, (i + 1) % size) for i in range(size)]
+  if kernel is not None:
+    if isinstance(window, int) and window:  # traced (the layer scan's): 0, by the runtime
+      raise ValueError(f"ring attention by the flash op takes no window, got {window}")
+    blocks = functools.partial(_flash_blocks, scale=scale, softcap=softcap, kernel=kernel)
+    return jax.shard_map(
+      functools.partial(blocks, ring=ring),
+      mesh=mesh,
+      in_specs=(heads, heads, heads, tokens),
+      out_specs=heads,
+      check_vma=False,
+    )(q, k, v, segment_ids)
 
   def local(q, k, v, pos, seg, window):
     b, t, n, h = q.shape
@@ -194,3 +217,47 @@ def ring_attention(
     out_specs=heads,
     check_vma=False,
   )(q, k, v, positions, segment_ids, jnp.asarray(window, jnp.int32))
+
+
+def _flash_blocks(q, k, v, seg, *, scale, softcap, kernel, ring):
+  """One device's part of ring attention with the flash op per chunk pair (its blocks merged
+  by their log-sum-exp). q [B, 2c, N, H], k/v [B, 2c, K, H], seg [B, 2c]: chunks i and
+  2C-1-i of the zigzag layout."""
+  c = q.shape[1] // 2
+
+  def flash(q, k, v, qseg, kseg, causal):
+    out, lse = flash_attention(
+      q, k, v, segment_ids=qseg, kv_segment_ids=kseg, causal=causal, softcap=softcap,
+      scale=scale, implementation=kernel, return_lse=True,
+    )  # fmt: skip
+    return out.astype(jnp.float32), jnp.swapaxes(lse, 1, 2)  # lse [B, T, N]
+
+  def merge(o, lse, start, o_new, lse_new):
+    """Rows [start, start + c) of (o, lse) merged with a block's (o_new, lse_new)."""
+    rows = lambda a: jax.lax.dynamic_slice_in_dim(a, start, c, 1)  # noqa: E731
+    o_r, lse_r = rows(o), rows(lse)
+    total = jnp.logaddexp(lse_r, lse_new)  # finite: every query sees itself in its own block
+    o_r = o_r * jnp.exp(lse_r - total)[..., None] + o_new * jnp.exp(lse_new - total)[..., None]
+    put = jax.lax.dynamic_update_slice_in_dim
+    return put(o, o_r, start, 1), put(lse, total, start, 1)
+
+  o, lse = flash(q, k, v, seg, seg, True)  # the own block: chunk i precedes chunk 2C-1-i
+  me = jax.lax.axis_index(AXIS)
+
+  def step(carry, r):
+    """Block r from device j = i - r: the same two visible chunk pairs as ``ring_attention``'s
+    step, each one non-causal call (every key of the pair precedes every query)."""
+    o, lse, block = carry
+    block = tuple(jax.lax.ppermute(a, AXIS, ring) for a in block)
+    kb, vb, segb = block
+    o_new, lse_new = flash(q[:, c:], kb[:, :c], vb[:, :c], seg[:, c:], segb[:, :c], False)
+    o, lse = merge(o, lse, c, o_new, lse_new)
+    at = jnp.where(me >= r, 0, c)
+    pick = lambda a: jax.lax.dynamic_slice_in_dim(a, at, c, 1)  # noqa: E731
+    o_new, lse_new = flash(pick(q), pick(kb), pick(vb), pick(seg), pick(segb), False)
+    o, lse = merge(o, lse, at, o_new, lse_new)
+    return (o, lse, block), None
+
+  size = len(ring)
+  (o, _, _), _ = jax.lax.scan(step, (o, lse, (k, v, seg)), jnp.arange(1, size))
+  return o.astype(q.dtype)

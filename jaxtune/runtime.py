@@ -54,6 +54,9 @@ class Runtime:
   dtype: str = "float32"  # the compute dtype the model is built in
   remat: str = "none"
   attention: str = "xla"
+  # "ring" attention's chunk pairs: "xla" (tiles, any mask) or a FLASH name (models without a
+  # sliding window: the flash op per pair, merged by its log-sum-exp)
+  ring_blocks: str = "xla"
   nf4_matmul: str = "auto"  # "auto": the kernel for few tokens on one Hopper GPU (nf4_matmul)
   loss_chunk: int = 0  # > 0: float32 logits for this many tokens per row at a time
   mlp_chunk: int = 0  # > 0: the MLP runs this many tokens per row at a time
@@ -73,6 +76,8 @@ class Runtime:
       raise ValueError(f"remat must be one of {REMAT}, got {self.remat!r}")
     if self.attention not in ATTENTION:
       raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
+    if self.ring_blocks not in ("xla", *FLASH):
+      raise ValueError(f"ring_blocks must be xla or one of {FLASH}, got {self.ring_blocks!r}")
     if self.nf4_matmul not in NF4_MATMUL:
       raise ValueError(f"nf4_matmul must be one of {NF4_MATMUL}, got {self.nf4_matmul!r}")
 
@@ -143,7 +148,10 @@ class Runtime:
     if self.loss_chunk and not self.candidates:
       remat += f", loss chunk {self.loss_chunk}"
     remat += f" ({remat_note})" if remat_note else ""
-    parts = [f"attention {self.attention}", f"remat {remat}", f"dtype {self.dtype}"]
+    attention = self.attention
+    if attention == "ring":
+      attention += f" ({self.ring_blocks} blocks)" if self.ring_blocks != "xla" else " (xla tiles)"
+    parts = [f"attention {attention}", f"remat {remat}", f"dtype {self.dtype}"]
     if self.nf4_matmul != "auto":
       parts.append(f"nf4 matmul {self.nf4_matmul}")
     if self.mlp_chunk:
@@ -261,6 +269,30 @@ def resolve_attention(
   return ("mosaic", None) if kernel_ok else ("xla", None)
 
 
+def resolve_ring_blocks(
+  requested: str | None, cfg: ModelConfig, *, dtype: str, device: jax.Device
+) -> tuple[str, str | None]:
+  """(how ring attention computes its chunk pairs, a note when it is not what was asked).
+
+  The flash op per pair needs a model without sliding windows (it masks by index, and a
+  window reaching across two chunks would need their distance): then the Pallas kernel on
+  Hopper, unset or --attention pallas; the op's jnp reference with --attention pallas
+  elsewhere (tests). XLA's tiles otherwise, and with --attention xla.
+  """
+  if requested == "xla":
+    return "xla", None
+  kernel_ok = _on_hopper(device) and mosaic_supports(dtype, cfg.head_dim)
+  if cfg.has_sliding_layers:
+    note = "ring attention by XLA tiles (sliding windows span chunks)"
+    return "xla", note if requested == "pallas" else None
+  if kernel_ok:
+    return "mosaic", None
+  if requested == "pallas":
+    note = "ring blocks by flash attention's jnp reference (the kernel: Hopper, 16-bit inputs)"
+    return "flash_xla", note
+  return "xla", None
+
+
 def resolve(
   run: RunConfig,
   cfg: ModelConfig,
@@ -305,10 +337,12 @@ def resolve(
   if run.embeddings == "host":
     _check_host_embeddings(run, cfg)
   dtype, dtype_note = compute_dtype(run.dtype, devices)
+  ring_blocks = "xla"
   if cp > 1:
-    attention, attention_note = "ring", None
-    if run.attention == "pallas":
-      attention_note = "ring attention by XLA blocks (the Pallas kernel per block: not yet)"
+    attention = "ring"
+    ring_blocks, attention_note = resolve_ring_blocks(
+      run.attention, cfg, dtype=dtype, device=devices[0]
+    )
   else:
     attention, attention_note = resolve_attention(
       run.attention, cfg, dtype=dtype, packed=packed, pipelined=pp > 1, device=devices[0],
@@ -319,6 +353,7 @@ def resolve(
     dtype=dtype,
     remat=candidates[0][0],
     attention=attention,
+    ring_blocks=ring_blocks,
     nf4_matmul=run.nf4_matmul or "auto",
     loss_chunk=candidates[0][1],
     candidates=candidates if len(candidates) > 1 else (),

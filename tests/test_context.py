@@ -60,15 +60,18 @@ def _loss_and_grads(model, rt, host: dict):
 
 
 def _check_equal(path, specs, host, run) -> dict:
-  """The model loaded once (one device), then placed on each mesh of ``specs``; returns the
+  """The model loaded once (one device), then placed on each mesh of ``specs`` ("mesh" or
+  "mesh:flash_xla": the ring's blocks by the flash op, --attention pallas); returns the
   compiled steps' temporary bytes per device, by spec."""
   _, model = mesh_lora_model(path, run, "1")
   want, want_grads, temp = _loss_and_grads(model, runtime.DEFAULT, host)
   temps = {"1": temp}
   assert all(np.abs(g).max() > 0 for g in want_grads)
   for spec in specs:
-    rt = _runtime(path, run, spec)
-    assert rt.attention == "ring" and rt.context == 4, spec
+    spec, blocks = spec.split(":") if ":" in spec else (spec, "xla")
+    attention = "pallas" if blocks == "flash_xla" else None
+    rt = _runtime(path, run.replace(attention=attention), spec)
+    assert (rt.attention, rt.ring_blocks, rt.context) == ("ring", blocks, 4), spec
     loss, grads, temps[spec] = _loss_and_grads(model, rt, host)
     np.testing.assert_allclose(loss, want, rtol=1e-5, err_msg=spec)
     for g, w in zip(grads, want_grads, strict=True):
@@ -81,13 +84,14 @@ RUN = RunConfig(batch_size=4, dtype="float32", lora_rank=4, remat="full", seq_le
 
 def test_context_meshes_train_like_one_device_in_a_quarter_of_the_memory(tmp_path):
   """Packed rows of 512 tokens (segments restarting positions, padding): loss and every LoRA
-  gradient under context=4 and tensor=2,context=4 equal one device (data=2,context=4: the
-  Gemma 2 case below); the compiled step's temporary memory per device (XLA's memory
-  analysis, remat full) under context=4 is at most 1.5x a quarter of one device's (measured
-  32 of 174 MiB with the tiled ring: 0.18)."""
+  gradient under context=4 (XLA tiles) and tensor=2,context=4 (the flash op per chunk pair,
+  --attention pallas: its jnp reference on CPU) equal one device (data=2,context=4: the Gemma 2
+  case below); the compiled step's temporary memory per device (XLA's memory analysis, remat
+  full) under context=4 is at most 1.5x a quarter of one device's (measured 32 of 174 MiB with
+  the tiled ring: 0.18)."""
   path = tmp_path / "llama"
   build_hf_llama(21, **MESH_SHAPE, max_position_embeddings=512).save_pretrained(path)
-  specs = ("context=4", "tensor=2,context=4")
+  specs = ("context=4", "tensor=2,context=4:flash_xla")
   temps = _check_equal(path, specs, _packed_rows(3, 4, 512), RUN.replace(seq_len=512))
   assert temps["context=4"] <= 1.5 / 4 * temps["1"], temps
 
@@ -127,6 +131,34 @@ def test_zigzag_batch_moves_every_token_leaf_together():
   np.testing.assert_array_equal(out["advantages"], host["advantages"])
 
 
+def test_ring_blocks_are_the_kernel_where_it_is_exact():
+  """The flash kernel per chunk pair on Hopper for a model without sliding windows (unset or
+  --attention pallas); XLA's tiles for sliding windows (named when pallas was asked for), with
+  --attention xla and off Hopper; --attention pallas off Hopper: the op's jnp reference."""
+  from types import SimpleNamespace
+
+  from jaxtune.config import ModelConfig
+
+  dims = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+              num_kv_heads=1, head_dim=64)  # fmt: skip
+  plain = ModelConfig(model_type="llama", **dims)
+  sliding = ModelConfig(model_type="gemma2", layer_types=("sliding_attention",) * 2, **dims)
+  h100 = SimpleNamespace(platform="gpu", compute_capability="9.0")
+  cpu = SimpleNamespace(platform="cpu")
+  blocks = lambda asked, cfg, device, dtype="bfloat16": runtime.resolve_ring_blocks(  # noqa: E731
+    asked, cfg, dtype=dtype, device=device
+  )
+  assert blocks(None, plain, h100) == ("mosaic", None)
+  assert blocks("pallas", plain, h100) == ("mosaic", None)
+  assert blocks("xla", plain, h100) == ("xla", None)
+  assert blocks(None, plain, h100, "float32") == ("xla", None)  # the kernel takes 16-bit
+  assert blocks(None, sliding, h100) == ("xla", None)
+  tiles, note = blocks("pallas", sliding, h100)
+  assert tiles == "xla" and "sliding windows" in note
+  assert blocks(None, plain, cpu) == ("xla", None)
+  assert blocks("pallas", plain, cpu)[0] == "flash_xla"
+
+
 def test_grpo_with_a_context_axis_is_one_sentence(tmp_path):
   """GRPO generates whole sequences: a context axis is refused before anything is built."""
   from jaxtune.errors import MeshError
@@ -138,11 +170,14 @@ def test_grpo_with_a_context_axis_is_one_sentence(tmp_path):
     _runtime(path, run, "context=8")
 
 
-@pytest.mark.parametrize("window", [6])
-def test_ring_attention_in_tiles_equals_masked_attention(window):
-  """The ring on its own, with tiles smaller than a chunk (4 tokens: 2 x 2 tiles per chunk
-  pair), packed segments, positions restarting, softcap and a window: output and the
-  gradients of q, k and v equal jaxtune.attention's masked attention on the natural order."""
+@pytest.mark.parametrize("window, kernel", [(6, None), (0, "xla")])
+def test_ring_attention_equals_masked_attention(window, kernel):
+  """The ring on its own, with packed segments, positions restarting and softcap: output and
+  the gradients of q, k and v equal jaxtune.attention's masked attention on the natural order.
+  XLA's tiles smaller than a chunk (4 tokens: 2 x 2 tiles per chunk pair) with a window; or the
+  flash op per chunk pair (its jnp reference here: the kernel's own tests are
+  test_flash_attention's), blocks merged by their log-sum-exp, where some queries see no key
+  of a block."""
   from jax.sharding import NamedSharding
 
   from jaxtune import attention
@@ -171,7 +206,7 @@ def test_ring_attention_in_tiles_equals_masked_attention(window):
   def ring(q, k, v):
     return context.ring_attention(
       q, k, v, put(pos, tokens), put(seg, tokens), scale=0.25, window=window, softcap=3.0,
-      mesh=rt.mesh, specs=(heads, tokens), tile=4,
+      mesh=rt.mesh, specs=(heads, tokens), tile=4, kernel=kernel,
     )  # fmt: skip
 
   got, vjp = jax.vjp(jax.jit(ring), put(q, heads), put(k, heads), put(v, heads))

@@ -1,17 +1,20 @@
 """Flash attention kernels in Mosaic GPU's CPU interpreter against the jnp reference.
 
 Each case runs the forward kernel and both backward kernels (dQ; dK/dV) on random bf16
-inputs and compares out, dq, dk, dv with float32 reference attention on the same inputs.
-The cases cover every option and, pairwise, their combinations: causal or not, GQA ratios
-1/2/4, head_dim 64/128/256 (256 takes the split dK/dV path), sliding window (with a middle of
-unmasked blocks), softcap, custom scale, segment ids with padding, lengths that are not a
-multiple of the tile. Interpreting is slow: shapes are as small as the tiles allow.
+inputs and compares out, lse, dq, dk, dv with float32 reference attention on the same inputs,
+the gradients taken through both outputs. The cases cover every option and, pairwise, their
+combinations: causal or not, GQA ratios 1/2/4, head_dim 64/128/256 (256 takes the split dK/dV
+path), sliding window (with a middle of unmasked blocks), softcap, custom scale, segment ids
+with padding, keys with ids of their own (as in ring attention: some queries see no key),
+lengths that are not a multiple of the tile. Interpreting is slow: shapes are as small as
+the tiles allow.
 """
 
 import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from pallas_kernels.flash_attention import kernel, ops, reference
@@ -20,32 +23,38 @@ from pallas_kernels.flash_attention import kernel, ops, reference
 TOL = 1e-2
 
 CASES = {
-  # name: (T, N, K, H, options)
+  # name: (T, N, K, H, options); segments: True (packed documents), "one" (one document),
+  # "kv" (packed, and keys with ids of their own)
   "causal-gqa2-pad": (200, 2, 1, 64, {}),
   "noncausal-mha": (136, 2, 2, 64, {"causal": False}),
-  "window-3-ranges": (520, 2, 1, 64, {"window": 256}),
   "softcap-scale-gqa4": (200, 4, 1, 64, {"softcap": 5.0, "scale": 0.3}),
-  "segments-window-softcap": (200, 2, 1, 64, {"segments": True, "window": 48, "softcap": 3.0}),
-  "noncausal-segments-window": (200, 2, 1, 64, {"causal": False, "segments": True, "window": 50}),
+  "kv-segments-window-softcap": (200, 2, 1, 64, {"segments": "kv", "window": 48, "softcap": 3.0}),
+  "noncausal-kv-window": (200, 2, 1, 64, {"causal": False, "segments": "kv", "window": 50}),
   "h128-segments-gqa2": (130, 2, 1, 128, {"segments": True}),
-  "one-segment-window": (330, 2, 1, 64, {"segments": "one", "window": 200}),
+  # A window whose edge, middle and diagonal are all met by one query tile in each kernel
+  "one-segment-window": (330, 2, 1, 64, {"segments": "one", "window": 256}),
   "h256-softcap-window": (200, 2, 1, 256, {"softcap": 4.0, "window": 64}),
-  "h256-segments-noncausal-gqa4": (128, 4, 1, 256, {"segments": True, "causal": False}),
+  "h256-kv-segments-noncausal-gqa4": (128, 4, 1, 256, {"segments": "kv", "causal": False}),
   # dK products issued in their own step (Blocks(defer_dk=False)), not with the next step's
   "undeferred-segments-gqa2": (200, 2, 1, 64, {"defer_dk": False, "segments": True}),
 }
 
 
 def _inputs(t, n, kv, h, seed):
-  ks = jax.random.split(jax.random.key(seed), 5)
+  ks = jax.random.split(jax.random.key(seed), 7)
   q = jax.random.normal(ks[0], (1, t, n, h), jnp.bfloat16)
   k = jax.random.normal(ks[1], (1, t, kv, h), jnp.bfloat16)
   v = jax.random.normal(ks[2], (1, t, kv, h), jnp.bfloat16)
   do = jax.random.normal(ks[3], (1, t, n, h), jnp.bfloat16)
+  # As large as dP = dO . V, so that a wrong lse term in dS shows.
+  dlse = jax.random.normal(ks[4], (1, n, t), jnp.float32) * h**0.5
   # Packed documents, then padding (id 0) at the end, as data.py makes them.
-  seg = jnp.sort(jax.random.randint(ks[4], (1, t), 1, 4), axis=1)
+  seg = jnp.sort(jax.random.randint(ks[5], (1, t), 1, 4), axis=1)
   seg = seg.at[:, t - t // 5 :].set(0)
-  return q, k, v, do, seg
+  # Keys' own ids (ring attention): other document bounds, and no key of document 1.
+  kv_seg = jnp.sort(jax.random.randint(ks[6], (1, t), 2, 5), axis=1)
+  kv_seg = kv_seg.at[:, t - t // 5 :].set(0)
+  return q, k, v, do, dlse, seg, kv_seg
 
 
 def _blocks(head_dim, defer_dk=None):
@@ -57,44 +66,63 @@ def _blocks(head_dim, defer_dk=None):
 
 
 def _rel(x, ref):
+  """Relative error; where ref is -inf (the lse of a query that sees no key) x must be too."""
   x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
+  empty = ref == -jnp.inf
+  if not jnp.array_equal(x == -jnp.inf, empty):
+    return float("inf")
+  x, ref = jnp.where(empty, 0.0, x), jnp.where(empty, 0.0, ref)
   return float(jnp.linalg.norm(x - ref) / jnp.linalg.norm(ref))
 
 
-def _errors(f, q, k, v, do):
-  """Relative errors of (out, dq, dk, dv) from f against the float32 reference."""
+def _compare(f, q, k, v, cotangent):
+  """f's outputs then (dq, dk, dv) in the interpreter, and their relative errors against the
+  float32 reference. f returns out, or (out, lse) with ``cotangent`` (do, dlse)."""
   out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, "interpret"), q, k, v)
-  up = lambda x: x.astype(jnp.float32)
+  up = lambda x: jax.tree.map(lambda a: a.astype(jnp.float32), x)
   ref_out, ref_vjp = jax.vjp(lambda q, k, v: f(q, k, v, "xla"), up(q), up(k), up(v))
-  got = (out, *vjp(do))
-  want = (ref_out, *ref_vjp(up(do)))
-  return [_rel(a, b) for a, b in zip(got, want, strict=True)]
+  got = (*jax.tree.leaves(out), *vjp(cotangent))
+  want = (*jax.tree.leaves(ref_out), *ref_vjp(up(cotangent)))
+  return got, [_rel(a, b) for a, b in zip(got, want, strict=True)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernels_match_reference(name):
   t, n, kv, h, opts = CASES[name]
-  q, k, v, do, seg = _inputs(t, n, kv, h, seed=len(name))
-  if not opts.get("segments"):
-    seg = None
+  q, k, v, do, dlse, seg, kv_seg = _inputs(t, n, kv, h, seed=len(name))
+  segments = opts.get("segments")
   kw = dict(
-    segment_ids=jnp.ones_like(seg) if opts.get("segments") == "one" else seg,
+    segment_ids=jnp.ones_like(seg) if segments == "one" else seg if segments else None,
+    kv_segment_ids=kv_seg if segments == "kv" else None,
     causal=opts.get("causal", True),
     window=opts.get("window", 0),
     softcap=opts.get("softcap"),
     scale=opts.get("scale"),
   )
   blocks = _blocks(h, opts.get("defer_dk"))
-  f = lambda q, k, v, impl: ops.flash_attention(q, k, v, implementation=impl, blocks=blocks, **kw)
-  errs = _errors(f, q, k, v, do)
-  assert max(errs) < TOL, dict(zip(("out", "dq", "dk", "dv"), errs, strict=True))
+  f = lambda q, k, v, impl: ops.flash_attention(
+    q, k, v, implementation=impl, blocks=blocks, return_lse=True, **kw
+  )
+  got, errs = _compare(f, q, k, v, (do, dlse))
+  assert all(e < TOL for e in errs), dict(zip(("out", "lse", "dq", "dk", "dv"), errs, strict=True))
+  if segments == "kv":
+    out, lse, dq, dk, dv = got
+    vis = reference.visible(
+      t, segment_ids=seg, kv_segment_ids=kv_seg, causal=kw["causal"], window=kw["window"]
+    )
+    sees = vis.any(axis=-1)[0]
+    assert not sees.all()  # some queries see no key: out 0, lse -inf, dq 0
+    assert (out[0, ~sees] == 0).all() and (dq[0, ~sees] == 0).all()
+    assert (lse[0][:, ~sees] == -jnp.inf).all() and jnp.isfinite(lse[0][:, sees]).all()
+    assert all(jnp.isfinite(x).all() for x in (out, dq, dk, dv))
 
 
 @pytest.mark.slow
 def test_traced_window_in_a_layer_scan():
-  """The window is a per-layer int32 inside lax.scan (0 = full attention), as in the decoder."""
-  q, k, v, do, seg = _inputs(200, 2, 1, 64, seed=3)
+  """The window is a per-layer int32 inside lax.scan (0 = full attention), as in the decoder;
+  without return_lse, the default."""
+  q, k, v, do, _, seg, _ = _inputs(200, 2, 1, 64, seed=3)
   windows = jnp.array([0, 40], jnp.int32)
 
   def layers(q, k, v, impl):
@@ -104,8 +132,45 @@ def test_traced_window_in_a_layer_scan():
 
     return jax.lax.scan(one, jnp.zeros(q.shape, jnp.float32), windows)[0].astype(q.dtype)
 
-  errs = _errors(jax.jit(layers, static_argnums=3), q, k, v, do)
-  assert max(errs) < TOL, errs
+  _, errs = _compare(jax.jit(layers, static_argnums=3), q, k, v, do)
+  assert all(e < TOL for e in errs), errs
+
+
+def test_reference_against_a_formula_per_query():
+  """The reference's out, lse and their gradients against attention written query by query
+  over the keys it sees, with keys' ids that leave some queries no key."""
+  t, n, h, window, cap, scale = 10, 2, 8, 4, 2.0, 0.5
+  rng = np.random.default_rng(0)
+  q, k, v, do = (rng.standard_normal((1, t, heads, h), np.float32) for heads in (n, 1, 1, n))
+  dlse = rng.standard_normal((1, n, t), np.float32)
+  seg = [1, 1, 1, 1, 1, 2, 2, 2, 2, 2]
+  kv_seg = [2, 2, 1, 1, 1, 1, 1, 3, 2, 2]  # queries 0, 1, 5-7 see nothing
+  sees = lambda i: [j for j in range(i + 1) if i - j < window and seg[i] == kv_seg[j]]
+
+  def per_query(q, k, v):
+    out, lse = [jnp.zeros((n, h))] * t, [jnp.full((n,), -jnp.inf)] * t
+    for i in range(t):
+      if js := sees(i):
+        s = cap * jnp.tanh(scale * q[0, i] @ k[0, js, 0].T / cap)  # [N, keys]
+        lse[i] = jax.scipy.special.logsumexp(s, axis=1)
+        out[i] = jax.nn.softmax(s, axis=1) @ v[0, js, 0]
+    return jnp.stack(out)[None], jnp.stack(lse, axis=1)[None]
+
+  ref = lambda q, k, v: reference.attention(
+    q, k, v, segment_ids=jnp.array([seg]), kv_segment_ids=jnp.array([kv_seg]), window=window,
+    softcap=cap, scale=scale, return_lse=True,
+  )  # fmt: skip
+  assert [i for i in range(t) if not sees(i)] == [0, 1, 5, 6, 7]
+
+  @jax.jit
+  def outputs_and_grads(q, k, v):
+    (out, lse), vjp = jax.vjp(ref, q, k, v)
+    (want_out, want_lse), want_vjp = jax.vjp(per_query, q, k, v)
+    return (out, lse, *vjp((do, dlse))), (want_out, want_lse, *want_vjp((do, dlse)))
+
+  got, want = outputs_and_grads(q, k, v)
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # -inf where b is
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -115,25 +180,27 @@ def test_kernels_lower_for_hopper(head_dim, everything):
   q = jax.ShapeDtypeStruct((1, 1000, 4, head_dim), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 1000, 2, head_dim), jnp.bfloat16)
   seg = jax.ShapeDtypeStruct((1, 1000), jnp.int32)
+  lse = jax.ShapeDtypeStruct((1, 4, 1000), jnp.float32)
   window = jax.ShapeDtypeStruct((), jnp.int32)
 
-  def f(q, k, v, do, seg, window):
-    kw = dict(segment_ids=seg, window=window, softcap=30.0) if everything else {}
+  def f(q, k, v, do, dlse, seg, kv_seg, window):
+    kw = {}
+    if everything:
+      kw = dict(segment_ids=seg, kv_segment_ids=kv_seg, window=window, softcap=30.0)
     blocks = _blocks(head_dim)
     attn = lambda q, k, v: ops.flash_attention(
-      q, k, v, implementation="mosaic", blocks=blocks, **kw
+      q, k, v, implementation="mosaic", blocks=blocks, return_lse=everything, **kw
     )
     out, vjp = jax.vjp(attn, q, k, v)
-    return out, *vjp(do)
+    return out, *vjp((do, dlse) if everything else do)
 
-  text = jax.jit(f).trace(q, k, k, q, seg, window).lower(lowering_platforms=("cuda",)).as_text()
+  traced = jax.jit(f).trace(q, k, k, q, lse, seg, seg, window)
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("mosaic_gpu") >= 3  # forward, dQ, dK/dV
 
 
 def test_tile_ranges_cover_exactly_the_visible_blocks():
   """The block ranges the kernels walk, against a brute-force mask (no interpreter)."""
-  import numpy as np  # noqa: PLC0415
-
   for causal in (True, False):
     for window in (0, 1, 63, 64, 100, 300):
       opts = kernel.Options(seq_len=500, scale=1.0, causal=causal, windowed=window > 0)
@@ -158,7 +225,7 @@ def test_tile_ranges_cover_exactly_the_visible_blocks():
 
 
 def test_implementation_is_named_and_inputs_checked():
-  q, k, v, _, seg = _inputs(64, 2, 1, 64, seed=1)
+  q, k, v, _, _, seg, _ = _inputs(64, 2, 1, 64, seed=1)
   # The caller names the implementation: the op never picks one.
   for missing in (None, "pallas"):
     with pytest.raises(ValueError, match="mosaic, interpret, cudnn, xla"):
@@ -168,6 +235,7 @@ def test_implementation_is_named_and_inputs_checked():
   assert ops.cudnn_supports(segmented=False, softcap=None, window=16)
   assert not ops.cudnn_supports(segmented=True, softcap=None, window=0)
   assert not ops.cudnn_supports(segmented=False, softcap=30.0, window=0)
+  assert not ops.cudnn_supports(segmented=False, softcap=None, window=0, return_lse=True)
 
   def scanned_layer(window):  # a traced window, as in the decoder's layer scan: not for cuDNN
     assert not ops.cudnn_supports(segmented=False, softcap=None, window=window)
@@ -180,3 +248,7 @@ def test_implementation_is_named_and_inputs_checked():
     ops.flash_attention(q[..., :32], k[..., :32], v[..., :32], implementation="interpret")
   with pytest.raises(ValueError, match="cudnn"):
     ops.flash_attention(q, k, v, segment_ids=seg, implementation="cudnn")
+  with pytest.raises(ValueError, match="return_lse"):
+    ops.flash_attention(q, k, v, return_lse=True, implementation="cudnn")
+  with pytest.raises(ValueError, match="pass both"):
+    ops.flash_attention(q, k, v, kv_segment_ids=seg, implementation="xla")

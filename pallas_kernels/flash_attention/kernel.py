@@ -3,9 +3,10 @@ pieces the backward kernels (kernel_backward.py) share.
 
 Layouts: q/out/dq [B, T, N, H]; k/v/dk/dv [B, T, K, H] with N a multiple of K (GQA: the
 kernels index the shared K/V head, nothing is repeated); lse/delta [B, N, T] float32;
-segment ids [B, T] int32 with their per-64-row summary ``uniform`` [B, T / 64]; window
-int32[1] read at run time (0 = no window). T must be a multiple of ``Blocks.multiple``
-(ops.py pads); keys at or past ``seq_len`` are masked. Nothing [T, T] is ever formed.
+segment ids [B, T] int32 with their per-64-row summary ``uniform`` [B, T / 64], the queries'
+and the keys' (the same unless ring attention gives keys their own); window int32[1] read at
+run time (0 = no window). T must be a multiple of ``Blocks.multiple`` (ops.py pads); keys at
+or past ``seq_len`` are masked. Nothing [T, T] is ever formed.
 
 Each CTA runs compute warpgroups (two; one in dQ at head_dim 256) and one warpgroup that only
 issues TMA copies into a ring of ``num_stages`` shared-memory slots. Produced barriers say a
@@ -18,7 +19,8 @@ padded tail. Segment masks apply only where a block pair is not all one document
 Scores live in log2 units (s * scale * log2(e)), so the softmax is exp2 and FMA; the saved
 log-sum-exp is log2-based too. Masked scores are a large finite negative, not -inf: a row
 with no visible key in a block stays NaN-free and is wiped by the rescale once a visible
-key arrives.
+key arrives. A row with no visible key at all ends with its maximum still at MASKED: it is
+written as 0 with lse +inf, so that the backward's P = exp2(s - lse) is 0 on it.
 """
 
 import math
@@ -245,14 +247,17 @@ def forward(
   q: jax.Array,
   k: jax.Array,
   v: jax.Array,
-  segment_ids: jax.Array,
-  uniform: jax.Array,
+  q_segment_ids: jax.Array,
+  q_uniform: jax.Array,
+  kv_segment_ids: jax.Array,
+  kv_uniform: jax.Array,
   window: jax.Array,
   o: Options,
   blocks: Blocks,
   interpret: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """-> out [B, T, N, H] (q's dtype), lse [B, N, T] float32 (log2 units)."""
+  """-> out [B, T, N, H] (q's dtype), lse [B, N, T] float32 (log2 units, +inf for a query that
+  sees no key, whose out is 0)."""
   batch, t, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
   group = num_heads // num_kv_heads
@@ -263,7 +268,11 @@ def forward(
   tile = COMPUTE_WGS * bq
   num_tiles = t // tile
 
-  def body(q_ref, k_ref, v_ref, seg_ref, uni_ref, win_ref, out_ref, lse_ref, scratch):
+  def body(*refs):
+    (q_ref, k_ref, v_ref, q_seg_ref, q_uni_ref, kv_seg_ref, kv_uni_ref, win_ref) = refs[:8]
+    out_ref, lse_ref, scratch = refs[8], refs[9], refs[10:]
+    if not o.kv_segmented:  # the keys' ids are the queries' (see ``Options.kv_segmented``)
+      kv_seg_ref, kv_uni_ref = q_seg_ref, q_uni_ref
     (qo_smem, k_smem, v_smem, lse_smem, qseg_smem, kseg_smem, stage_smem, barriers) = scratch
     q_bar, k_bar, v_bar, k_free, v_free, sched = barriers
     b = lax.axis_index("batch")
@@ -288,11 +297,11 @@ def forward(
       base = q0 + wg * bq
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(base, bq), head], q_smem, q_bar.at[wg])
       if o.segmented:
-        plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(base, bq)], qseg_smem.at[wg], q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(q_seg_ref.at[b, pl.ds(base, bq)], qseg_smem.at[wg], q_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
       if o.segmented:
         q_seg = plgpu.load(qseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-        q_uni = _uniform_id(uni_ref, b, base, bq)
+        q_uni = _uniform_id(q_uni_ref, b, base, bq)
 
       m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
       l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -327,7 +336,7 @@ def forward(
               k_seg, (bq, bk), [1]
             )
 
-          s = _mask_segments(s, q_uni, _uniform_id(uni_ref, b, k0, bk), same_segment)
+          s = _mask_segments(s, q_uni, _uniform_id(kv_uni_ref, b, k0, bk), same_segment)
         plgpu.barrier_arrive(k_free.at[slot])
 
         m_new = jnp.maximum(m_i, s.max(axis=1))
@@ -359,6 +368,7 @@ def forward(
       acc, m_i, l_i = carry
       pl.when(wg == 0)(schedule)
 
+      l_i = jnp.where(m_i <= MASKED, jnp.inf, l_i)  # saw no key: out 0, lse +inf
       acc /= lax.broadcast_in_dim(l_i, acc.shape, [0])
       q_smem[...] = acc.astype(dtype)
       lse_smem.at[wg][...] = m_i + jnp.log2(l_i)
@@ -375,7 +385,7 @@ def forward(
         rows = pl.ds((lo + i) * bk, bk)
         plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kv_head], k_smem.at[slot], k_bar.at[slot])
         if o.segmented:
-          plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], kseg_smem.at[slot], k_bar.at[slot])
+          plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, rows], kseg_smem.at[slot], k_bar.at[slot])
 
       def issue_v(i, slot):
         rows = pl.ds((lo + i) * bk, bk)
@@ -406,7 +416,7 @@ def forward(
     jax.ShapeDtypeStruct((batch, num_heads, t), jnp.float32),
   )
   return plgpu.kernel(
-    lambda *refs: body(*refs[:8], refs[8:]),
+    body,
     out_type=out_type,
     scratch_types=scratch,
     grid=(num_heads, num_tiles, batch),
@@ -415,4 +425,4 @@ def forward(
     thread_name="wg",
     compiler_params=_compiler_params(),
     interpret=interpret,
-  )(q, k, v, segment_ids, uniform, window)
+  )(q, k, v, q_segment_ids, q_uniform, kv_segment_ids, kv_uniform, window)

@@ -1,7 +1,9 @@
 """Flash attention backward on Hopper through Mosaic GPU: the dQ and the dK/dV kernels.
 
 Both recompute the probabilities block by block from the forward's log-sum-exp (log2 units)
-and take delta = rowsum(dO * O) from ops.py. Layouts, pipelining and masking as in kernel.py.
+and take delta = rowsum(dO * O) from ops.py, less the lse's cotangent where the op returns
+the lse (d lse_i / d s_ij = P_ij, so dS = P * (dP - delta + dlse)). Layouts, pipelining and
+masking as in kernel.py.
 
 Two variants measured slower on an H100 and were removed (experiments/RESULTS.md, flash
 attention sweeps): dQ's product deferred to the next step as dK/dV's is (dQ 1.18 -> 1.59 ms
@@ -47,8 +49,10 @@ def backward_dq(
   do: jax.Array,
   lse: jax.Array,
   delta: jax.Array,
-  segment_ids: jax.Array,
-  uniform: jax.Array,
+  q_segment_ids: jax.Array,
+  q_uniform: jax.Array,
+  kv_segment_ids: jax.Array,
+  kv_uniform: jax.Array,
   window: jax.Array,
   o: Options,
   blocks: Blocks,
@@ -65,9 +69,11 @@ def backward_dq(
   tile = wgs * bq
   num_tiles = t // tile
 
-  def body(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, uni_ref, win_ref, dq_ref, scratch
-  ):
+  def body(*refs):
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_uni_ref) = refs[:8]
+    kv_seg_ref, kv_uni_ref, win_ref, dq_ref, scratch = *refs[8:12], refs[12:]
+    if not o.kv_segmented:  # the keys' ids are the queries' (see ``Options.kv_segmented``)
+      kv_seg_ref, kv_uni_ref = q_seg_ref, q_uni_ref
     (q_smem2, do_smem2, lse_smem, delta_smem, qseg_smem, k_smem, v_smem, kseg_smem) = scratch[:8]
     stage_smem, barriers = scratch[8:]
     q_bar, kv_bar, kv_free = barriers
@@ -92,14 +98,14 @@ def backward_dq(
       plgpu.copy_gmem_to_smem(lse_ref.at[b, head, rows], lse_smem.at[wg], q_bar.at[wg])
       plgpu.copy_gmem_to_smem(delta_ref.at[b, head, rows], delta_smem.at[wg], q_bar.at[wg])
       if o.segmented:
-        plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], qseg_smem.at[wg], q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], qseg_smem.at[wg], q_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
       row = plgpu.Layout.WGMMA.reduce(1)
       lse = plgpu.load(lse_smem.at[wg], layout=row)
       delta = plgpu.load(delta_smem.at[wg], layout=row)
       if o.segmented:
         q_seg = plgpu.load(qseg_smem.at[wg], layout=row)
-        q_uni = _uniform_id(uni_ref, b, base, bq)
+        q_uni = _uniform_id(q_uni_ref, b, base, bq)
       by_row = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
       dq = plgpu.layout_cast(jnp.full((bq, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
@@ -122,7 +128,7 @@ def backward_dq(
             k_seg = plgpu.load(kseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
             return by_row(q_seg) == lax.broadcast_in_dim(k_seg, (bq, bk), [1])
 
-          s = _mask_segments(s, q_uni, _uniform_id(uni_ref, b, k0, bk), same_segment)
+          s = _mask_segments(s, q_uni, _uniform_id(kv_uni_ref, b, k0, bk), same_segment)
         p = jnp.exp2(s - by_row(lse))
         ds = p * (dp - by_row(delta))
         if t_cap is not None:
@@ -149,7 +155,7 @@ def backward_dq(
         plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kv_head], k_smem.at[slot], kv_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kv_head], v_smem.at[slot], kv_bar.at[slot])
         if o.segmented:
-          plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], kseg_smem.at[slot], kv_bar.at[slot])
+          plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, rows], kseg_smem.at[slot], kv_bar.at[slot])
 
       _stream(n, stages, [(kv_free, issue)])
 
@@ -171,7 +177,7 @@ def backward_dq(
     ),
   )
   return plgpu.kernel(
-    lambda *refs: body(*refs[:10], refs[10:]),
+    body,
     out_type=jax.ShapeDtypeStruct(q.shape, dtype),
     scratch_types=scratch,
     grid=(num_heads, num_tiles, batch),
@@ -180,7 +186,7 @@ def backward_dq(
     thread_name="wg",
     compiler_params=_compiler_params(),
     interpret=interpret,
-  )(q, k, v, do, lse, delta, segment_ids, uniform, window)
+  )(q, k, v, do, lse, delta, q_segment_ids, q_uniform, kv_segment_ids, kv_uniform, window)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,8 +202,10 @@ def backward_dkv(
   do: jax.Array,
   lse: jax.Array,
   delta: jax.Array,
-  segment_ids: jax.Array,
-  uniform: jax.Array,
+  q_segment_ids: jax.Array,
+  q_uniform: jax.Array,
+  kv_segment_ids: jax.Array,
+  kv_uniform: jax.Array,
   window: jax.Array,
   o: Options,
   blocks: Blocks,
@@ -224,8 +232,10 @@ def backward_dkv(
   num_tiles = t // tile
 
   def body(*refs):
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, uni_ref, win_ref) = refs[:9]
-    dk_ref, dv_ref, scratch = refs[9], refs[10], refs[11:]
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_uni_ref) = refs[:8]
+    kv_seg_ref, kv_uni_ref, win_ref, dk_ref, dv_ref, scratch = *refs[8:13], refs[13:]
+    if not o.kv_segmented:  # the keys' ids are the queries' (see ``Options.kv_segmented``)
+      kv_seg_ref, kv_uni_ref = q_seg_ref, q_uni_ref
     (k_smem2, v_smem2, kseg_smem, q_smem, do_smem, lse_smem, delta_smem, qseg_smem) = scratch[:8]
     stage_smem, barriers = scratch[8:]
     kv_bar, q_bar, q_free, done = barriers
@@ -253,7 +263,7 @@ def backward_dkv(
         plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kv_head], k_smem, kv_bar.at[buf])
         plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kv_head], v_smem, kv_bar.at[buf])
         if o.segmented:
-          plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], kseg_smem.at[buf], kv_bar.at[buf])
+          plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, rows], kseg_smem.at[buf], kv_bar.at[buf])
 
       if split:
         pl.when(wg == 0)(load_kv)
@@ -262,7 +272,7 @@ def backward_dkv(
       plgpu.barrier_wait(kv_bar.at[buf])
       if o.segmented:
         k_seg = plgpu.load(kseg_smem.at[buf], layout=plgpu.Layout.WGMMA.reduce(1))
-        k_uni = _uniform_id(uni_ref, b, base, bk)
+        k_uni = _uniform_id(kv_uni_ref, b, base, bk)
       zeros = plgpu.layout_cast(jnp.full((bk, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
       def step(i, carry, masked, want_dk, want_dv):
@@ -297,7 +307,7 @@ def backward_dkv(
               q_seg, (bk, bq), [1]
             )
 
-          s = _mask_segments(s, k_uni, _uniform_id(uni_ref, b, qb * bq, bq), same_segment)
+          s = _mask_segments(s, k_uni, _uniform_id(q_uni_ref, b, qb * bq, bq), same_segment)
         lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=col), (bk, bq), [1])
         p = jnp.exp2(s - lse)
         out = []
@@ -391,7 +401,7 @@ def backward_dkv(
         plgpu.copy_gmem_to_smem(lse_ref.at[b, head, rows], lse_smem.at[slot], bar)
         plgpu.copy_gmem_to_smem(delta_ref.at[b, head, rows], delta_smem.at[slot], bar)
         if o.segmented:
-          plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], qseg_smem.at[slot], bar)
+          plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], qseg_smem.at[slot], bar)
 
       _stream(n, stages, [(q_free, issue)])
 
@@ -424,4 +434,4 @@ def backward_dkv(
     thread_name="wg",
     compiler_params=_compiler_params(),
     interpret=interpret,
-  )(q, k, v, do, lse, delta, segment_ids, uniform, window)
+  )(q, k, v, do, lse, delta, q_segment_ids, q_uniform, kv_segment_ids, kv_uniform, window)

@@ -3,7 +3,8 @@
 "mosaic":    the Hopper kernels of kernel.py (forward saves the output and log-sum-exp only;
              the backward recomputes the probabilities block by block).
 "interpret": the same kernels in Mosaic GPU's CPU interpreter (tests).
-"cudnn":     jax.nn.dot_product_attention's cuDNN kernel; no segments, softcap or traced window.
+"cudnn":     jax.nn.dot_product_attention's cuDNN kernel; no segments, softcap, traced window
+             or log-sum-exp.
 "xla":       reference.py under XLA autodiff ([T, T] scores: small shapes only).
 Nothing here chooses: the caller decides once (jaxtune's runtime), with ``mosaic_supports``
 and ``cudnn_supports`` saying what each kernel can compute. kernel.py and kernel_backward.py
@@ -15,6 +16,7 @@ or more than two cores).
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -35,18 +37,25 @@ def flash_attention(
   v: jax.Array,
   *,
   segment_ids: jax.Array | None = None,
+  kv_segment_ids: jax.Array | None = None,
   causal: bool = True,
   window: int | jax.Array = 0,
   softcap: float | None = None,
   scale: float | None = None,
+  return_lse: bool = False,
   implementation: str,
   blocks: Blocks | None = None,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Softmax attention. q [B, T, N, H], k/v [B, T, K, H] with N a multiple of K -> [B, T, N, H].
 
-  segment_ids [B, T] int: tokens see only keys of their own id. window (int or traced int32
-  scalar): keys fewer than ``window`` positions back (0: no limit). softcap: scores become
-  cap * tanh(s / cap). scale: default 1/sqrt(H). implementation: one of ``IMPLEMENTATIONS``.
+  segment_ids [B, T] int: tokens see only keys of their own id. kv_segment_ids [B, T] int: the
+  keys' ids where they differ from the queries' (default: ``segment_ids``), as for a block of
+  keys from another device in ring attention. window (int or traced int32 scalar): keys fewer
+  than ``window`` positions back (0: no limit). softcap: scores become cap * tanh(s / cap).
+  scale: default 1/sqrt(H). return_lse: return (out, lse) with lse [B, N, T] float32, the
+  natural log of the sum of exp(score) over the keys a query sees, to merge blocks of keys by.
+  A query that sees no key gets out 0, lse -inf and no gradient. implementation: one of
+  ``IMPLEMENTATIONS``.
   """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(
@@ -55,17 +64,24 @@ def flash_attention(
   b, t, n, h = q.shape
   if k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != h or n % k.shape[2]:
     raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}: want [B,T,N,H], [B,T,K,H], K | N")
+  if kv_segment_ids is not None and segment_ids is None:
+    raise ValueError("kv_segment_ids are the keys' ids beside the queries' segment_ids: pass both.")
   scale = h**-0.5 if scale is None else float(scale)
   softcap = None if softcap is None else float(softcap)
   static_window = _static_int(window)
   if implementation == "xla":
     return reference.attention(
-      q, k, v, segment_ids=segment_ids, causal=causal, window=window, softcap=softcap,
-      scale=scale,
+      q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, causal=causal,
+      window=window, softcap=softcap, scale=scale, return_lse=return_lse,
     )  # fmt: skip
   if implementation == "cudnn":
-    if not cudnn_supports(segmented=segment_ids is not None, softcap=softcap, window=window):
-      raise ValueError("cudnn attention takes neither segment ids, softcap nor a traced window.")
+    segmented = segment_ids is not None
+    if not cudnn_supports(
+      segmented=segmented, softcap=softcap, window=window, return_lse=return_lse
+    ):
+      raise ValueError(
+        "cudnn attention takes neither segment ids, softcap, a traced window nor return_lse."
+      )
     local = (static_window - 1, 0 if causal else t) if static_window > 0 else None
     return jax.nn.dot_product_attention(
       q, k, v, scale=scale, is_causal=causal, local_window_size=local, implementation="cudnn"
@@ -83,18 +99,29 @@ def flash_attention(
     softcap=softcap,
     windowed=static_window != 0,
     segmented=segment_ids is not None,
+    kv_segmented=kv_segment_ids is not None,
   )
   interpret = _gpu.interpret_params() if implementation == "interpret" else None
   pad = -t % blocks.multiple
   if segment_ids is None:
-    seg = uniform = jnp.zeros((1, 16), jnp.int32)  # never read
+    segs = (jnp.zeros((1, 16), jnp.int32),) * 4  # never read
   else:
-    seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
-    uniform = _uniform_segments(seg)
+    # Padded queries and keys both get -1: they match each other, nothing real sees them.
+    ids = lambda x: jnp.pad(x.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
+    q_seg = ids(segment_ids)
+    q_uni = _uniform_segments(q_seg)
+    if kv_segment_ids is None:
+      segs = (q_seg, q_uni, q_seg, q_uni)
+    else:
+      kv_seg = ids(kv_segment_ids)
+      segs = (q_seg, q_uni, kv_seg, _uniform_segments(kv_seg))
   win = jnp.asarray(window, jnp.int32).reshape(1)
   rows = ((0, 0), (0, pad), (0, 0), (0, 0))
   q, k, v = (jnp.pad(x, rows) for x in (q, k, v))
-  return _flash(q, k, v, seg, uniform, win, opts, blocks, interpret)[:, :t]
+  if not return_lse:
+    return _flash(q, k, v, segs, win, opts, blocks, interpret, False)[:, :t]
+  out, lse = _flash(q, k, v, segs, win, opts, blocks, interpret, True)
+  return out[:, :t], lse[:, :, :t]
 
 
 def mosaic_supports(dtype: DTypeLike, head_dim: int) -> bool:
@@ -103,10 +130,13 @@ def mosaic_supports(dtype: DTypeLike, head_dim: int) -> bool:
   return jnp.dtype(dtype) in _KERNEL_DTYPES and head_dim % 64 == 0 and head_dim <= 256
 
 
-def cudnn_supports(*, segmented: bool, softcap: float | None, window: int | jax.Array) -> bool:
-  """Whether "cudnn" computes this attention: no segment ids, no softcap, and a window that is
-  a Python int (cuDNN compiles it in; a traced per-layer window it cannot take)."""
-  return not segmented and softcap is None and _static_int(window) is not None
+def cudnn_supports(
+  *, segmented: bool, softcap: float | None, window: int | jax.Array, return_lse: bool = False
+) -> bool:
+  """Whether "cudnn" computes this attention: no segment ids (of queries or keys), no softcap,
+  no log-sum-exp returned, and a window that is a Python int (cuDNN compiles it in; a traced
+  per-layer window it cannot take)."""
+  return not segmented and softcap is None and not return_lse and _static_int(window) is not None
 
 
 @functools.cache
@@ -136,30 +166,43 @@ def _static_int(x):
     return None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _flash(q, k, v, seg, uniform, win, opts, blocks, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _flash(q, k, v, segs, win, opts, blocks, interpret, with_lse):
+  """out, or (out, lse) with with_lse. segs: the queries' ids and ``_uniform_segments``, then
+  the keys'."""
   kernel, _ = _kernels()
-  out, _ = kernel.forward(q, k, v, seg, uniform, win, opts, blocks, interpret)
-  return out
+  out, lse = kernel.forward(q, k, v, *segs, win, opts, blocks, interpret)
+  return (out, _natural_lse(lse)) if with_lse else out
 
 
-def _flash_fwd(q, k, v, seg, uniform, win, opts, blocks, interpret):
+def _flash_fwd(q, k, v, segs, win, opts, blocks, interpret, with_lse):
   kernel, _ = _kernels()
-  out, lse = kernel.forward(q, k, v, seg, uniform, win, opts, blocks, interpret)
+  out, lse = kernel.forward(q, k, v, *segs, win, opts, blocks, interpret)
   # Named for remat policies that keep the attention (jaxtune's remat="activations").
   out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
-  return out, (q, k, v, seg, uniform, win, out, lse)
+  res = (q, k, v, segs, win, out, lse)
+  return ((out, _natural_lse(lse)) if with_lse else out), res
 
 
-def _flash_bwd(opts, blocks, interpret, res, do):
-  q, k, v, seg, uniform, win, out, lse = res
+def _natural_lse(lse):
+  """The kernel's log2-based lse, +inf where a query sees no key (its P is then 0), -> natural
+  log, -inf there."""
+  return jnp.where(lse == jnp.inf, -jnp.inf, lse * math.log(2))
+
+
+def _flash_bwd(opts, blocks, interpret, with_lse, res, g):
+  q, k, v, segs, win, out, lse = res
+  do, dlse = g if with_lse else (g, None)
   do = do.astype(q.dtype)
   delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
-  args = (q, k, v, do, lse, delta, seg, uniform, win, opts, blocks, interpret)
+  if dlse is not None:
+    # d lse_i / d s_ij = P_ij (natural units, as the kernels' dS): dS = P * (dP - delta + dlse).
+    delta = delta - dlse
+  args = (q, k, v, do, lse, delta, *segs, win, opts, blocks, interpret)
   _, kernel_backward = _kernels()
   dq = kernel_backward.backward_dq(*args)
   dk, dv = kernel_backward.backward_dkv(*args)
-  return dq, dk, dv, None, None, None
+  return dq, dk, dv, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
