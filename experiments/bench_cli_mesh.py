@@ -292,7 +292,8 @@ def main():
   ap.add_argument("--prompts", type=int, default=0, help="also write N GRPO prompts ({prompts})")
   args = ap.parse_args()
   if args.tiny:
-    args.shape, args.seq, args.steps, args.batch, args.docs = "tiny", 128 if args.seq else 0, 4, 8, 200
+    args.shape, args.steps, args.batch, args.docs = "tiny", 4, 8, 200
+    args.seq = 128 if args.seq else 0
     args.warmup = 1
     # A smoke run is not a measurement: its rows go to a temporary folder unless asked.
     args.results_dir = args.results_dir or tempfile.mkdtemp(prefix="bench_cli_mesh_tiny.")

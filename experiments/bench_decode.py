@@ -24,12 +24,12 @@ from experiments.write_checkpoint import write  # noqa: E402
 from jaxtune.decoding import generate_ids  # noqa: E402
 
 
-def timed(model, prompts, n, reps=3):
-  generate_ids(model, prompts, max_new_tokens=n)  # compile
+def timed(model, prompts, n, word=None, reps=3):
+  generate_ids(model, prompts, max_new_tokens=n, word_lookup=word)  # compile
   times = []
   for _ in range(reps):
     t = time.perf_counter()
-    generate_ids(model, prompts, max_new_tokens=n)
+    generate_ids(model, prompts, max_new_tokens=n, word_lookup=word)
     times.append(time.perf_counter() - t)
   return statistics.median(times)
 
@@ -42,6 +42,12 @@ def main():
   ap.add_argument("--new-tokens", type=int, default=128)
   ap.add_argument("--results-dir", default=None)
   ap.add_argument("--checkpoint-dir", default=None, help="reuse or keep the checkpoint here")
+  ap.add_argument(
+    "--compare-lookups",
+    action="store_true",
+    help="NF4 twice: the kernel's prmt lookup, then its word lookup (decoding's default where "
+    "the copy of the codes fits)",
+  )
   args = ap.parse_args()
   rows = []
   with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
@@ -51,14 +57,16 @@ def main():
     for quant in ("nf4", None):
       model = jaxtune.from_pretrained(ckpt, quantization=quant, dtype="bfloat16")
       vocab = model.config.vocab_size
-      for b in (int(x) for x in args.batches.split(",")):
+      words = (False, True) if quant and args.compare_lookups else (None,)
+      for b, word in ((int(x), w) for x in args.batches.split(",") for w in words):
         rng = np.random.default_rng(b)
         prompts = rng.integers(0, vocab, (b, args.prompt_len)).tolist()
-        t1 = timed(model, prompts, 1)
-        tn = timed(model, prompts, 1 + args.new_tokens)
+        t1 = timed(model, prompts, 1, word)
+        tn = timed(model, prompts, 1 + args.new_tokens, word)
         row = {
           "model": args.shape,
           "quantization": quant or "bf16",
+          "lookup": {None: "default", False: "prmt", True: "word"}[word] if quant else None,
           "batch": b,
           "prompt_len": args.prompt_len,
           "new_tokens": args.new_tokens,
@@ -81,11 +89,11 @@ def main():
     "without NF4 in the same run.",
     out_dir=args.results_dir,
   )
-  print("\n| quant | batch | decode tok/s | ms/step | vs bf16 |")
+  print("\n| quant | lookup | batch | decode tok/s | ms/step | vs bf16 |")
   for r in rows:
     print(
-      f"| {r['quantization']} | {r['batch']} | {r['decode_tokens_per_s']:.0f} | "
-      f"{r['ms_per_token_step']:.2f} | {r['ratio_vs_bf16']:.2f} |"
+      f"| {r['quantization']} | {r['lookup'] or ''} | {r['batch']} | "
+      f"{r['decode_tokens_per_s']:.0f} | {r['ms_per_token_step']:.2f} | {r['ratio_vs_bf16']:.2f} |"
     )
 
 

@@ -83,7 +83,7 @@ def main():
 
         # As the decode loop runs it: the kernel's scales made once, outside the token step.
         prepared = nnx.merge(graphdef, state)
-        decoding.prepare_kernel_scales(prepared, b)
+        decoding.prepare_kernel_operands(prepared, b, decoding.word_codes_fit(prepared, b))
         pgraph, pstate = nnx.split(prepared)
 
         @functools.partial(jax.jit, donate_argnums=(2,))

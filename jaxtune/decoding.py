@@ -5,8 +5,9 @@ and positions count real tokens only, so each row generates what it would alone.
 lengths and new-token counts are rounded up to buckets (``BUCKET``), so prompts of similar
 lengths reuse one compiled prefill and decode loop; the loop's token count is an argument.
 Each token step writes only its new keys and values into the cache (in place), and NF4
-layers that go through the Pallas kernel get its scales made once per loop
-(``prepare_kernel_scales``). The command line is jaxtune/generate.py.
+layers that go through the Pallas kernel get its scales made once per loop, and its codes in
+the order of its faster "word" lookup where the device has room for that copy
+(``prepare_kernel_operands``). The command line is jaxtune/generate.py.
 """
 
 import functools
@@ -23,7 +24,7 @@ from jaxtune.errors import UserError
 from jaxtune.lora import iter_linears
 from jaxtune.models.decoder import Decoder
 from jaxtune.runtime import DEFAULT
-from pallas_kernels.nf4_matmul import kernel_scales, uses_kernel
+from pallas_kernels.nf4_matmul import kernel_scales, uses_kernel, word_codes
 
 # Prompt lengths and new-token counts are rounded up to multiples of this (compiled once per
 # bucket, not per length).
@@ -159,22 +160,42 @@ def _prefill(graphdef, state, ids, positions, cache, key_valid):
   return forward_cached(nnx.merge(graphdef, state), ids, positions, cache, 0, key_valid)
 
 
-def prepare_kernel_scales(model: nnx.Module, tokens: int) -> int:
-  """Give every NF4 linear layer whose calls of ``tokens`` rows go through the Pallas kernel
-  (pallas_kernels.nf4_matmul dispatch) its kernel scales, made now (in a jitted loop: once,
-  outside it); returns how many layers got them. Costs 2 bytes per 64 weights while they
-  exist."""
-  count = 0
+def _kernel_linears(model: nnx.Module, tokens: int):
+  """The NF4 linear layers whose calls of ``tokens`` rows go through the Pallas kernel
+  (pallas_kernels.nf4_matmul dispatch)."""
   for _, linear in iter_linears(model):
-    if not linear.quantized or not uses_kernel(tokens, linear.in_features * linear.out_features):
-      continue
+    if linear.quantized and uses_kernel(tokens, linear.in_features * linear.out_features):
+      yield linear
+
+
+def prepare_kernel_operands(model: nnx.Module, tokens: int, word: bool = False) -> int:
+  """Give every NF4 linear layer whose calls of ``tokens`` rows go through the Pallas kernel
+  its kernel scales (2 bytes per 64 weights) and, with ``word``, its codes in the "word"
+  lookup's order (as many bytes as the codes), made now (in a jitted loop: once, outside
+  it); returns how many layers got them."""
+  count = 0
+  for linear in _kernel_linears(model, tokens):
     made = kernel_scales(linear.absmax[...], linear.nested_absmax[...], linear.offset[...])
     linear.kernel_scales = nnx.data(made)
+    if word:
+      linear.kernel_codes = nnx.data(word_codes(linear.codes[...]))
     count += 1
   return count
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9))
+def word_codes_fit(model: nnx.Module, tokens: int) -> bool:
+  """Whether the decode loop makes the kernel's "word" codes: a copy of every kernel layer's
+  codes (8B: 3.5 GB; 70B: 35 GB), made where it takes at most half the device's free memory
+  (kernel 0.61-0.87x the time with them; the loop's own temporaries need the rest)."""
+  need = sum(linear.codes[...].nbytes for linear in _kernel_linears(model, tokens))
+  if not need:
+    return False
+  stats = jax.devices()[0].memory_stats() or {}
+  free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+  return need <= free // 2
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9, 14))
 def _decode(
   graphdef,
   state,
@@ -190,12 +211,13 @@ def _decode(
   eos,
   key,
   n,
+  word,
 ):
   """Up to ``n`` (traced, at most ``room``) tokens [B, room] on the device; stops early once
-  every row has emitted EOS."""
+  every row has emitted EOS. ``word``: make the NF4 kernel's "word" codes for the loop."""
   model = nnx.merge(graphdef, state)
   b = logits.shape[0]
-  prepare_kernel_scales(model, b)
+  prepare_kernel_operands(model, b, word)
 
   def body(carry):
     i, logits, cache, key, tokens, done = carry
@@ -227,11 +249,14 @@ def generate_ids(
   top_p: float = 1.0,
   seed: int = 0,
   pad_id: int = 0,
+  word_lookup: bool | None = None,
 ) -> list[list[int]]:
   """New token ids per prompt (up to and including an EOS, if one is generated).
 
   Prefill and the whole decode loop each run as one compiled call (a while loop on the
   device), cached across calls for the same model structure and sampling settings.
+  ``word_lookup``: whether the loop copies the NF4 kernel's codes into its faster lookup's
+  order (None: where they take at most half the free device memory, ``word_codes_fit``).
   """
   if not prompts or any(len(p) == 0 for p in prompts):
     raise UserError("every prompt needs at least one token.")
@@ -266,6 +291,7 @@ def generate_ids(
     eos,
     jax.random.key(seed),
     jnp.int32(max_new_tokens),
+    word_codes_fit(model, b) if word_lookup is None else word_lookup,
   )
   new = np.asarray(new)[:, : int(steps)]
   out = []

@@ -81,9 +81,11 @@ class Linear(nnx.Module):
     self.lora_scale = 0.0  # a float, or a LoRAConstant [layers] when ranks differ by layer
     self.lora_mask = nnx.data(None)  # LoRAConstant [layers, rank]: 1 below each layer's rank
     self.lora_dropout = 0.0
-    # Decoding only (decoding.prepare_kernel_scales): the NF4 kernel's bf16 scales, made
-    # once for every token step instead of on each call.
+    # Decoding only (decoding.prepare_kernel_operands): the NF4 kernel's bf16 scales, and
+    # where memory allows its codes in "word" lookup order, made once for every token step
+    # instead of on each call.
     self.kernel_scales = nnx.data(None)
+    self.kernel_codes = nnx.data(None)
 
   def dense_weight(self, dtype: DTypeLike, layer: int | None = None) -> jax.Array:
     """The frozen weight [out, in] in ``dtype`` (dequantized if NF4); one layer if stacked."""
@@ -102,8 +104,10 @@ class Linear(nnx.Module):
     if self.quantized:
       parts = (self.codes[...], self.absmax[...], self.nested_absmax[...], self.offset[...])
       scales = None if self.kernel_scales is None else self.kernel_scales[...]
+      word = None if self.kernel_codes is None else self.kernel_codes[...]
+      impl = None if nf4_impl == "auto" else nf4_impl
       with jax.named_scope("nf4_matmul"):
-        y = nf4_matmul(x, *parts, impl=None if nf4_impl == "auto" else nf4_impl, scales=scales)
+        y = nf4_matmul(x, *parts, impl=impl, scales=scales, word_codes=word)
     else:
       y = jnp.einsum("...i,oi->...o", x, self.dense_weight(x.dtype))
     if self.bias is not None:

@@ -1,21 +1,25 @@
 """The NF4 dequant-matmul kernels under Mosaic GPU's interpreter, against the jnp reference.
 
 The interpreter runs the kernels' tiling, pipelining, scales and wgmma with the "select" lookup
-and the dequantized tile staged in shared memory; the "prmt" lookup (inline PTX) cannot run on
-a CPU, so its byte-permute program is checked here by emulating prmt on every possible byte.
+and the dequantized tile staged in shared memory; the "prmt" and "word" lookups (inline PTX)
+cannot run on a CPU, so their permute programs are checked here by emulating PTX, and the
+"word" path's data movement (codes permuted in memory, loaded in one register layout, looked
+up into another) by emulating Mosaic GPU's layouts from their definitions.
 """
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxtune import nf4
 from jaxtune.nf4_maps import NF4_CODE
 from pallas_kernels import _gpu
-from pallas_kernels.nf4_matmul import kernel, nf4_matmul, nf4_matmul_reference
+from pallas_kernels.nf4_matmul import kernel, nf4_matmul, nf4_matmul_reference, ops
 
 
 def _weights(rng, n, k):
@@ -184,3 +188,225 @@ def test_prepared_scales_give_the_same_products():
   want = nf4_matmul(x, *q, impl="interpret")
   got = nf4_matmul(x, *q, impl="interpret", scales=prepared[1])
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# --- The "word" lookup ------------------------------------------------------------------------
+
+_BF16_NF4 = np.asarray(NF4_CODE, np.float32).astype(jnp.bfloat16).view(np.uint16)
+
+
+def _prmt_words(a, b, c):
+  """PTX prmt.b32 in its default mode, elementwise over uint32 arrays; a selector nibble with
+  bit 3 set replicates the sign of the byte it picks."""
+  pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+  shape = np.broadcast(a, b, c).shape
+  pool = np.stack([np.broadcast_to(byte, shape) for byte in pool])
+  out = np.zeros(shape, np.uint64)
+  for j in range(4):
+    nib = np.broadcast_to((c >> (4 * j)) & 0xF, shape)
+    byte = np.take_along_axis(pool, (nib & 7)[None].astype(np.int64), 0)[0]
+    byte = np.where(nib & 8, np.where(byte & 0x80, 0xFF, 0), byte)
+    out |= byte.astype(np.uint64) << (8 * j)
+  return out
+
+
+def _run_ptx(asm: str, inputs: dict, outputs: int):
+  """Runs the inline PTX text ``asm`` over uint32 arrays: only the instructions the lookups use
+  (another one fails the test); ``inputs`` maps operands like "$4" to arrays."""
+  regs = {k: np.asarray(v, np.uint64) for k, v in inputs.items()}
+  ops = {
+    "and.b32": lambda a, b: a & b,
+    "or.b32": lambda a, b: a | b,
+    "shr.u32": lambda a, b: a >> b,
+    "prmt.b32": _prmt_words,
+  }
+  for line in asm.splitlines():
+    line = line.strip()
+    if line in ("{", "}") or line.startswith(".reg"):
+      continue
+    op, args = re.fullmatch(r"(\S+)\s+(.*);", line).groups()
+    dst, *srcs = [t.strip() for t in args.split(",")]
+    vals = [regs[t] if t in regs else np.uint64(int(t, 0)) for t in srcs]
+    regs[dst] = ops[op](*vals) & 0xFFFFFFFF
+  return [regs[f"${i}"] for i in range(outputs)]
+
+
+def test_word_lookup_program_on_every_half_word():
+  """The word program (its PTX text as the kernel emits it) gives, for each byte b of the
+  word, the bf16 pair [level of the high nibble, level of the low nibble]: bitsandbytes'
+  even element first. Every 16-bit value appears in both halves of some word."""
+  halves = np.arange(2**16, dtype=np.uint64)
+  words = (halves << 16) | np.random.default_rng(9).permutation(halves)
+  words = np.concatenate([words, np.asarray([0, 0xFFFFFFFF, 0x88888888, 0x77777777], np.uint64)])
+  outs = _run_ptx(kernel.word_asm(), {"$4": words}, outputs=4)
+  for b, pair in enumerate(outs):
+    even, odd = (words >> (8 * b + 4)) & 15, (words >> (8 * b)) & 15
+    np.testing.assert_array_equal(pair & 0xFFFF, _BF16_NF4[even], err_msg=f"byte {b}")
+    np.testing.assert_array_equal(pair >> 16, _BF16_NF4[odd], err_msg=f"byte {b}")
+
+
+def _layout_elements(layout, shape):
+  """[thread, *register index, vector element] -> (row, col) for a Mosaic GPU TiledLayout,
+  from its definition: an element's index after the tiling gives its warp and lane (the warp
+  and lane dims, major to minor), its place in a register (the vector dim), and with those
+  dims zeroed its register index."""
+  tiled = layout.tiling.tile_shape(shape)
+  regs = layout.registers_shape(shape)
+  out = np.full((128, *regs, tiled[layout.vector_dim], 2), -1)
+
+  def linear(t, dims):
+    index = 0
+    for d in dims:
+      assert isinstance(d, int), d  # no replicated dims in these layouts
+      index = index * tiled[d] + t[d]
+    return index
+
+  for r, c in np.ndindex(*shape):
+    t = list(layout.tiling.tile_indices((r, c)))
+    thread = 32 * linear(t, layout.warp_dims) + linear(t, layout.lane_dims)
+    v = t[layout.vector_dim]
+    for d in (*layout.warp_dims, *layout.lane_dims, layout.vector_dim):
+      t[d] = 0
+    assert (out[(thread, *t, v)] == -1).all()
+    out[(thread, *t, v)] = (r, c)
+  assert (out >= 0).all()
+  return out
+
+
+_WGMMA = plgpu.Layout.WGMMA.to_mgpu()
+_UPCAST_4X = plgpu.Layout.WGMMA_UPCAST_4X.to_mgpu()
+
+
+def _mosaic_thread_idxs(layout, shape):
+  """What Mosaic GPU's own ``TiledLayout.thread_idxs`` (the index arithmetic it emits) gives
+  each thread's registers: built as MLIR for a constant thread index and folded."""
+  from jax._src.interpreters import mlir
+  from jax._src.lib.mlir import ir, passmanager
+  from jax._src.lib.mlir.dialects import arith, func
+  from jax.experimental.mosaic import gpu as mgpu
+
+  real = mgpu.utils.thread_idx
+  with mlir.make_ir_context(), ir.Location.unknown():
+    module = ir.Module.create()
+    i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+    per_thread = int(np.prod(layout.registers_shape(shape))) * len(shape)
+    with ir.InsertionPoint(module.body):
+      f = func.FuncOp("f", ir.FunctionType.get([], [index] * (128 * per_thread)))
+      with ir.InsertionPoint(f.add_entry_block()):
+        values = []
+        try:
+          for thread in range(128):
+            mgpu.utils.thread_idx = lambda thread=thread: arith.constant(i32, thread)
+            values += [v for idx in layout.thread_idxs(shape) for v in idx]
+        finally:
+          mgpu.utils.thread_idx = real
+        func.ReturnOp(values)
+    passmanager.PassManager.parse("builtin.module(canonicalize)").run(module.operation)
+    ret = list(f.entry_block.operations)[-1]
+    got = [ir.IntegerAttr(v.owner.attributes["value"]).value for v in ret.operands]
+  return np.asarray(got).reshape(128, *layout.registers_shape(shape), len(shape))
+
+
+@pytest.mark.parametrize("layout", [_WGMMA, _UPCAST_4X], ids=["wgmma", "upcast-4x"])
+def test_layout_emulation_matches_mosaic_and_ptx(layout):
+  """The emulation of both layouts agrees with the index arithmetic Mosaic GPU emits for each
+  thread, and with the documented assignments: PTX ISA's wgmma A fragment (thread t of warp w
+  holds rows 16w + t/4 (+8), columns 2(t%4), +1 of each 8) and Mosaic's UPCAST_4X (each of
+  the 4 threads of a row holds 8 adjacent columns of each 32, in order)."""
+  shape = (64, 64)
+  emu = _layout_elements(layout, shape)
+  np.testing.assert_array_equal(emu[..., 0, :], _mosaic_thread_idxs(layout, shape))
+  width = 2 if layout == _WGMMA else 8  # adjacent columns a thread holds
+  held = emu.reshape(128, -1, 2)
+  for t in range(128):
+    rows = [16 * (t // 32) + (t % 32) // 4 + 8 * h for h in (0, 1)]
+    cols = [c for c in range(64) if c % (4 * width) // width == t % 4]
+    assert set(map(tuple, held[t].tolist())) == set(itertools.product(rows, cols)), t
+
+
+def _dequant_word_tiles(w4: np.ndarray) -> np.ndarray:
+  """bf16 bits [N, K] the "word" path makes of w4 int4 [N, K], emulated tile by tile: each
+  thread's WGMMA_UPCAST_4X registers read from the stored tile (vector element v in bits 4v),
+  the word program, its pairs placed by ``kernel.word_register`` at their WGMMA_LAYOUT
+  positions."""
+  nib = np.asarray(jnp.asarray(w4).astype(jnp.int8)).astype(np.int64) & 15
+  src, dst = _layout_elements(_UPCAST_4X, (64, 64)), _layout_elements(_WGMMA, (64, 64))
+  out = np.full(nib.shape, -1, np.int64)
+  for n0, k0 in itertools.product(range(0, nib.shape[0], 64), range(0, nib.shape[1], 64)):
+    tile = nib[n0 : n0 + 64, k0 : k0 + 64]
+    words = np.zeros(src.shape[:-2], np.uint64)
+    for v in range(src.shape[-2]):
+      words |= tile[src[..., v, 0], src[..., v, 1]].astype(np.uint64) << np.uint64(4 * v)
+    pairs = _run_ptx(kernel.word_asm(), {"$4": words}, outputs=4)
+    got = np.full((64, 64), -1, np.int64)
+    for thread in range(128):
+      for idx in np.ndindex(*words.shape[1:]):
+        for p, pair in enumerate(pairs):
+          for e, (r, c) in enumerate(dst[(thread, *kernel.word_register(idx, p))]):
+            assert got[r, c] == -1, (thread, idx, p)
+            got[r, c] = (int(pair[(thread, *idx)]) >> (16 * e)) & 0xFFFF
+    out[n0 : n0 + 64, k0 : k0 + 64] = got
+  assert (out >= 0).all()
+  return out
+
+
+def _logical_codes(codes) -> np.ndarray:
+  """bitsandbytes' bytes [N, K/2] -> codes [N, K], element 2j from byte j's high nibble."""
+  codes = np.asarray(codes)
+  return np.stack([codes >> 4, codes & 15], axis=-1).reshape(codes.shape[0], -1)
+
+
+def test_word_path_dequantizes_a_tile():
+  """A [64, 64] tile through the whole word path (permuted in memory by word_codes, loaded,
+  looked up, placed in wgmma's registers) is the logical tile's NF4 levels."""
+  codes = np.random.default_rng(10).integers(0, 256, (64, 32), dtype=np.uint8)
+  got = _dequant_word_tiles(kernel.word_codes(jnp.asarray(codes)))
+  np.testing.assert_array_equal(got, _BF16_NF4[_logical_codes(codes)])
+
+
+def test_word_codes_is_a_jittable_permutation_within_32_columns():
+  codes = np.random.default_rng(11).integers(0, 256, (2, 3, 128), dtype=np.uint8)
+  got = jax.jit(kernel.word_codes)(jnp.asarray(codes))
+  assert got.shape == (2, 3, 256) and got.dtype == jnp.int4
+  stored = np.asarray(got.astype(jnp.int8)).astype(np.int64) & 15
+  logical = _logical_codes(codes.reshape(6, 128)).reshape(2, 3, 8, 32)
+  np.testing.assert_array_equal(np.sort(stored.reshape(2, 3, 8, 32)), np.sort(logical))
+  assert not np.array_equal(stored.reshape(logical.shape), logical)
+  with pytest.raises(ValueError, match="multiple of 32"):
+    kernel.word_codes(jnp.zeros((4, 24), jnp.uint8))
+
+
+def test_kernel_word_lookup_gets_operands_that_multiply_right(monkeypatch):
+  """nf4_matmul(..., impl="kernel", lookup="word") hands the forward kernel word_codes' codes
+  and the scales; dequantized the way the word path does it on the GPU (emulated above) and
+  multiplied, they give the reference product. Off the kernel, lookup is refused."""
+  rng = np.random.default_rng(12)
+  q = _weights(rng, 128, 256)
+  x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+  seen = {}
+
+  def forward(x, w4, scales, *, config, lookup, interpret):
+    seen.update(w4=w4, scales=scales, lookup=lookup, config=config)
+    return jnp.zeros((x.shape[0], w4.shape[0]), x.dtype)
+
+  monkeypatch.setattr(kernel, "forward", forward)
+  jax.block_until_ready(nf4_matmul(x, *q, impl="kernel", lookup="word"))
+  assert seen["lookup"] == "word" and seen["config"].split_k >= 1
+  levels = _dequant_word_tiles(seen["w4"]).astype(np.uint16).view(jnp.bfloat16)
+  scale = np.asarray(seen["scales"]).T.repeat(64, axis=1)  # [N, K]
+  w = (jnp.asarray(levels) * jnp.asarray(scale)).astype(jnp.float32)  # bf16 product, as the kernel
+  got = np.asarray(x, np.float32) @ np.asarray(w).T
+  assert _rel(got, np.asarray(nf4_matmul_reference(x, *q))) < 1e-2
+  # Codes prepared once (decoding: ops.word_codes, uint8 so a layer stack slices cheaply)
+  # reach the kernel as the same int4 tile, with the word lookup chosen for them.
+  word_at_call = seen.pop("w4")
+  prepared = ops.word_codes(jnp.stack([q[0], q[0][::-1]]))  # [L, N, K/2], a layer stack
+  assert prepared.dtype == jnp.uint8 and prepared.shape == (2, *q[0].shape)
+  jax.block_until_ready(nf4_matmul(x, *q, impl="kernel", word_codes=prepared[0]))
+  assert seen["lookup"] == "word"
+  np.testing.assert_array_equal(np.asarray(seen["w4"]), np.asarray(word_at_call))
+  for impl in ("interpret", "xla"):
+    with pytest.raises(ValueError, match="lookup must be one of"):
+      nf4_matmul(x, *q, impl=impl, lookup="word")
+  with pytest.raises(ValueError, match="lookup must be one of"):
+    nf4_matmul(x, *q, impl="kernel", lookup="select")

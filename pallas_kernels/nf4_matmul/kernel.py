@@ -17,12 +17,18 @@ Operands (made from the stored bitsandbytes layout by ``kernel_operands``):
   w4      int4 [N, K]     bitsandbytes' bytes reinterpreted as JAX int4. bnb puts element 2j in
                           a byte's high nibble, JAX's int4 in the low one; the "prmt" lookup
                           reads the nibbles crosswise so nothing is moved in memory, the "select"
-                          lookup (plain jnp ops, runs in interpret mode) needs them swapped.
+                          lookup (plain jnp ops, runs in interpret mode) needs them swapped, the
+                          "word" lookup takes the bytes of every 32 columns permuted
+                          (``word_codes``).
   scales  bf16 [K/64, N]  absmax after double dequantization, one row per 64-wide k block.
 
 Lookups: "prmt" builds each pair of bfloat16 values with seven byte-permute instructions over
-the table held in immediates (inline PTX through ``plgpu.inline_mgpu``); "select" is a tree of
-15 selects. The table entries and scales are rounded to bfloat16 before their product, so a
+the table held in immediates (inline PTX through ``plgpu.inline_mgpu``), after a layout cast
+(a warp shuffle and permutes, twice) has moved the codes from the layout they load in (8 to a
+32-bit register) to wgmma's (2 to a register). "word" looks up the 8 codes of a loaded
+register at once (22 instructions for the 8) and needs no cast: its codes are stored so that
+each register already holds the columns wgmma's layout gives that thread. "select" is a tree
+of 15 selects. The table entries and scales are rounded to bfloat16 before their product, so a
 value can differ from bitsandbytes' bf16(code * absmax) by an ulp of bfloat16; the fallback
 path keeps bitsandbytes' exact values.
 """
@@ -92,12 +98,34 @@ def kernel_operands(
 
 
 def kernel_codes(codes: jax.Array, *, swap_nibbles: bool) -> jax.Array:
-  """w4 int4 [N, K]: the codes uint8 [N, K/2] viewed as JAX int4 (nibbles swapped for the
-  "select" lookup)."""
+  """w4 int4 [..., N, K]: the codes uint8 [..., N, K/2] viewed as JAX int4 (nibbles swapped
+  for the "select" lookup)."""
   if swap_nibbles:
     codes = (codes << 4) | (codes >> 4)
-  n, half = codes.shape
-  return lax.bitcast_convert_type(codes, jnp.int4).reshape(n, 2 * half)
+  *lead, half = codes.shape
+  return lax.bitcast_convert_type(codes, jnp.int4).reshape(*lead, 2 * half)
+
+
+def word_codes(codes: jax.Array) -> jax.Array:
+  """w4 int4 [..., N, K] for the "word" lookup: the codes uint8 [..., N, K/2], each row's 16
+  bytes of every 32 columns transposed as a 4 x 4 matrix (byte 4t + b <- byte 4b + t).
+
+  Why: in WGMMA_LAYOUT_UPCAST_4X thread t (of the 4 sharing a row) loads bytes 4t..4t+3 of
+  the 32 columns as one 32-bit register; WGMMA_LAYOUT, same thread -> row assignment, gives it
+  columns 8b + 2t and 8b + 2t + 1 of each 8-column core matrix b: bitsandbytes' byte 4b + t.
+  After the transpose the register holds exactly those bytes, core matrix b in byte b, and
+  bitsandbytes' nibble order is kept (even column in the high nibble; the lookup reads it so).
+  Made once per weight (a pass over the codes); x and the scales keep their order."""
+  return kernel_codes(word_bytes(codes), swap_nibbles=False)
+
+
+def word_bytes(codes: jax.Array) -> jax.Array:
+  """``word_codes`` before the int4 view: uint8 [..., N, K/2], what a caller keeps for many
+  calls (a stack of layers sliced per layer: slicing int4 copied it element by element)."""
+  *lead, half = codes.shape
+  if half % 16:
+    raise ValueError(f"word_codes: K = {2 * half} is not a multiple of 32")
+  return codes.reshape(*lead, half // 16, 4, 4).swapaxes(-1, -2).reshape(*lead, half)
 
 
 def _bf16_bits(values: np.ndarray) -> np.ndarray:
@@ -174,11 +202,90 @@ def _lookup_prmt(w):
   return lookup(w)
 
 
+# The word program's constants (tests emulate its text): index bits of the 8 codes; their bit 3
+# moved to bit 2 over the identity selector (which half-table, per byte); and the two
+# interleaves [L(n1), H(n1), L(n0), H(n0)], [L(n3), H(n3), L(n2), H(n2)] of 4 looked-up codes:
+# in a byte the high nibble (n1) is bitsandbytes' even column, the bf16 pair's low half.
+WORD_SEL_MASK, WORD_BLEND_MASK, WORD_BLEND_BASE = 0x77777777, 0x88888888, 0x32103210
+WORD_PAIRS = (0x4051, 0x6273)
+
+
+def word_asm() -> str:
+  """The "word" lookup as PTX: $4 = 8 codes (a 32-bit register of ``word_codes``' bytes),
+  $0..$3 = bf16 pairs of core matrices 0..3. prmt reads only a selector's low 16 bits, so
+  each 16-bit half of the selectors (codes 0-3, then 4-7 shifted down) serves 4 codes:
+  6 ALU + 16 prmt for 8 values (ptxas for sm_90a: 5 + 16, the blend's shift and or fused)."""
+  lo, hi = _table_words()
+  lines = [
+    f"and.b32 s0, $4, {WORD_SEL_MASK:#x};",
+    "shr.u32 s1, s0, 16;",
+    f"and.b32 b0, $4, {WORD_BLEND_MASK:#x};",
+    "shr.u32 b0, b0, 1;",
+    f"or.b32 b0, b0, {WORD_BLEND_BASE:#x};",
+    "shr.u32 b1, b0, 16;",
+  ]
+  for half in (0, 1):
+    sel, blend = f"s{half}", f"b{half}"
+    lines += [
+      f"prmt.b32 a, {lo[0]}, {lo[1]}, {sel};",
+      f"prmt.b32 b, {lo[2]}, {lo[3]}, {sel};",
+      f"prmt.b32 l, a, b, {blend};",
+      f"prmt.b32 a, {hi[0]}, {hi[1]}, {sel};",
+      f"prmt.b32 b, {hi[2]}, {hi[3]}, {sel};",
+      f"prmt.b32 h, a, b, {blend};",
+      f"prmt.b32 ${2 * half}, l, h, {WORD_PAIRS[0]};",
+      f"prmt.b32 ${2 * half + 1}, l, h, {WORD_PAIRS[1]};",
+    ]
+  body = "\n  ".join(lines)
+  return f"{{\n  .reg .b32 s0, s1, b0, b1, a, b, l, h;\n  {body}\n}}"
+
+
+def word_register(idx: tuple[int, ...], pair: int) -> tuple[int, ...]:
+  """WGMMA_LAYOUT's register index of bf16 pair ``pair`` (0..3) of the WGMMA_LAYOUT_UPCAST_4X
+  register ``idx``. The two tilings split rows alike ((64, .)(16, .)(8, .)) and give a thread
+  the same rows, so every index but the column tile's (dim 1) carries over; a 32-column tile
+  is 4 tiles of 8 columns, ``word_codes`` put core matrix b of the 32 in the register's byte b,
+  and the program returns byte b's values as pair b."""
+  return (idx[0], 4 * idx[1] + pair, *idx[2:])
+
+
+def _lookup_word(w):
+  """int4 codes of ``word_codes`` in WGMMA_LAYOUT_UPCAST_4X -> bfloat16 NF4 levels in
+  WGMMA_LAYOUT, 8 a register, without the layout cast."""
+  from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only exists where Mosaic GPU lowers)
+  from jax.experimental import mosaic as _  # noqa: F401, PLC0415
+  from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
+
+  asm = word_asm()
+
+  @plgpu.inline_mgpu(
+    arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+    return_type=plgpu.ShapeDtypeStruct(w.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+  )
+  def lookup(ctx, codes):
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    pair = ir.VectorType.get((2,), ir.BF16Type.get())
+    layout = plgpu.Layout.WGMMA.to_mgpu()
+    regs = np.empty(layout.registers_shape(codes.shape), dtype=object)
+    for idx, reg in np.ndenumerate(codes.registers):
+      outs = mgpu.utils.inline_ptx(asm, mgpu.utils.bitcast(reg, i32), result_types=[i32] * 4)
+      for p, out in enumerate(outs):
+        regs[word_register(idx, p)] = mgpu.utils.bitcast(out, pair)
+    assert all(r is not None for r in regs.flat)
+    return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+  return lookup(w)
+
+
 def _dequant_tile(w_smem, s_smem, lookup: str):
   """[64, 64] codes in SMEM and their [64] scales in SMEM -> bf16 tile in the WGMMA layout."""
   w = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
-  w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
-  w = _lookup_prmt(w) if lookup == "prmt" else _lookup_select(w)
+  if lookup == "word":
+    w = _lookup_word(w)
+  else:
+    w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
+    w = _lookup_prmt(w) if lookup == "prmt" else _lookup_select(w)
   s = plgpu.load(s_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
   return w * lax.broadcast_in_dim(s, w.shape, [0])
 

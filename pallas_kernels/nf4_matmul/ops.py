@@ -11,6 +11,11 @@ mesh the kernel would need a shard_map wrapper that is not written yet. ``impl``
 "kernel", "xla", or "interpret" (the kernels under Mosaic GPU's CPU interpreter, with the
 lookup and data path the interpreter supports; what the tests run). kernel.py imports Mosaic
 GPU, so it is loaded the first time "kernel" or "interpret" runs.
+
+``lookup`` picks the forward kernel's table lookup on the GPU: "prmt" (dispatch's) or "word"
+(no layout cast; its codes are permuted by ``kernel.word_codes`` here, a pass over the codes
+on every call until they are stored permuted), not yet dispatch's choice: it waits for the GPU
+check of experiments/check_nf4_lookup.py.
 """
 
 import functools
@@ -24,6 +29,7 @@ from pallas_kernels import _gpu
 from pallas_kernels.nf4_matmul import reference
 
 IMPLS = ("kernel", "xla", "interpret")
+LOOKUPS = ("prmt", "word")  # the forward kernel's on the GPU
 KERNEL_MAX_TOKENS = 64
 # Below this many weights XLA fuses the dequantization into its small GEMV and wins
 # (4096 x 1024 at one token: 4.5 us against the kernel's 8.7 us on an H100).
@@ -117,13 +123,20 @@ def _pad_rows(a: jax.Array, multiple: int) -> jax.Array:
   return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
 
 
-def _kernel_args(impl: str):
+def _kernel_args(impl: str, lookup: str | None = None):
   interpret = impl == "interpret"
-  lookup = "select" if interpret else "prmt"
+  lookup = "select" if interpret else lookup or "prmt"
   return dict(lookup=lookup, interpret=_gpu.interpret_params() if interpret else None)
 
 
-def _fwd_impl(impl, x2, weights, scales=None):
+def word_codes(codes: jax.Array) -> jax.Array:
+  """The forward kernel's codes for the "word" lookup (kernel.word_bytes), [..., N, K/2] uint8
+  (a stack of layers too): made once where one weight serves many calls (decoding), passed as
+  ``nf4_matmul(..., word_codes=)``. As many bytes as the codes."""
+  return _kernel().word_bytes(codes)
+
+
+def _fwd_impl(impl, lookup, x2, weights, scales=None, word=None):
   m, _ = x2.shape
   n = weights[0].shape[0]
   use = impl != "xla" and x2.dtype == jnp.bfloat16
@@ -131,12 +144,16 @@ def _fwd_impl(impl, x2, weights, scales=None):
   if cfg is None:
     return reference.dequantize_then_dot(x2, *weights)
   kernel = _kernel()
-  kw = _kernel_args(impl)
-  swap = kw["lookup"] == "select"
-  if scales is None:
-    w4, scales = kernel.kernel_operands(*weights, swap_nibbles=swap)
-  else:  # prepared once for many calls (decoding): only the codes' view is made here
-    w4 = kernel.kernel_codes(weights[0], swap_nibbles=swap)
+  kw = _kernel_args(impl, lookup)
+  if kw["lookup"] == "word":
+    if word is None:
+      w4 = kernel.word_codes(weights[0])
+    else:  # already in word order (ops.word_codes): only the int4 view
+      w4 = kernel.kernel_codes(word, swap_nibbles=False)
+  else:
+    w4 = kernel.kernel_codes(weights[0], swap_nibbles=kw["lookup"] == "select")
+  if scales is None:  # else prepared once for many calls (decoding)
+    scales = kernel_scales(*weights[1:])
   y = kernel.forward(_pad_rows(x2, cfg.block_m), w4, scales, config=cfg, **kw)
   return y[:m]
 
@@ -153,18 +170,19 @@ def _bwd_impl(impl, dy2, weights):
   return kernel.backward(_pad_rows(dy2, cfg.block_m), w4, scales, config=cfg, **kw)[:m]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _nf4_matmul(impl, x2, codes, absmax, nested_absmax, offset, scales):
-  return _fwd_impl(impl, x2, (codes, absmax, nested_absmax, offset), scales)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _nf4_matmul(impl, lookup, x2, codes, absmax, nested_absmax, offset, scales, word):
+  return _fwd_impl(impl, lookup, x2, (codes, absmax, nested_absmax, offset), scales, word)
 
 
-def _vjp_fwd(impl, x2, codes, absmax, nested_absmax, offset, scales):
+def _vjp_fwd(impl, lookup, x2, codes, absmax, nested_absmax, offset, scales, word):
   weights = (codes, absmax, nested_absmax, offset)
-  return _fwd_impl(impl, x2, weights, scales), weights
+  return _fwd_impl(impl, lookup, x2, weights, scales, word), weights
 
 
-def _vjp_bwd(impl, weights, dy2):
-  return (_bwd_impl(impl, dy2, weights), None, None, None, None, None)
+def _vjp_bwd(impl, lookup, weights, dy2):
+  del lookup  # the backward kernel keeps its own
+  return (_bwd_impl(impl, dy2, weights), None, None, None, None, None, None)
 
 
 _nf4_matmul.defvjp(_vjp_fwd, _vjp_bwd)
@@ -179,18 +197,35 @@ def nf4_matmul(
   *,
   impl: str | None = None,
   scales: jax.Array | None = None,
+  lookup: str | None = None,
+  word_codes: jax.Array | None = None,
 ) -> jax.Array:
   """x [..., K] @ dequant(W)^T -> [..., N]; W [N, K] in the 2-D layout of ``jaxtune.nf4``.
 
   ``scales``: the kernel's bf16 scales [K/64, N] (``kernel_scales``), made once where one
   weight serves many calls (decoding); the forward kernel then reads them instead of
   dequantizing absmax on every call. The XLA path ignores them (it keeps bitsandbytes'
-  exact values)."""
+  exact values).
+
+  ``lookup``: the forward kernel's table lookup, one of ``LOOKUPS``, where the kernel runs on
+  the GPU (``impl`` "kernel", or dispatch's choice of it): "word" where ``word_codes`` (the
+  codes in its order, ``word_codes(codes)``, made once for many calls) are given, else "prmt"
+  (measured on an H100, experiments/check_nf4_lookup.py: "word" 0.61-0.87x the time of
+  "prmt" on the 8B shapes at 1-64 tokens; made per call, its permutation costs more than it
+  saves). The XLA path ignores ``word_codes``."""
   lead = x.shape[:-1]
   tokens = math.prod(lead)
+  if lookup is not None and (lookup not in LOOKUPS or impl in ("xla", "interpret")):
+    raise ValueError(
+      f"nf4_matmul lookup must be one of {', '.join(LOOKUPS)}, for the kernel on the GPU; "
+      f"got {lookup!r} with impl {impl!r}."
+    )
   if impl is None:
     impl = "kernel" if uses_kernel(tokens, codes.shape[0] * codes.shape[1] * 2) else "xla"
   if impl not in IMPLS:
     raise ValueError(f"nf4_matmul impl must be one of {', '.join(IMPLS)}, got {impl!r}.")
-  y = _nf4_matmul(impl, x.reshape(-1, x.shape[-1]), codes, absmax, nested_absmax, offset, scales)
+  x2 = x.reshape(-1, x.shape[-1])
+  if lookup is None and word_codes is not None:
+    lookup = "word"
+  y = _nf4_matmul(impl, lookup, x2, codes, absmax, nested_absmax, offset, scales, word_codes)
   return y.reshape(*lead, y.shape[-1])
