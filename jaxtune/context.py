@@ -226,6 +226,9 @@ def _flash_blocks(q, k, v, seg, *, scale, softcap, kernel, ring):
   c = q.shape[1] // 2
 
   def flash(q, k, v, qseg, kseg, causal):
+    """(out float32, lse [B, T, N]) of one block; ``kseg`` None: the queries' ids (the own
+    block: one id array is the kernel's faster path). Out is rounded to q's dtype by the op
+    before the float32 merge (the tiles round once, at the end)."""
     out, lse = flash_attention(
       q, k, v, segment_ids=qseg, kv_segment_ids=kseg, causal=causal, softcap=softcap,
       scale=scale, implementation=kernel, return_lse=True,
@@ -241,7 +244,7 @@ def _flash_blocks(q, k, v, seg, *, scale, softcap, kernel, ring):
     put = jax.lax.dynamic_update_slice_in_dim
     return put(o, o_r, start, 1), put(lse, total, start, 1)
 
-  o, lse = flash(q, k, v, seg, seg, True)  # the own block: chunk i precedes chunk 2C-1-i
+  o, lse = flash(q, k, v, seg, None, True)  # the own block: chunk i precedes chunk 2C-1-i
   me = jax.lax.axis_index(AXIS)
 
   def step(carry, r):

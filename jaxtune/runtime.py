@@ -274,23 +274,20 @@ def resolve_ring_blocks(
 ) -> tuple[str, str | None]:
   """(how ring attention computes its chunk pairs, a note when it is not what was asked).
 
-  The flash op per pair needs a model without sliding windows (it masks by index, and a
-  window reaching across two chunks would need their distance): then the Pallas kernel on
-  Hopper, unset or --attention pallas; the op's jnp reference with --attention pallas
-  elsewhere (tests). XLA's tiles otherwise, and with --attention xla.
+  XLA's tiles unless --attention pallas asks for the flash op per pair: not the default until
+  it is measured on several GPUs (a context axis needs 2+). The flash op needs a model without
+  sliding windows (it masks by index, and a window reaching across two chunks would need their
+  distance): the Pallas kernel on Hopper, elsewhere the op's jnp reference (as --attention
+  pallas does without a context axis; tests).
   """
-  if requested == "xla":
+  if requested != "pallas":
     return "xla", None
-  kernel_ok = _on_hopper(device) and mosaic_supports(dtype, cfg.head_dim)
   if cfg.has_sliding_layers:
-    note = "ring attention by XLA tiles (sliding windows span chunks)"
-    return "xla", note if requested == "pallas" else None
-  if kernel_ok:
+    return "xla", "ring attention by XLA tiles (sliding windows span chunks)"
+  if _on_hopper(device) and mosaic_supports(dtype, cfg.head_dim):
     return "mosaic", None
-  if requested == "pallas":
-    note = "ring blocks by flash attention's jnp reference (the kernel: Hopper, 16-bit inputs)"
-    return "flash_xla", note
-  return "xla", None
+  note = "ring blocks by flash attention's jnp reference (the kernel: Hopper, 16-bit inputs)"
+  return "flash_xla", note
 
 
 def resolve(

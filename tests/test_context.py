@@ -131,10 +131,10 @@ def test_zigzag_batch_moves_every_token_leaf_together():
   np.testing.assert_array_equal(out["advantages"], host["advantages"])
 
 
-def test_ring_blocks_are_the_kernel_where_it_is_exact():
-  """The flash kernel per chunk pair on Hopper for a model without sliding windows (unset or
-  --attention pallas); XLA's tiles for sliding windows (named when pallas was asked for), with
-  --attention xla and off Hopper; --attention pallas off Hopper: the op's jnp reference."""
+def test_ring_blocks_are_the_kernel_where_asked_and_exact():
+  """XLA's tiles by default (the kernel in a ring is unmeasured: it needs 2+ GPUs) and for
+  sliding windows (named when pallas was asked for); --attention pallas: the flash kernel per
+  chunk pair on Hopper (16-bit inputs), the op's jnp reference elsewhere."""
   from types import SimpleNamespace
 
   from jaxtune.config import ModelConfig
@@ -148,10 +148,10 @@ def test_ring_blocks_are_the_kernel_where_it_is_exact():
   blocks = lambda asked, cfg, device, dtype="bfloat16": runtime.resolve_ring_blocks(  # noqa: E731
     asked, cfg, dtype=dtype, device=device
   )
-  assert blocks(None, plain, h100) == ("mosaic", None)
   assert blocks("pallas", plain, h100) == ("mosaic", None)
+  assert blocks(None, plain, h100) == ("xla", None)
   assert blocks("xla", plain, h100) == ("xla", None)
-  assert blocks(None, plain, h100, "float32") == ("xla", None)  # the kernel takes 16-bit
+  assert blocks("pallas", plain, h100, "float32")[0] == "flash_xla"  # the kernel takes 16-bit
   assert blocks(None, sliding, h100) == ("xla", None)
   tiles, note = blocks("pallas", sliding, h100)
   assert tiles == "xla" and "sliding windows" in note

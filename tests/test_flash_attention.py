@@ -104,14 +104,18 @@ def test_kernels_match_reference(name):
   f = lambda q, k, v, impl: ops.flash_attention(
     q, k, v, implementation=impl, blocks=blocks, return_lse=True, **kw
   )
-  got, errs = _compare(f, q, k, v, (do, dlse))
-  assert all(e < TOL for e in errs), dict(zip(("out", "lse", "dq", "dk", "dv"), errs, strict=True))
   if segments == "kv":
-    out, lse, dq, dk, dv = got
     vis = reference.visible(
       t, segment_ids=seg, kv_segment_ids=kv_seg, causal=kw["causal"], window=kw["window"]
     )
     sees = vis.any(axis=-1)[0]
+    # A merge of blocks can send a row that sees nothing an overflowing lse cotangent
+    # (logaddexp's exp(-total)): it must not reach the gradients (its P is 0).
+    dlse = jnp.where(sees, dlse, jnp.inf)
+  got, errs = _compare(f, q, k, v, (do, dlse))
+  assert all(e < TOL for e in errs), dict(zip(("out", "lse", "dq", "dk", "dv"), errs, strict=True))
+  if segments == "kv":
+    out, lse, dq, dk, dv = got
     assert not sees.all()  # some queries see no key: out 0, lse -inf, dq 0
     assert (out[0, ~sees] == 0).all() and (dq[0, ~sees] == 0).all()
     assert (lse[0][:, ~sees] == -jnp.inf).all() and jnp.isfinite(lse[0][:, sees]).all()

@@ -299,14 +299,15 @@ def test_a_real_run_under_a_memory_limit_takes_a_leaner_setting_and_learns_the_s
   fast, fast_plan, fast_model, fast_eval = _train(path, tmp_path, "fast", True, remat="auto")
   assert (fast_plan.runtime.remat, fast_plan.runtime.loss_chunk) == ("activations", 0)
   assert fast_plan.budget_source == "host memory" and fast_plan.rejected == ()
+  assert floors == {}  # against host memory no floor is traced: the first candidate compiles
+  # Just less than the fastest setting needs with its margin.
+  limit = fast_plan.planned / (1 - plan.MARGIN_FRACTION) * 0.98 / GIB
+  lean, lean_plan, _, _ = _train(path, tmp_path, "lean", remat="auto", memory_limit=limit)
   # The floor of the plan: above the arguments (the LoRA, its Adam moments, the frozen
   # weights, the batch) by the residuals, below the compiled plan.
   # (float32 weights, LoRA and its two Adam moments; the batch's ids and labels.)
   arguments = 4 * frozen_params + 3 * 4 * lora_params + 2 * 8 * 64 * 4
   assert arguments < floors["activations", 0] <= fast_plan.planned
-  # Just less than the fastest setting needs with its margin.
-  limit = fast_plan.planned / (1 - plan.MARGIN_FRACTION) * 0.98 / GIB
-  lean, lean_plan, _, _ = _train(path, tmp_path, "lean", remat="auto", memory_limit=limit)
   chosen = (lean_plan.runtime.remat, lean_plan.runtime.loss_chunk)
   assert chosen != ("activations", 0)
   assert lean_plan.rejected[0] == ("remat activations", fast_plan.planned, True)

@@ -197,7 +197,9 @@ def _flash_bwd(opts, blocks, interpret, with_lse, res, g):
   delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
   if dlse is not None:
     # d lse_i / d s_ij = P_ij (natural units, as the kernels' dS): dS = P * (dP - delta + dlse).
-    delta = delta - dlse
+    # A row that sees nothing (lse +inf here) has P = 0: its dlse (a merge may send a huge one,
+    # e.g. logaddexp's exp(-total)) must not make 0 * inf.
+    delta = delta - jnp.where(lse == jnp.inf, 0.0, dlse)
   args = (q, k, v, do, lse, delta, *segs, win, opts, blocks, interpret)
   _, kernel_backward = _kernels()
   dq = kernel_backward.backward_dq(*args)
