@@ -92,7 +92,7 @@ def test_context_meshes_train_like_one_device_in_a_quarter_of_the_memory(tmp_pat
   path = tmp_path / "llama"
   build_hf_llama(21, **MESH_SHAPE, max_position_embeddings=512).save_pretrained(path)
   specs = ("context=4", "tensor=2,context=4:flash_xla")
-  temps = _check_equal(path, specs, _packed_rows(3, 4, 512), RUN.replace(seq_len=512))
+  temps = _check_equal(path, specs, _packed_rows(3, 2, 512), RUN.replace(seq_len=512, batch_size=2))
   assert temps["context=4"] <= 1.5 / 4 * temps["1"], temps
 
 
