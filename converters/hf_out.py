@@ -21,6 +21,7 @@ from converters import bnb
 from converters import table as tables
 from jaxtune import nf4
 from jaxtune.errors import ExportError
+from jaxtune.layers import dense
 from jaxtune.lora import layer_scale
 
 if TYPE_CHECKING:
@@ -72,11 +73,7 @@ def model_tensors(model: nnx.Module) -> Iterator[tuple[str, tuple[str, ...], int
 
 def merged_weight(linear: "Linear", layer: int | None) -> jax.Array:
   """float32 [out, in]: frozen weight plus the LoRA update, of one layer if stacked."""
-  if linear.quantized:
-    held = (linear.codes, linear.absmax, linear.nested_absmax, linear.offset)
-  else:
-    held = (linear.weight,)
-  frozen = tuple(v[...] for v in held)
+  frozen = linear.frozen_arrays()
   lora = ()
   if linear.lora_a is not None:
     scale = jnp.float32(layer_scale(linear, layer))
@@ -89,11 +86,7 @@ def _merged(frozen: tuple, lora: tuple, layer: jax.Array | None) -> jax.Array:
   """merged_weight as one program per weight shape (the layer traced), not op by op: a
   tiny model's export compiled for seconds eagerly."""
   pick = (lambda x: x) if layer is None else (lambda x: x[layer])  # noqa: E731
-  frozen = [pick(x) for x in frozen]
-  if len(frozen) == 4:
-    w = nf4.dequantize_linear(*frozen, jnp.float32)
-  else:
-    w = frozen[0].astype(jnp.float32)
+  w = dense(tuple(pick(x) for x in frozen), jnp.float32)
   if lora:
     a, b, scale = lora
     w = w + scale * (pick(a) @ pick(b)).T  # columns past a layer's rank are zero

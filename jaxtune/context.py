@@ -189,20 +189,12 @@ def ring_attention(
     me = jax.lax.axis_index(AXIS)
 
     def step(carry, r):
-      """Block r (1..C-1) arrives from device j = i - r: of its chunks j and 2C-1-j, an
-      earlier device's (j < i) first chunk precedes both of this device's and its second
-      follows both; a later device's (j > i) chunks both fall between this device's two. So
-      half of each block is never seen. The visible half is two chunk pairs: (this device's
-      second chunk, the block's first) always, and (first, first) from an earlier device or
-      (second, second) from a later one; only those are computed, with the same shapes on
-      every device."""
+      """Block r (1..C-1) from device i - r: its two visible chunk pairs (``_visible_pairs``),
+      with the same shapes on every device."""
       o, m, s, block = carry
       block = tuple(jax.lax.ppermute(a, AXIS, ring) for a in block)
-      first = tuple(a[:, :c] for a in block)
-      o, m, s = attend(o, m, s, c, c, *first)
-      at = jnp.where(me >= r, 0, c)  # j < i: the first chunks; j > i: the second ones
-      pick = tuple(jax.lax.dynamic_slice_in_dim(a, at, c, 1) for a in block)
-      o, m, s = attend(o, m, s, at, c, *pick)
+      for rows, keys in _visible_pairs(me, r, c):
+        o, m, s = attend(o, m, s, rows, c, *(_chunk(a, keys, c) for a in block))
       return (o, m, s, block), None
 
     carry = (o, m, s, (k, v, pos, seg))
@@ -217,6 +209,23 @@ def ring_attention(
     out_specs=heads,
     check_vma=False,
   )(q, k, v, positions, segment_ids, jnp.asarray(window, jnp.int32))
+
+
+def _visible_pairs(me: jax.Array, r: jax.Array, c: int) -> tuple:
+  """((query chunk start, key chunk start), ...) of the two chunk pairs of block r (1..C-1),
+  which comes from device j = i - r (i = ``me``), that this device's queries can see. Of the
+  block's chunks j and 2C-1-j, an earlier device's (j < i) first chunk precedes both of this
+  device's and its second follows both; a later device's (j > i) chunks both fall between this
+  device's two. So half of each block is never seen; the visible half is (this device's second
+  chunk, the block's first) always, and (first, first) from an earlier device or (second,
+  second) from a later one. Offsets are into the device's [first chunk, second chunk] of c."""
+  at = jnp.where(me >= r, 0, c)  # j < i: the first chunks; j > i: the second ones
+  return ((c, 0), (at, at))
+
+
+def _chunk(a: jax.Array, start, c: int) -> jax.Array:
+  """Tokens [start, start + c) of ``a`` [B, T, ...] (``start`` may be traced)."""
+  return jax.lax.dynamic_slice_in_dim(a, start, c, 1)
 
 
 def _flash_blocks(q, k, v, seg, *, scale, softcap, kernel, ring):
@@ -248,17 +257,15 @@ def _flash_blocks(q, k, v, seg, *, scale, softcap, kernel, ring):
   me = jax.lax.axis_index(AXIS)
 
   def step(carry, r):
-    """Block r from device j = i - r: the same two visible chunk pairs as ``ring_attention``'s
-    step, each one non-causal call (every key of the pair precedes every query)."""
+    """Block r from device i - r: its two visible chunk pairs (``_visible_pairs``), each one
+    non-causal call (every key of the pair precedes every query)."""
     o, lse, block = carry
     block = tuple(jax.lax.ppermute(a, AXIS, ring) for a in block)
-    kb, vb, segb = block
-    o_new, lse_new = flash(q[:, c:], kb[:, :c], vb[:, :c], seg[:, c:], segb[:, :c], False)
-    o, lse = merge(o, lse, c, o_new, lse_new)
-    at = jnp.where(me >= r, 0, c)
-    pick = lambda a: jax.lax.dynamic_slice_in_dim(a, at, c, 1)  # noqa: E731
-    o_new, lse_new = flash(pick(q), pick(kb), pick(vb), pick(seg), pick(segb), False)
-    o, lse = merge(o, lse, at, o_new, lse_new)
+    for rows, keys in _visible_pairs(me, r, c):
+      kb, vb, segb = (_chunk(a, keys, c) for a in block)
+      qr, segr = _chunk(q, rows, c), _chunk(seg, rows, c)
+      o_new, lse_new = flash(qr, kb, vb, segr, segb, False)
+      o, lse = merge(o, lse, rows, o_new, lse_new)
     return (o, lse, block), None
 
   size = len(ring)

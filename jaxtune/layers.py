@@ -27,6 +27,13 @@ def _stacked(layers: int | None, shape: tuple[int, ...], axes: tuple) -> tuple[t
   return (layers, *shape), ("layers", *axes)
 
 
+def dense(frozen: tuple[jax.Array, ...], dtype: DTypeLike) -> jax.Array:
+  """A weight [out, in] in ``dtype`` from one layer's ``Linear.frozen_arrays``."""
+  if len(frozen) == 4:
+    return nf4.dequantize_linear(*frozen, dtype)
+  return frozen[0].astype(dtype)
+
+
 class Linear(nnx.Module):
   """y = x W^T (+ b) (+ scale * dropout(x) A B). W is frozen: NF4 storage or a dense Param."""
 
@@ -87,14 +94,17 @@ class Linear(nnx.Module):
     self.kernel_scales = nnx.data(None)
     self.kernel_codes = nnx.data(None)
 
+  def frozen_arrays(self) -> tuple[jax.Array, ...]:
+    """The frozen weight as stored: (codes, absmax, nested_absmax, offset) if NF4, else
+    (weight,); stacked over layers where the layers are."""
+    if self.quantized:
+      return tuple(v[...] for v in (self.codes, self.absmax, self.nested_absmax, self.offset))
+    return (self.weight[...],)
+
   def dense_weight(self, dtype: DTypeLike, layer: int | None = None) -> jax.Array:
     """The frozen weight [out, in] in ``dtype`` (dequantized if NF4); one layer if stacked."""
-    pick = (lambda v: v[...]) if layer is None else (lambda v: v[layer])
-    if self.quantized:
-      return nf4.dequantize_linear(
-        pick(self.codes), pick(self.absmax), pick(self.nested_absmax), pick(self.offset), dtype
-      )
-    return pick(self.weight).astype(dtype)
+    held = self.frozen_arrays()
+    return dense(held if layer is None else tuple(x[layer] for x in held), dtype)
 
   def __call__(
     self, x: jax.Array, dropout_key: jax.Array | None = None, nf4_impl: str = "auto"
