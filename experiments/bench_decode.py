@@ -24,12 +24,12 @@ from experiments.write_checkpoint import write  # noqa: E402
 from jaxtune.decoding import generate_ids  # noqa: E402
 
 
-def timed(model, prompts, n, word=None, reps=3):
-  generate_ids(model, prompts, max_new_tokens=n, word_lookup=word)  # compile
+def timed(model, prompts, n, word=None, fuse=True, reps=3):
+  generate_ids(model, prompts, max_new_tokens=n, word_lookup=word, fuse=fuse)  # compile
   times = []
   for _ in range(reps):
     t = time.perf_counter()
-    generate_ids(model, prompts, max_new_tokens=n, word_lookup=word)
+    generate_ids(model, prompts, max_new_tokens=n, word_lookup=word, fuse=fuse)
     times.append(time.perf_counter() - t)
   return statistics.median(times)
 
@@ -45,8 +45,9 @@ def main():
   ap.add_argument(
     "--compare-lookups",
     action="store_true",
-    help="NF4 twice: the kernel's prmt lookup, then its word lookup (decoding's default where "
-    "the copy of the codes fits)",
+    help="NF4 three times: the kernel's prmt lookup, its word lookup with one launch per "
+    "layer, then with q/k/v and gate/up fused (decoding's default where the copy of the "
+    "codes fits)",
   )
   args = ap.parse_args()
   rows = []
@@ -57,16 +58,19 @@ def main():
     for quant in ("nf4", None):
       model = jaxtune.from_pretrained(ckpt, quantization=quant, dtype="bfloat16")
       vocab = model.config.vocab_size
-      words = (False, True) if quant and args.compare_lookups else (None,)
-      for b, word in ((int(x), w) for x in args.batches.split(",") for w in words):
+      variants = ((None, True),)
+      if quant and args.compare_lookups:
+        variants = ((False, False), (True, False), (True, True))
+      for b, (word, fuse) in ((int(x), v) for x in args.batches.split(",") for v in variants):
         rng = np.random.default_rng(b)
         prompts = rng.integers(0, vocab, (b, args.prompt_len)).tolist()
-        t1 = timed(model, prompts, 1, word)
-        tn = timed(model, prompts, 1 + args.new_tokens, word)
+        t1 = timed(model, prompts, 1, word, fuse)
+        tn = timed(model, prompts, 1 + args.new_tokens, word, fuse)
         row = {
           "model": args.shape,
           "quantization": quant or "bf16",
           "lookup": {None: "default", False: "prmt", True: "word"}[word] if quant else None,
+          "fused_launches": bool(fuse and word is not False) if quant else None,
           "batch": b,
           "prompt_len": args.prompt_len,
           "new_tokens": args.new_tokens,
@@ -89,10 +93,10 @@ def main():
     "without NF4 in the same run.",
     out_dir=args.results_dir,
   )
-  print("\n| quant | lookup | batch | decode tok/s | ms/step | vs bf16 |")
+  print("\n| quant | lookup | fused | batch | decode tok/s | ms/step | vs bf16 |")
   for r in rows:
     print(
-      f"| {r['quantization']} | {r['lookup'] or ''} | {r['batch']} | "
+      f"| {r['quantization']} | {r['lookup'] or ''} | {r['fused_launches'] or ''} | {r['batch']} | "
       f"{r['decode_tokens_per_s']:.0f} | {r['ms_per_token_step']:.2f} | {r['ratio_vs_bf16']:.2f} |"
     )
 

@@ -21,8 +21,9 @@ from flax import nnx
 
 from jaxtune import attention
 from jaxtune.errors import UserError
+from jaxtune.layers import Fused
 from jaxtune.lora import iter_linears
-from jaxtune.models.decoder import Decoder
+from jaxtune.models.decoder import MLP, Attention, Decoder
 from jaxtune.runtime import DEFAULT
 from pallas_kernels.nf4_matmul import kernel_scales, uses_kernel, word_codes
 
@@ -160,34 +161,77 @@ def _prefill(graphdef, state, ids, positions, cache, key_valid):
   return forward_cached(nnx.merge(graphdef, state), ids, positions, cache, 0, key_valid)
 
 
-def _kernel_linears(model: nnx.Module, tokens: int):
-  """The NF4 linear layers whose calls of ``tokens`` rows go through the Pallas kernel
-  (pallas_kernels.nf4_matmul dispatch)."""
-  for _, linear in iter_linears(model):
-    if linear.quantized and uses_kernel(tokens, linear.in_features * linear.out_features):
-      yield linear
+# Linear layers of one input whose frozen products a decode loop computes in one kernel
+# launch (layers.Fused): (module class, its attribute for the Fused, the layers' names).
+FUSED = (
+  (Attention, "qkv_fused", ("q_proj", "k_proj", "v_proj")),
+  (MLP, "gate_up_fused", ("gate_proj", "up_proj")),
+)
 
 
-def prepare_kernel_operands(model: nnx.Module, tokens: int, word: bool = False) -> int:
+def _kernel_plan(
+  model: nnx.Module, tokens: int, word: bool, every: bool = False, fuse: bool = True
+):
+  """What ``prepare_kernel_operands`` makes: ([(module, attribute, linears)] to fuse, [linear]
+  that go through the kernel alone). Groups fuse only with ``word`` (their codes are copied
+  anyway) and ``fuse``, where the fused weight goes through the kernel. ``every``: as if every
+  NF4 layer did (tests, on a machine without the GPU kernel)."""
+  uses = (lambda t, w: True) if every else uses_kernel
+  groups, fused = [], set()
+  if word and fuse:
+    for _, node in nnx.iter_graph(model):
+      for cls, attr, names in FUSED:
+        if not isinstance(node, cls):
+          continue
+        linears = [getattr(node, name) for name in names]
+        k = linears[0].in_features
+        if all(lin.quantized and lin.in_features == k for lin in linears) and uses(
+          tokens, k * sum(lin.out_features for lin in linears)
+        ):
+          groups.append((node, attr, linears))
+          fused.update(id(lin) for lin in linears)
+  alone = [
+    lin
+    for _, lin in iter_linears(model)
+    if lin.quantized and id(lin) not in fused and uses(tokens, lin.in_features * lin.out_features)
+  ]
+  return groups, alone
+
+
+def prepare_kernel_operands(
+  model: nnx.Module, tokens: int, word: bool = False, every: bool = False, fuse: bool = True
+) -> int:
   """Give every NF4 linear layer whose calls of ``tokens`` rows go through the Pallas kernel
   its kernel scales (2 bytes per 64 weights) and, with ``word``, its codes in the "word"
   lookup's order (as many bytes as the codes), made now (in a jitted loop: once, outside
-  it); returns how many layers got them."""
-  count = 0
-  for linear in _kernel_linears(model, tokens):
-    made = kernel_scales(linear.absmax[...], linear.nested_absmax[...], linear.offset[...])
-    linear.kernel_scales = nnx.data(made)
+  it). With ``word``, layers of one input (q/k/v, gate/up) get one ``layers.Fused`` instead,
+  one launch for all of them (``fuse`` False: each alone, for comparison). ``every``: see
+  ``_kernel_plan``. Returns how many kernel launches a layer stack's token step has (fused
+  groups count once)."""
+  groups, alone = _kernel_plan(model, tokens, word, every, fuse)
+  for module, attr, linears in groups:
+    codes = jnp.concatenate([lin.codes[...] for lin in linears], axis=-2)
+    scales = jnp.concatenate([_scales(lin) for lin in linears], axis=-1)
+    sizes = tuple(lin.out_features for lin in linears)
+    setattr(module, attr, Fused(word_codes(codes), scales, sizes))
+  for linear in alone:
+    linear.kernel_scales = nnx.data(_scales(linear))
     if word:
       linear.kernel_codes = nnx.data(word_codes(linear.codes[...]))
-    count += 1
-  return count
+  return len(groups) + len(alone)
+
+
+def _scales(linear) -> jax.Array:
+  return kernel_scales(linear.absmax[...], linear.nested_absmax[...], linear.offset[...])
 
 
 def word_codes_fit(model: nnx.Module, tokens: int) -> bool:
   """Whether the decode loop makes the kernel's "word" codes: a copy of every kernel layer's
   codes (8B: 3.5 GB; 70B: 35 GB), made where it takes at most half the device's free memory
   (kernel 0.61-0.87x the time with them; the loop's own temporaries need the rest)."""
-  need = sum(linear.codes[...].nbytes for linear in _kernel_linears(model, tokens))
+  groups, alone = _kernel_plan(model, tokens, word=True)
+  linears = [lin for *_, group in groups for lin in group] + alone
+  need = sum(lin.codes[...].nbytes for lin in linears)
   if not need:
     return False
   stats = jax.devices()[0].memory_stats() or {}
@@ -195,7 +239,7 @@ def word_codes_fit(model: nnx.Module, tokens: int) -> bool:
   return need <= free // 2
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9, 14))
+@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9, 14, 15))
 def _decode(
   graphdef,
   state,
@@ -212,12 +256,14 @@ def _decode(
   key,
   n,
   word,
+  fuse,
 ):
   """Up to ``n`` (traced, at most ``room``) tokens [B, room] on the device; stops early once
-  every row has emitted EOS. ``word``: make the NF4 kernel's "word" codes for the loop."""
+  every row has emitted EOS. ``word``, ``fuse``: the NF4 kernel's operands made for the loop
+  (``prepare_kernel_operands``)."""
   model = nnx.merge(graphdef, state)
   b = logits.shape[0]
-  prepare_kernel_operands(model, b, word)
+  prepare_kernel_operands(model, b, word, fuse=fuse)
 
   def body(carry):
     i, logits, cache, key, tokens, done = carry
@@ -250,6 +296,7 @@ def generate_ids(
   seed: int = 0,
   pad_id: int = 0,
   word_lookup: bool | None = None,
+  fuse: bool = True,
 ) -> list[list[int]]:
   """New token ids per prompt (up to and including an EOS, if one is generated).
 
@@ -257,6 +304,8 @@ def generate_ids(
   device), cached across calls for the same model structure and sampling settings.
   ``word_lookup``: whether the loop copies the NF4 kernel's codes into its faster lookup's
   order (None: where they take at most half the free device memory, ``word_codes_fit``).
+  ``fuse``: with those codes, q/k/v and gate/up each in one kernel launch (False: one per
+  layer, to compare).
   """
   if not prompts or any(len(p) == 0 for p in prompts):
     raise UserError("every prompt needs at least one token.")
@@ -292,6 +341,7 @@ def generate_ids(
     jax.random.key(seed),
     jnp.int32(max_new_tokens),
     word_codes_fit(model, b) if word_lookup is None else word_lookup,
+    fuse,
   )
   new = np.asarray(new)[:, : int(steps)]
   out = []

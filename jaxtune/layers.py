@@ -18,7 +18,7 @@ from jax.typing import DTypeLike
 from jaxtune import nf4
 from jaxtune.errors import ConfigError
 from jaxtune.nf4_storage import NF4Storage
-from pallas_kernels.nf4_matmul import nf4_matmul
+from pallas_kernels.nf4_matmul import nf4_matmul, prepared_matmul
 
 
 def _stacked(layers: int | None, shape: tuple[int, ...], axes: tuple) -> tuple[tuple, tuple]:
@@ -107,11 +107,19 @@ class Linear(nnx.Module):
     return dense(held if layer is None else tuple(x[layer] for x in held), dtype)
 
   def __call__(
-    self, x: jax.Array, dropout_key: jax.Array | None = None, nf4_impl: str = "auto"
+    self,
+    x: jax.Array,
+    dropout_key: jax.Array | None = None,
+    nf4_impl: str = "auto",
+    frozen_out: jax.Array | None = None,
   ) -> jax.Array:
     """``nf4_impl``: "kernel" or "xla" for an NF4 weight, "auto" to let
-    pallas_kernels.nf4_matmul choose per shape and device (``Runtime.nf4_matmul``)."""
-    if self.quantized:
+    pallas_kernels.nf4_matmul choose per shape and device (``Runtime.nf4_matmul``).
+    ``frozen_out``: x W^T computed already (decoding runs several weights of one input in
+    one kernel launch, ``Fused``); the bias and LoRA are added here."""
+    if frozen_out is not None:
+      y = frozen_out
+    elif self.quantized:
       parts = (self.codes[...], self.absmax[...], self.nested_absmax[...], self.offset[...])
       scales = None if self.kernel_scales is None else self.kernel_scales[...]
       word = None if self.kernel_codes is None else self.kernel_codes[...]
@@ -153,6 +161,26 @@ class Linear(nnx.Module):
       b = jax.lax.dynamic_slice_in_dim(self.lora_b[...], start, size, 1)
       y = y + self._lora_term(x, b).astype(y.dtype)
     return y
+
+
+class Fused(nnx.Module):
+  """Decoding only (decoding.prepare_kernel_operands): the NF4 kernel's operands of several
+  linear layers that read one input (q/k/v, gate/up), their output rows concatenated, so one
+  kernel launch computes all of them: codes in "word" order [..., N, K/2] and bf16 scales
+  [..., K/64, N], N the sum of the layers' outputs (stacked over layers where they are)."""
+
+  def __init__(self, codes: jax.Array, scales: jax.Array, sizes: tuple[int, ...]):
+    self.codes = nnx.data(codes)
+    self.scales = nnx.data(scales)
+    self.sizes = sizes
+
+  def __call__(self, x: jax.Array, nf4_impl: str = "auto") -> list[jax.Array]:
+    """Each layer's x W^T (no bias, no LoRA: ``Linear(..., frozen_out=)`` adds them)."""
+    impl = None if nf4_impl == "auto" else nf4_impl
+    with jax.named_scope("nf4_matmul"):
+      y = prepared_matmul(x, self.codes[...], self.scales[...], impl=impl)
+    ends = [sum(self.sizes[: i + 1]) for i in range(len(self.sizes) - 1)]
+    return jnp.split(y, ends, axis=-1)
 
 
 class LoRAConstant(nnx.Variable):

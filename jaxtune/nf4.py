@@ -173,7 +173,7 @@ def _flat_iota(shape: tuple[int, ...]) -> jax.Array:
   return index
 
 
-def _unpack(codes: jax.Array) -> jax.Array:
+def unpack(codes: jax.Array) -> jax.Array:
   """[..., k] bytes -> [..., 2k] 4-bit codes, high nibble first."""
   pair = jnp.stack([codes >> 4, codes & 0xF], axis=-1)
   return pair.reshape(*codes.shape[:-1], codes.shape[-1] * 2)
@@ -184,7 +184,7 @@ def dequantize(
 ) -> jax.Array:
   """Inverse of :func:`quantize` in bitsandbytes' flat layout, for any ``shape``."""
   n = int(np.prod(shape))
-  values = jnp.asarray(NF4_CODE)[_unpack(q.codes)[:n]]
+  values = jnp.asarray(NF4_CODE)[unpack(q.codes)[:n]]
   absmax = dequantize_absmax(q.absmax, q.nested_absmax, q.offset)
   blocks = _pad_to_blocks(values, BLOCKSIZE, 0.0) * absmax[:, None]
   return blocks.reshape(-1)[:n].reshape(shape).astype(dtype)
@@ -247,7 +247,7 @@ def dequantize_linear(
   """[out, in] weight from the 2-D layout, bit-identical to bitsandbytes' dequantize_4bit."""
   out_features, half = codes.shape
   scale = dequantize_absmax(absmax, nested_absmax, offset)  # [out, in / 64]
-  values = jnp.asarray(NF4_CODE)[_unpack(codes)].reshape(out_features, -1, BLOCKSIZE)
+  values = jnp.asarray(NF4_CODE)[unpack(codes)].reshape(out_features, -1, BLOCKSIZE)
   return (values * scale[..., None]).reshape(out_features, 2 * half).astype(dtype)
 
 

@@ -175,3 +175,40 @@ def test_python_api(n):
   texts = jaxtune.generate(model, tok, ["Count to 3."] * n, max_new_tokens=4, chat=True)
   assert len(texts) == n and all(isinstance(t, str) for t in texts)
   assert len(set(texts)) == 1  # the same prompt gives the same greedy text in every row
+
+
+def test_decode_step_with_fused_kernel_operands(hf_llama_dir):
+  """Decoding's prepared operands (prepare_kernel_operands, as on a Hopper GPU: every NF4
+  layer taken as a kernel layer here) run q/k/v and gate/up as one product each
+  (layers.Fused); with biases and a trained adapter the logits stay those of the plain
+  model, within the kernel operands' bf16 scales."""
+  from jaxtune import decoding
+  from jaxtune.layers import Fused
+
+  path, _ = hf_llama_dir(seed=35, attention_bias=True)
+  model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float32"), rank=4, alpha=8)
+  rng = np.random.default_rng(1)
+  adapted = [lin for _, lin in iter_linears(model) if lin.lora_b is not None]
+  for linear in adapted:
+    linear.lora_b[...] = jnp.asarray(0.2 * rng.standard_normal(linear.lora_b.shape), jnp.float32)
+  ids = jnp.asarray([[5, 17, 99, 3, 42, 7]])
+  positions = jnp.arange(6)[None]
+
+  def logits(m):
+    cache = init_cache(m, 1, 64)
+    return np.asarray(
+      decoding.forward_cached(m, ids, positions, cache, 0, jnp.ones((1, 64), bool))[0]
+    )
+
+  plain = logits(model)
+  launches = decoding.prepare_kernel_operands(model, 1, word=True, every=True)
+  assert launches == 4  # q/k/v, o, gate/up, down: o and down alone
+  assert isinstance(model.layers.self_attn.qkv_fused, Fused)
+  assert model.layers.mlp.gate_up_fused.sizes == (192, 192)
+  assert model.layers.self_attn.qkv_fused.codes.shape == (3, 256, 64)  # stacked over layers
+  fused = logits(model)
+  for linear in adapted:
+    linear.lora_b[...] = jnp.zeros_like(linear.lora_b[...])
+  no_adapter = logits(model)
+  off = np.linalg.norm(fused - plain) / np.linalg.norm(plain)
+  assert off < 1e-2 and np.linalg.norm(no_adapter - plain) / np.linalg.norm(plain) > 20 * off

@@ -410,3 +410,28 @@ def test_kernel_word_lookup_gets_operands_that_multiply_right(monkeypatch):
       nf4_matmul(x, *q, impl=impl, lookup="word")
   with pytest.raises(ValueError, match="lookup must be one of"):
     nf4_matmul(x, *q, impl="kernel", lookup="select")
+
+
+def test_prepared_matmul_runs_weights_of_one_input_as_one():
+  """q/k/v-like weights concatenated along N as prepared operands (word-order codes, bf16
+  scales): the interpreted kernel and XLA's twin both give each weight's product in its
+  columns, ragged rows included; the word order is a transpose, so undone by itself."""
+  rng = np.random.default_rng(13)
+  k = 128
+  qs = [_weights(rng, n, k) for n in (128, 64, 64)]
+  codes = jnp.concatenate([q[0] for q in qs])
+  np.testing.assert_array_equal(ops.word_codes(ops.word_codes(codes)), codes)
+  word = ops.word_codes(codes)
+  scales = jnp.concatenate([ops.kernel_scales(*q[1:]) for q in qs], axis=-1)
+  x = jnp.asarray(rng.standard_normal((3, k)), jnp.bfloat16)
+  ref = np.concatenate([np.asarray(nf4_matmul_reference(x, *q)) for q in qs], axis=-1)
+  xla = ops.prepared_matmul(x, word, scales, impl="xla")
+  got = ops.prepared_matmul(x, word, scales, impl="interpret")
+  assert got.shape == xla.shape == (3, 256) and got.dtype == jnp.bfloat16
+  assert _rel(xla, ref) < 1e-2 and _rel(got, ref) < 1e-2
+  assert _rel(got, np.asarray(xla, np.float32)) < 4e-3  # same weight, bf16 rounding apart
+  # Dispatch on this machine (no Hopper GPU) takes XLA's twin, batched rows too.
+  auto = ops.prepared_matmul(x.reshape(1, 3, k), word, scales)
+  np.testing.assert_array_equal(np.asarray(auto[0]), np.asarray(xla))
+  with pytest.raises(ValueError, match="impl must be one of"):
+    ops.prepared_matmul(x, word, scales, impl="cuda")

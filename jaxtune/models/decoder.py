@@ -106,6 +106,7 @@ class Attention(nnx.Module):
     self.k_proj = _linear(cfg, "k_proj", bias=cfg.qkv_bias, **kw)
     self.v_proj = _linear(cfg, "v_proj", bias=cfg.qkv_bias, **kw)
     self.o_proj = _linear(cfg, "o_proj", bias=cfg.o_bias, **kw)
+    self.qkv_fused = nnx.data(None)  # a layers.Fused while decoding (prepare_kernel_operands)
     if cfg.qk_norm:
       norm = dict(eps=cfg.rms_norm_eps, layers=cfg.num_layers, plus_one=cfg.norm_plus_one)
       self.q_norm = RMSNorm(cfg.head_dim, **norm, param_dtype=param_dtype)
@@ -135,9 +136,12 @@ class Attention(nnx.Module):
     ``positions`` [B, T]: what ring attention masks by (a ``context`` axis)."""
     b, t, _ = x.shape
     mm = runtime.nf4_matmul
-    q = self.q_proj(x, keys[0], mm).reshape(b, t, self.num_heads, self.head_dim)
-    k = self.k_proj(x, keys[1], mm).reshape(b, t, self.num_kv_heads, self.head_dim)
-    v = self.v_proj(x, keys[2], mm).reshape(b, t, self.num_kv_heads, self.head_dim)
+    fq = fk = fv = None
+    if self.qkv_fused is not None:
+      fq, fk, fv = self.qkv_fused(x, mm)
+    q = self.q_proj(x, keys[0], mm, fq).reshape(b, t, self.num_heads, self.head_dim)
+    k = self.k_proj(x, keys[1], mm, fk).reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(x, keys[2], mm, fv).reshape(b, t, self.num_kv_heads, self.head_dim)
     if self.q_norm is not None:  # its backward reads the projections (remat="activations")
       q, k = checkpoint_name(q, "query_projected"), checkpoint_name(k, "key_projected")
       q, k = self.q_norm(q), self.k_norm(k)
@@ -168,6 +172,7 @@ class MLP(nnx.Module):
     self.gate_proj = _linear(cfg, "gate_proj", **kw)
     self.up_proj = _linear(cfg, "up_proj", **kw)
     self.down_proj = _linear(cfg, "down_proj", **kw)
+    self.gate_up_fused = nnx.data(None)  # a layers.Fused while decoding
     self.activation = cfg.hidden_act
 
   def __call__(self, x: jax.Array, keys: Sequence[jax.Array | None], runtime: Runtime) -> jax.Array:
@@ -195,8 +200,11 @@ class MLP(nnx.Module):
     return ys.swapaxes(0, 1).reshape(b, n * c, -1)[:, :t]
 
   def _mlp(self, x, keys, nf4_matmul: str):
-    gate = checkpoint_name(self.gate_proj(x, keys[4], nf4_matmul), "mlp_gate")
-    up = checkpoint_name(self.up_proj(x, keys[5], nf4_matmul), "mlp_up")
+    fg = fu = None
+    if self.gate_up_fused is not None:
+      fg, fu = self.gate_up_fused(x, nf4_matmul)
+    gate = checkpoint_name(self.gate_proj(x, keys[4], nf4_matmul, fg), "mlp_gate")
+    up = checkpoint_name(self.up_proj(x, keys[5], nf4_matmul, fu), "mlp_up")
     with jax.named_scope("mlp_activation"):
       h = _ACTIVATIONS[self.activation](gate) * up
     return self.down_proj(h, keys[6], nf4_matmul)

@@ -1,7 +1,14 @@
 """Fused NF4 dequant-matmul: Mosaic GPU kernels (kernel.py), differentiable op with dispatch
 (ops.py), pure-jnp twins (reference.py)."""
 
-from pallas_kernels.nf4_matmul.ops import IMPLS, kernel_scales, nf4_matmul, uses_kernel, word_codes
+from pallas_kernels.nf4_matmul.ops import (
+  IMPLS,
+  kernel_scales,
+  nf4_matmul,
+  prepared_matmul,
+  uses_kernel,
+  word_codes,
+)
 from pallas_kernels.nf4_matmul.reference import nf4_matmul_reference
 
 __all__ = [
@@ -9,6 +16,7 @@ __all__ = [
   "kernel_scales",
   "nf4_matmul",
   "nf4_matmul_reference",
+  "prepared_matmul",
   "uses_kernel",
   "word_codes",
 ]

@@ -46,6 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxtune import nf4
 from jaxtune.nf4_maps import NF4_CODE
+from pallas_kernels.nf4_matmul.reference import word_bytes
 
 BLOCK_K = nf4.BLOCKSIZE  # one scale per 64 inputs: the natural k step
 WG_ROWS = 64  # rows of wgmma's register operand per warpgroup
@@ -117,15 +118,6 @@ def word_codes(codes: jax.Array) -> jax.Array:
   bitsandbytes' nibble order is kept (even column in the high nibble; the lookup reads it so).
   Made once per weight (a pass over the codes); x and the scales keep their order."""
   return kernel_codes(word_bytes(codes), swap_nibbles=False)
-
-
-def word_bytes(codes: jax.Array) -> jax.Array:
-  """``word_codes`` before the int4 view: uint8 [..., N, K/2], what a caller keeps for many
-  calls (a stack of layers sliced per layer: slicing int4 copied it element by element)."""
-  *lead, half = codes.shape
-  if half % 16:
-    raise ValueError(f"word_codes: K = {2 * half} is not a multiple of 32")
-  return codes.reshape(*lead, half // 16, 4, 4).swapaxes(-1, -2).reshape(*lead, half)
 
 
 def _bf16_bits(values: np.ndarray) -> np.ndarray:

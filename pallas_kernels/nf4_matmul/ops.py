@@ -133,7 +133,38 @@ def word_codes(codes: jax.Array) -> jax.Array:
   """The forward kernel's codes for the "word" lookup (kernel.word_bytes), [..., N, K/2] uint8
   (a stack of layers too): made once where one weight serves many calls (decoding), passed as
   ``nf4_matmul(..., word_codes=)``. As many bytes as the codes."""
-  return _kernel().word_bytes(codes)
+  return reference.word_bytes(codes)
+
+
+def prepared_matmul(
+  x: jax.Array, word: jax.Array, scales: jax.Array, *, impl: str | None = None
+) -> jax.Array:
+  """x [..., K] @ W^T -> [..., N], forward only (decoding), W [N, K] given as the forward
+  kernel's prepared operands: codes uint8 [N, K/2] in "word" order (``word_codes``) and bf16
+  scales [K/64, N] (``kernel_scales``). Several weights of one input concatenated along N
+  (q/k/v, gate/up) so run as one launch. ``impl`` as in ``nf4_matmul`` (None: dispatch by
+  the combined weight's size). Off the kernel, XLA forms the weight from the same operands
+  as the kernel does (``reference.prepared_dot``), not bitsandbytes' exact values."""
+  *lead, k = x.shape
+  n = word.shape[0]
+  x2 = x.reshape(-1, k)
+  if impl is None:
+    impl = "kernel" if uses_kernel(x2.shape[0], n * k) else "xla"
+  if impl not in IMPLS:
+    raise ValueError(f"prepared_matmul impl must be one of {', '.join(IMPLS)}, got {impl!r}.")
+  use = impl != "xla" and x2.dtype == jnp.bfloat16
+  cfg = _forward_config(x2.shape[0], n, k, impl == "interpret") if use else None
+  if cfg is None:
+    return reference.prepared_dot(x, word, scales)
+  kernel = _kernel()
+  if impl == "interpret":  # the interpreter's lookup reads bitsandbytes' order
+    kw = _kernel_args(impl)
+    w4 = kernel.kernel_codes(reference.word_bytes(word), swap_nibbles=True)
+  else:
+    kw = _kernel_args(impl, "word")
+    w4 = kernel.kernel_codes(word, swap_nibbles=False)
+  y = kernel.forward(_pad_rows(x2, cfg.block_m), w4, scales, config=cfg, **kw)
+  return y[: x2.shape[0]].astype(x.dtype).reshape(*lead, n)
 
 
 def _fwd_impl(impl, lookup, x2, weights, scales=None, word=None):

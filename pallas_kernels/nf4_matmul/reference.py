@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtune import nf4
+from jaxtune.nf4_maps import NF4_CODE
 
 
 def nf4_matmul_reference(
@@ -40,3 +41,32 @@ def dequantize_then_dot_t(
   """The backward product dy @ dequant(W): [..., N] -> [..., K]."""
   w = nf4.dequantize_linear(codes, absmax, nested_absmax, offset, dy.dtype)
   return jnp.einsum("...n,nk->...k", dy, w)
+
+
+def word_bytes(codes: jax.Array) -> jax.Array:
+  """The codes uint8 [..., N, K/2] in the forward kernel's "word" order: each row's 16 bytes
+  of every 32 columns transposed as a 4 x 4 matrix (byte 4t + b <- byte 4b + t; why:
+  kernel.word_codes). A transpose, so applied twice it gives the codes back."""
+  *lead, half = codes.shape
+  if half % 16:
+    raise ValueError(f"word_codes: K = {2 * half} is not a multiple of 32")
+  return codes.reshape(*lead, half // 16, 4, 4).swapaxes(-1, -2).reshape(*lead, half)
+
+
+def prepared_weight(word: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+  """W [N, K] from the forward kernel's prepared operands, as the kernel forms it: the NF4
+  level (bf16) times the block's bf16 scale, a bf16 product. ``word``: codes [N, K/2] in
+  "word" order; ``scales``: bf16 [K/64, N] (ops.kernel_scales)."""
+  codes = word_bytes(word)  # back in bitsandbytes' order
+  n, half = codes.shape
+  levels = jnp.asarray(NF4_CODE, jnp.bfloat16)[nf4.unpack(codes)].reshape(n, -1, nf4.BLOCKSIZE)
+  w = levels * scales.astype(jnp.bfloat16).T[..., None]
+  return w.reshape(n, 2 * half).astype(dtype)
+
+
+def prepared_dot(x: jax.Array, word: jax.Array, scales: jax.Array) -> jax.Array:
+  """x [..., K] @ W^T from the prepared operands (``prepared_weight``): XLA's twin of
+  ``ops.prepared_matmul``'s kernel, float32 accumulation, x's dtype out."""
+  w = prepared_weight(word, scales, x.dtype)
+  y = jnp.einsum("...k,nk->...n", x, w, preferred_element_type=jnp.float32)
+  return y.astype(x.dtype)
