@@ -8,19 +8,24 @@ warm-up; decode tokens/s = batch * N / (difference), so prefill and compilation 
 """
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jaxtune  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
+from jaxtune import decoding  # noqa: E402
 from jaxtune.decoding import generate_ids  # noqa: E402
 
 
@@ -32,6 +37,27 @@ def timed(model, prompts, n, word=None, fuse=True, reps=3):
     generate_ids(model, prompts, max_new_tokens=n, word_lookup=word, fuse=fuse)
     times.append(time.perf_counter() - t)
   return statistics.median(times)
+
+
+def kernel_operand_errors(model, b: int) -> dict:
+  """One token step's logits (empty cache, one token a row) with the decode loop's kernel
+  operands, word order alone and fused, against the model as loaded: relative L2 errors."""
+  ids = jnp.asarray(np.random.default_rng(b).integers(0, model.config.vocab_size, (b, 1)))
+  pos, valid = jnp.zeros((b, 1), jnp.int32), jnp.ones((b, 64), bool)
+  graphdef, state = nnx.split(model)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def step(how, state):
+    m = nnx.merge(graphdef, state)
+    if how:
+      decoding.prepare_kernel_operands(m, b, word=True, fuse=how == "fused")
+    return decoding.forward_cached(m, ids, pos, decoding.init_cache(m, b, 64), 0, valid)[0]
+
+  plain = np.asarray(step(None, state), np.float64)
+  rel = lambda how: float(
+    np.linalg.norm(np.asarray(step(how, state)) - plain) / np.linalg.norm(plain)
+  )  # noqa: E731
+  return {"word_rel_err": rel("word"), "fused_rel_err": rel("fused")}
 
 
 def main():
@@ -61,6 +87,11 @@ def main():
       variants = ((None, True),)
       if quant and args.compare_lookups:
         variants = ((False, False), (True, False), (True, True))
+      if quant and args.compare_lookups:
+        for b in (int(x) for x in args.batches.split(",")):
+          errors = kernel_operand_errors(model, b)
+          print(f"batch {b}: logits vs the model as loaded: {errors}", flush=True)
+          assert errors["fused_rel_err"] < 1e-2, errors
       for b, (word, fuse) in ((int(x), v) for x in args.batches.split(",") for v in variants):
         rng = np.random.default_rng(b)
         prompts = rng.integers(0, vocab, (b, args.prompt_len)).tolist()
