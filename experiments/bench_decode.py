@@ -27,6 +27,7 @@ from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
 from jaxtune import decoding  # noqa: E402
 from jaxtune.decoding import generate_ids  # noqa: E402
+from pallas_kernels.nf4_matmul import ops  # noqa: E402
 
 
 def timed(model, prompts, n, word=None, fuse=True, reps=3):
@@ -41,7 +42,9 @@ def timed(model, prompts, n, word=None, fuse=True, reps=3):
 
 def kernel_operand_errors(model, b: int) -> dict:
   """One token step's logits (empty cache, one token a row) with the decode loop's kernel
-  operands, word order alone and fused, against the model as loaded: relative L2 errors."""
+  operands, word order alone and fused, against the model as loaded: relative L2 errors;
+  beside them the distance of XLA's dequantize-then-dot (no kernel) from the same logits,
+  which is how far two right answers drift apart through the layers."""
   ids = jnp.asarray(np.random.default_rng(b).integers(0, model.config.vocab_size, (b, 1)))
   pos, valid = jnp.zeros((b, 1), jnp.int32), jnp.ones((b, 64), bool)
   graphdef, state = nnx.split(model)
@@ -49,15 +52,20 @@ def kernel_operand_errors(model, b: int) -> dict:
   @functools.partial(jax.jit, static_argnums=0)
   def step(how, state):
     m = nnx.merge(graphdef, state)
-    if how:
+    if how in ("word", "fused"):
       decoding.prepare_kernel_operands(m, b, word=True, fuse=how == "fused")
     return decoding.forward_cached(m, ids, pos, decoding.init_cache(m, b, 64), 0, valid)[0]
 
   plain = np.asarray(step(None, state), np.float64)
-  rel = lambda how: float(
-    np.linalg.norm(np.asarray(step(how, state)) - plain) / np.linalg.norm(plain)
-  )  # noqa: E731
-  return {"word_rel_err": rel("word"), "fused_rel_err": rel("fused")}
+  rel = lambda y: float(np.linalg.norm(np.asarray(y) - plain) / np.linalg.norm(plain))  # noqa: E731
+  errors = {"word_rel_err": rel(step("word", state)), "fused_rel_err": rel(step("fused", state))}
+  uses = ops.uses_kernel
+  ops.uses_kernel = lambda tokens, weights: False  # dispatch: XLA everywhere, this trace only
+  try:
+    errors["xla_rel_err"] = rel(step("xla", state))
+  finally:
+    ops.uses_kernel = uses
+  return errors
 
 
 def main():
@@ -91,7 +99,7 @@ def main():
         for b in (int(x) for x in args.batches.split(",")):
           errors = kernel_operand_errors(model, b)
           print(f"batch {b}: logits vs the model as loaded: {errors}", flush=True)
-          assert errors["fused_rel_err"] < 1e-2, errors
+          assert errors["fused_rel_err"] <= max(1e-2, 2 * errors["xla_rel_err"]), errors
       for b, (word, fuse) in ((int(x), v) for x in args.batches.split(",") for v in variants):
         rng = np.random.default_rng(b)
         prompts = rng.integers(0, vocab, (b, args.prompt_len)).tolist()
