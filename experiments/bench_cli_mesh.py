@@ -33,6 +33,7 @@ other run takes --batch sequences per step (global), so all multi-GPU runs do th
 
 import argparse
 import json
+import math
 import os
 import re
 import shlex
@@ -67,7 +68,7 @@ TINY = dict(  # CPU smoke shape: 8 heads and 8 KV heads so tensor=8 divides, 4 l
   tie_word_embeddings=False,
 )
 START_LINE = re.compile(
-  r"(?:(?P<fill>\d+)% tokens|prompts x).*attention (?P<attention>\w+), "
+  r"(?:(?P<fill>\d+)% tokens|prompts x).*attention (?P<attention>\w+(?: \([\w ]+\))?), "
   r"remat (?P<remat>\w+(?:, loss chunk \d+)?)(?: \((?:auto: )?planned (?P<plan>[\d.]+ [GM]iB))?"
   r"[^;]*; loaded in (?P<load>[\d.]+)s(?:, compiled in (?P<compile>[\d.]+)s"
   r"(?P<cached> \(from the compilation cache\))?)?"
@@ -242,7 +243,7 @@ def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
   from jaxtune import mesh as meshlib
 
   sizes = meshlib.parse_mesh(mesh, 1 if single else args.devices)
-  devices = sizes["data"] * sizes["tensor"] * sizes["pipe"]
+  devices = math.prod(sizes.values())
   return {
     "mesh": mesh,
     "flags": " ".join([*(f"{k}={v}" for k, v in run_env.items()), *extra]),
