@@ -76,7 +76,13 @@ START_LINE = re.compile(
 
 
 def write_inputs(
-  root: Path, shape: str, tiny: bool, docs: int, seed: int = 0, bnb_4bit: bool = False
+  root: Path,
+  shape: str,
+  tiny: bool,
+  docs: int,
+  seed: int = 0,
+  bnb_4bit: bool = False,
+  positions: int = 0,
 ):
   """(checkpoint dir, data file): random weights + the built-in tokenizer, mixed-length docs."""
   import numpy as np
@@ -90,7 +96,7 @@ def write_inputs(
   if tiny:
     write_random_checkpoint(ckpt, hf_config(TINY), bnb_4bit=bnb_4bit)
   else:
-    write(ckpt, shape, bnb_4bit=bnb_4bit)
+    write(ckpt, shape, bnb_4bit=bnb_4bit, positions=positions)
   default = default_model.ensure_default_checkpoint()
   for f in default.iterdir():  # the tokenizer files, not the default model's weights/config
     if f.is_file() and f.name != "config.json" and not f.name.endswith(".safetensors"):
@@ -316,7 +322,9 @@ def main():
     results.mkdir(parents=True, exist_ok=True)
   rows, failed = [], []
   with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
-    ckpt, data = write_inputs(Path(tmp), args.shape, args.tiny, args.docs, bnb_4bit=args.bnb_4bit)
+    ckpt, data = write_inputs(
+      Path(tmp), args.shape, args.tiny, args.docs, bnb_4bit=args.bnb_4bit, positions=args.seq
+    )
     args.pairs_path = write_pairs(Path(tmp), args.pairs) if args.pairs else None
     args.prompts_path = write_prompts(Path(tmp), args.prompts) if args.prompts else None
     for i, entry in enumerate(e.strip() for e in args.runs.split(";") if e.strip()):

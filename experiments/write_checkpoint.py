@@ -152,11 +152,17 @@ def hf_config(shape: dict) -> dict:
 
 
 def write(
-  out: Path, shape_name: str, seed: int = 0, shard_bytes: int = 2 << 30, bnb_4bit: bool = False
+  out: Path,
+  shape_name: str,
+  seed: int = 0,
+  shard_bytes: int = 2 << 30,
+  bnb_4bit: bool = False,
+  positions: int = 0,
 ) -> Path:
-  return write_random_checkpoint(
-    out, hf_config(SHAPES[shape_name]), seed=seed, shard_bytes=shard_bytes, bnb_4bit=bnb_4bit
-  )
+  """``positions``: at least this many in max_position_embeddings (long-context runs)."""
+  cfg = hf_config(SHAPES[shape_name])
+  cfg["max_position_embeddings"] = max(cfg["max_position_embeddings"], positions)
+  return write_random_checkpoint(out, cfg, seed=seed, shard_bytes=shard_bytes, bnb_4bit=bnb_4bit)
 
 
 if __name__ == "__main__":

@@ -132,9 +132,9 @@ def test_zigzag_batch_moves_every_token_leaf_together():
 
 
 def test_ring_blocks_are_the_kernel_where_asked_and_exact():
-  """XLA's tiles by default (the kernel in a ring is unmeasured: it needs 2+ GPUs) and for
-  sliding windows (named when pallas was asked for); --attention pallas: the flash kernel per
-  chunk pair on Hopper (16-bit inputs), the op's jnp reference elsewhere."""
+  """The flash kernel per chunk pair on Hopper (16-bit inputs) unset or with --attention
+  pallas; XLA's tiles with --attention xla, for sliding windows (named when pallas was asked
+  for) and, unset, off Hopper; --attention pallas there: the op's jnp reference."""
   from types import SimpleNamespace
 
   from jaxtune.config import ModelConfig
@@ -149,8 +149,9 @@ def test_ring_blocks_are_the_kernel_where_asked_and_exact():
     asked, cfg, dtype=dtype, device=device
   )
   assert blocks("pallas", plain, h100) == ("mosaic", None)
-  assert blocks(None, plain, h100) == ("xla", None)
+  assert blocks(None, plain, h100) == ("mosaic", None)
   assert blocks("xla", plain, h100) == ("xla", None)
+  assert blocks(None, plain, h100, "float32") == ("xla", None)
   assert blocks("pallas", plain, h100, "float32")[0] == "flash_xla"  # the kernel takes 16-bit
   assert blocks(None, sliding, h100) == ("xla", None)
   tiles, note = blocks("pallas", sliding, h100)
