@@ -16,6 +16,7 @@ import jaxtune
 from converters.synthetic import write_random_checkpoint
 from jaxtune import data, losses, pipeline, runtime, sharding, trainer
 from jaxtune import mesh as meshlib
+from jaxtune.config import ModelConfig
 from jaxtune.models.decoder import REMAT_POLICIES, Decoder
 from jaxtune.run_config import RunConfig
 
@@ -156,6 +157,30 @@ def test_flash_attention_runs_inside_pipeline_stages(host_model, single):
   assert runtime.Runtime(mesh=_mesh("4x1x2")).manual_stages
   assert not runtime.Runtime(mesh=_mesh("2x2x2")).manual_stages  # tensor: partly automatic
   _assert_same(loss_and_grads(host_model, "4x1x2", attention="flash_xla"), single, "4x1x2")
+
+
+def test_attention_inside_pipeline_stages_is_the_kernel_where_stages_are_manual():
+  """Unset under a pipe axis: the Pallas kernel on Hopper where the stages run manual over
+  every axis (measured 1.50x XLA on 4 GPUs), XLA where they split over tensor too or off
+  Hopper, never cuDNN (it does not run inside the stages)."""
+  from types import SimpleNamespace
+
+  cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
+                    num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64)  # fmt: skip
+  h100 = SimpleNamespace(platform="gpu", compute_capability="9.0")
+  a100 = SimpleNamespace(platform="gpu", compute_capability="8.0")
+
+  def chosen(device, manual, asked=None, pipelined=True):
+    return runtime.resolve_attention(
+      asked, cfg, dtype="bfloat16", packed=False, pipelined=pipelined, device=device,
+      manual_stages=manual,
+    )[0]  # fmt: skip
+
+  assert chosen(h100, manual=True) == "mosaic"
+  assert chosen(h100, manual=False) == "xla"
+  assert chosen(h100, manual=True, asked="xla") == "xla"
+  assert chosen(a100, manual=True) == "xla"
+  assert chosen(a100, manual=False, pipelined=False) == "cudnn"  # one row a document, no pipe
 
 
 @pytest.mark.slow
