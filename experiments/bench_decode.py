@@ -40,29 +40,46 @@ def timed(model, prompts, n, word=None, fuse=True, reps=3):
   return statistics.median(times)
 
 
-def kernel_operand_errors(model, b: int) -> dict:
+# --lookups names -> (generate_ids' word_lookup, fuse)
+LOOKUPS = {
+  "prmt": (False, False),
+  "word": (True, False),
+  "fused": (True, True),
+  "inplace": ("inplace", True),  # a copy where it fits (then fused), else the codes in place
+}
+
+
+def kernel_operand_errors(model, b: int, lookups) -> dict:
   """One token step's logits (empty cache, one token a row) with the decode loop's kernel
-  operands, word order alone and fused, against the model as loaded: relative L2 errors;
-  beside them the distance of XLA's dequantize-then-dot (no kernel) from the same logits,
-  which is how far two right answers drift apart through the layers."""
+  operands (``lookups`` of word, fused, inplace) against the model as loaded: relative L2
+  errors; beside them the distance of XLA's dequantize-then-dot (no kernel) from the same
+  logits, which is how far two right answers drift apart through the layers."""
   ids = jnp.asarray(np.random.default_rng(b).integers(0, model.config.vocab_size, (b, 1)))
   pos, valid = jnp.zeros((b, 1), jnp.int32), jnp.ones((b, 64), bool)
-  graphdef, state = nnx.split(model)
+  graphdef = nnx.graphdef(model)
 
   @functools.partial(jax.jit, static_argnums=0)
   def step(how, state):
     m = nnx.merge(graphdef, state)
     if how in ("word", "fused"):
       decoding.prepare_kernel_operands(m, b, word=True, fuse=how == "fused")
+    elif how == "inplace":
+      decoding.prepare_kernel_operands(m, b, word="inplace")
     return decoding.forward_cached(m, ids, pos, decoding.init_cache(m, b, 64), 0, valid)[0]
 
-  plain = np.asarray(step(None, state), np.float64)
+  plain = np.asarray(step(None, nnx.state(model)), np.float64)
   rel = lambda y: float(np.linalg.norm(np.asarray(y) - plain) / np.linalg.norm(plain))  # noqa: E731
-  errors = {"word_rel_err": rel(step("word", state)), "fused_rel_err": rel(step("fused", state))}
+  errors = {}
+  for how in ("word", "fused"):
+    if how in lookups:
+      errors[f"{how}_rel_err"] = rel(step(how, nnx.state(model)))
+  if "inplace" in lookups:
+    with decoding.codes_in_word_order(model, b):
+      errors["inplace_rel_err"] = rel(step("inplace", nnx.state(model)))
   uses = ops.uses_kernel
   ops.uses_kernel = lambda tokens, weights: False  # dispatch: XLA everywhere, this trace only
   try:
-    errors["xla_rel_err"] = rel(step("xla", state))
+    errors["xla_rel_err"] = rel(step("xla", nnx.state(model)))
   finally:
     ops.uses_kernel = uses
   return errors
@@ -76,31 +93,43 @@ def main():
   ap.add_argument("--new-tokens", type=int, default=128)
   ap.add_argument("--results-dir", default=None)
   ap.add_argument("--checkpoint-dir", default=None, help="reuse or keep the checkpoint here")
+  ap.add_argument("--bnb-4bit", action="store_true", help="write the checkpoint as *-bnb-4bit")
+  ap.add_argument("--no-bf16", action="store_true", help="NF4 only (70B: bf16 does not fit)")
   ap.add_argument(
     "--compare-lookups",
     action="store_true",
     help="NF4 three times: the kernel's prmt lookup, its word lookup with one launch per "
     "layer, then with q/k/v and gate/up fused (decoding's default where the copy of the "
-    "codes fits)",
+    "codes fits); same as --lookups prmt,word,fused",
+  )
+  ap.add_argument(
+    "--lookups",
+    default=None,
+    help=f"NF4 once per entry of {','.join(LOOKUPS)} (inplace: the generate command's choice)",
   )
   args = ap.parse_args()
+  lookups = args.lookups.split(",") if args.lookups else []
+  if args.compare_lookups:
+    lookups = ["prmt", "word", "fused"]
   rows = []
   with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
     ckpt = Path(args.checkpoint_dir or tmp) / args.shape
     if not (ckpt / "config.json").is_file():
-      ckpt = write(ckpt, args.shape)
-    for quant in ("nf4", None):
+      ckpt = write(ckpt, args.shape, bnb_4bit=args.bnb_4bit)
+    for quant in ("nf4",) if args.no_bf16 else ("nf4", None):
       model = jaxtune.from_pretrained(ckpt, quantization=quant, dtype="bfloat16")
       vocab = model.config.vocab_size
-      variants = ((None, True),)
-      if quant and args.compare_lookups:
-        variants = ((False, False), (True, False), (True, True))
-      if quant and args.compare_lookups:
+      variants = [(name, LOOKUPS[name]) for name in lookups] if quant else []
+      variants = variants or [("default", (None, True))]
+      if quant and set(lookups) - {"prmt"}:
         for b in (int(x) for x in args.batches.split(",")):
-          errors = kernel_operand_errors(model, b)
+          errors = kernel_operand_errors(model, b, lookups)
           print(f"batch {b}: logits vs the model as loaded: {errors}", flush=True)
-          assert errors["fused_rel_err"] <= max(1e-2, 2 * errors["xla_rel_err"]), errors
-      for b, (word, fuse) in ((int(x), v) for x in args.batches.split(",") for v in variants):
+          bound = max(1e-2, 2 * errors["xla_rel_err"])
+          assert all(v <= bound for k, v in errors.items() if k != "xla_rel_err"), errors
+      for b, (name, (word, fuse)) in (
+        (int(x), v) for x in args.batches.split(",") for v in variants
+      ):
         rng = np.random.default_rng(b)
         prompts = rng.integers(0, vocab, (b, args.prompt_len)).tolist()
         t1 = timed(model, prompts, 1, word, fuse)
@@ -108,8 +137,8 @@ def main():
         row = {
           "model": args.shape,
           "quantization": quant or "bf16",
-          "lookup": {None: "default", False: "prmt", True: "word"}[word] if quant else None,
-          "fused_launches": bool(fuse and word is not False) if quant else None,
+          "lookup": name if quant else None,
+          "fused_launches": bool(fuse and word is True) if quant else None,
           "batch": b,
           "prompt_len": args.prompt_len,
           "new_tokens": args.new_tokens,
@@ -120,23 +149,32 @@ def main():
         rows.append(row)
         print(row, flush=True)
       del model
-  base = {r["batch"]: r["decode_tokens_per_s"] for r in rows if r["quantization"] == "bf16"}
-  for r in rows:
-    r["ratio_vs_bf16"] = r["decode_tokens_per_s"] / base[r["batch"]]
+  for base_name, key in (("bf16", "ratio_vs_bf16"), ("prmt", "ratio_vs_prmt")):
+    base = {
+      r["batch"]: r["decode_tokens_per_s"]
+      for r in rows
+      if base_name in (r["quantization"], r["lookup"])
+    }
+    for r in rows:
+      if r["batch"] in base:
+        r[key] = r["decode_tokens_per_s"] / base[r["batch"]]
   record(
     "bench_decode",
     rows,
     f"Decode speed, {args.shape}, KV cache, greedy",
     note="NF4 rows: the Pallas kernel where dispatch picks it (one Hopper GPU, at most 64 "
     "rows), else XLA's dequantize-then-dot; ratio_vs_bf16 against the same model loaded "
-    "without NF4 in the same run.",
+    "without NF4 in the same run, ratio_vs_prmt against the prmt lookup's row.",
     out_dir=args.results_dir,
   )
-  print("\n| quant | lookup | fused | batch | decode tok/s | ms/step | vs bf16 |")
+  print("\n| quant | lookup | fused | batch | decode tok/s | ms/step | vs bf16 | vs prmt |")
   for r in rows:
+    ratios = (r.get("ratio_vs_bf16"), r.get("ratio_vs_prmt"))
     print(
       f"| {r['quantization']} | {r['lookup'] or ''} | {r['fused_launches'] or ''} | {r['batch']} | "
-      f"{r['decode_tokens_per_s']:.0f} | {r['ms_per_token_step']:.2f} | {r['ratio_vs_bf16']:.2f} |"
+      f"{r['decode_tokens_per_s']:.0f} | {r['ms_per_token_step']:.2f} | "
+      + " | ".join("" if x is None else f"{x:.2f}" for x in ratios)
+      + " |"
     )
 
 

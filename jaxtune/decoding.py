@@ -10,6 +10,7 @@ the order of its faster "word" lookup where the device has room for that copy
 (``prepare_kernel_operands``). The command line is jaxtune/generate.py.
 """
 
+import contextlib
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -178,7 +179,7 @@ def _kernel_plan(
   NF4 layer did (tests, on a machine without the GPU kernel)."""
   uses = (lambda t, w: True) if every else uses_kernel
   groups, fused = [], set()
-  if word and fuse:
+  if word is True and fuse:  # a copy of the codes is made anyway (not "inplace")
     for _, node in nnx.iter_graph(model):
       for cls, attr, names in FUSED:
         if not isinstance(node, cls):
@@ -199,15 +200,20 @@ def _kernel_plan(
 
 
 def prepare_kernel_operands(
-  model: nnx.Module, tokens: int, word: bool = False, every: bool = False, fuse: bool = True
+  model: nnx.Module,
+  tokens: int,
+  word: bool | str = False,
+  every: bool = False,
+  fuse: bool = True,
 ) -> int:
   """Give every NF4 linear layer whose calls of ``tokens`` rows go through the Pallas kernel
-  its kernel scales (2 bytes per 64 weights) and, with ``word``, its codes in the "word"
+  its kernel scales (2 bytes per 64 weights) and, with ``word`` True, its codes in the "word"
   lookup's order (as many bytes as the codes), made now (in a jitted loop: once, outside
-  it). With ``word``, layers of one input (q/k/v, gate/up) get one ``layers.Fused`` instead,
-  one launch for all of them (``fuse`` False: each alone, for comparison). ``every``: see
-  ``_kernel_plan``. Returns how many kernel launches a layer stack's token step has (fused
-  groups count once)."""
+  it); ``word`` "inplace": the layers' own codes are in that order already
+  (``codes_in_word_order``), no copy. With ``word`` True, layers of one input (q/k/v,
+  gate/up) get one ``layers.Fused`` instead, one launch for all of them (``fuse`` False: each
+  alone, for comparison). ``every``: see ``_kernel_plan``. Returns how many kernel launches a
+  layer stack's token step has (fused groups count once)."""
   groups, alone = _kernel_plan(model, tokens, word, every, fuse)
   for module, attr, linears in groups:
     codes = jnp.concatenate([lin.codes[...] for lin in linears], axis=-2)
@@ -216,9 +222,45 @@ def prepare_kernel_operands(
     setattr(module, attr, Fused(word_codes(codes), scales, sizes))
   for linear in alone:
     linear.kernel_scales = nnx.data(_scales(linear))
-    if word:
+    if word == "inplace":
+      linear.kernel_codes = nnx.data(linear.codes[...])
+    elif word:
       linear.kernel_codes = nnx.data(word_codes(linear.codes[...]))
   return len(groups) + len(alone)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _swap_word_order(codes: jax.Array) -> jax.Array:
+  """``word_codes``'s permutation (a transpose within every 16 bytes: its own inverse) of
+  ``codes``, in its own buffer: a layer stack one layer at a time, so the only temporary is
+  one layer's codes."""
+  if codes.ndim == 2:
+    return word_codes(codes)
+
+  def one_layer(i, c):
+    layer = jax.lax.dynamic_index_in_dim(c, i, 0, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(c, word_codes(layer), i, 0)
+
+  return jax.lax.fori_loop(0, codes.shape[0], one_layer, codes)
+
+
+@contextlib.contextmanager
+def codes_in_word_order(model: nnx.Module, tokens: int, every: bool = False):
+  """Within the block, the codes of every NF4 layer whose calls of ``tokens`` rows go through
+  the Pallas kernel are in its "word" order, permuted in their own buffers (no copy: for
+  models with no room for ``word_codes``' copy, 70B on one GPU) and put back on the way out.
+  The old arrays are donated: whatever else holds them (a trainer's frozen state) loses
+  them, so only a caller that owns the model may use this. Calls that do not reach the
+  kernel (XLA's path) read the codes back in their order (``nf4_matmul(word_codes=)``).
+  Yields how many layers were permuted. ``every``: see ``_kernel_plan``."""
+  _, alone = _kernel_plan(model, tokens, word="inplace", every=every)
+  for linear in alone:
+    linear.codes.set_value(_swap_word_order(linear.codes.get_value()))
+  try:
+    yield len(alone)
+  finally:
+    for linear in alone:
+      linear.codes.set_value(_swap_word_order(linear.codes.get_value()))
 
 
 def _scales(linear) -> jax.Array:
@@ -295,7 +337,7 @@ def generate_ids(
   top_p: float = 1.0,
   seed: int = 0,
   pad_id: int = 0,
-  word_lookup: bool | None = None,
+  word_lookup: bool | str | None = None,
   fuse: bool = True,
 ) -> list[list[int]]:
   """New token ids per prompt (up to and including an EOS, if one is generated).
@@ -303,7 +345,9 @@ def generate_ids(
   Prefill and the whole decode loop each run as one compiled call (a while loop on the
   device), cached across calls for the same model structure and sampling settings.
   ``word_lookup``: whether the loop copies the NF4 kernel's codes into its faster lookup's
-  order (None: where they take at most half the free device memory, ``word_codes_fit``).
+  order (None: where they take at most half the free device memory, ``word_codes_fit``);
+  "inplace": where the copy does not fit, permute the model's own codes for the loop and
+  back after it (``codes_in_word_order``: only for a caller that owns the model).
   ``fuse``: with those codes, q/k/v and gate/up each in one kernel launch (False: one per
   layer, to compare).
   """
@@ -325,7 +369,32 @@ def generate_ids(
     graphdef, state, jnp.asarray(tokens), positions, init_cache(model, b, length), key_valid
   )
   eos = jnp.asarray(list(eos_token_ids), jnp.int32)
-  new, steps = _decode(
+  word = word_codes_fit(model, b) if word_lookup in (None, "inplace") else word_lookup
+  with contextlib.ExitStack() as stack:
+    if word_lookup == "inplace" and not word:
+      if stack.enter_context(codes_in_word_order(model, b)):
+        word = "inplace"
+        graphdef, state = nnx.split(model)
+    new, steps = _decode_call(
+      graphdef, state, logits, cache, key_valid, p_len, room, temperature, top_k, top_p,
+      positions=jnp.asarray(p_len - pad, jnp.int32), eos=eos, seed=seed,
+      max_new_tokens=max_new_tokens, word=word, fuse=fuse,
+    )  # fmt: skip
+  new = np.asarray(new)[:, : int(steps)]
+  out = []
+  for row in new.tolist():
+    stop = next((i for i, t in enumerate(row) if t in set(eos_token_ids)), None)
+    out.append(row if stop is None else row[: stop + 1])
+  return out
+
+
+def _decode_call(
+  graphdef, state, logits, cache, key_valid, p_len, room, temperature, top_k, top_p, *,
+  positions, eos, seed, max_new_tokens, word, fuse,
+):  # fmt: skip
+  """``_decode`` with the host values made static or device arrays; blocks until done (the
+  loop must end before in-place codes are put back)."""
+  out = _decode(
     graphdef,
     state,
     logits,
@@ -336,19 +405,14 @@ def generate_ids(
     float(temperature),
     int(top_k),
     float(top_p),
-    jnp.asarray(p_len - pad, jnp.int32),
+    positions,
     eos,
     jax.random.key(seed),
     jnp.int32(max_new_tokens),
-    word_codes_fit(model, b) if word_lookup is None else word_lookup,
+    word,
     fuse,
   )
-  new = np.asarray(new)[:, : int(steps)]
-  out = []
-  for row in new.tolist():
-    stop = next((i for i, t in enumerate(row) if t in set(eos_token_ids)), None)
-    out.append(row if stop is None else row[: stop + 1])
-  return out
+  return jax.block_until_ready(out)
 
 
 def _bucket(n: int) -> int:
@@ -365,8 +429,10 @@ def generate(
   top_k: int = 0,
   top_p: float = 1.0,
   seed: int = 0,
+  word_lookup: bool | str | None = None,
 ) -> list[str]:
-  """Completions of ``prompts`` (chat=True renders each as a user turn with the chat template)."""
+  """Completions of ``prompts`` (chat=True renders each as a user turn with the chat template).
+  ``word_lookup``: as ``generate_ids``'s."""
   if isinstance(prompts, str):
     prompts = [prompts]
   if chat:
@@ -395,5 +461,6 @@ def generate(
     top_p,
     seed,
     pad_id=tokenizer.pad_token_id or 0,
+    word_lookup=word_lookup,
   )
   return [tokenizer.decode(t, skip_special_tokens=True) for t in new]

@@ -57,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   kw = dict(
+    word_lookup="inplace",  # this command owns the model: the kernel's order without a copy
     max_new_tokens=args.max_new_tokens,
     temperature=args.temperature,
     top_k=args.top_k,

@@ -212,3 +212,42 @@ def test_decode_step_with_fused_kernel_operands(hf_llama_dir):
   no_adapter = logits(model)
   off = np.linalg.norm(fused - plain) / np.linalg.norm(plain)
   assert off < 1e-2 and np.linalg.norm(no_adapter - plain) / np.linalg.norm(plain) > 20 * off
+
+
+def test_codes_put_in_word_order_in_place_for_the_loop_and_back(hf_llama_dir):
+  """decoding.codes_in_word_order (no room for a copy of the codes: 70B on one GPU): inside,
+  every kernel layer's codes are in the kernel's word order in their own buffer (the old
+  array donated, not copied); a token step given them as word codes (XLA's path here) reads
+  them back in bitsandbytes' order, so its logits are the plain model's bit for bit, while
+  the same step not told of the order is off; on the way out the codes are the originals."""
+  from flax import nnx
+
+  from jaxtune import decoding
+  from pallas_kernels.nf4_matmul import word_codes
+
+  path, _ = hf_llama_dir(seed=36)
+  model = jaxtune.from_pretrained(path, dtype="float32")
+  linears = [lin for _, lin in iter_linears(model) if lin.quantized]
+  before = [np.array(lin.codes.get_value(), copy=True) for lin in linears]  # not a view
+  held = linears[0].codes.get_value()
+  ids, positions = jnp.asarray([[5, 17, 99]]), jnp.arange(3)[None]
+
+  def logits(prepare):
+    m = nnx.merge(*nnx.split(model))
+    if prepare:
+      decoding.prepare_kernel_operands(m, 3, word="inplace", every=True)
+    cache = init_cache(m, 1, 64)
+    out = decoding.forward_cached(m, ids, positions, cache, 0, jnp.ones((1, 64), bool))[0]
+    return np.asarray(out)
+
+  plain = logits(False)
+  with decoding.codes_in_word_order(model, 3, every=True) as permuted:
+    assert permuted == len(linears) == 7
+    assert held.is_deleted()
+    for lin, old in zip(linears, before, strict=True):
+      np.testing.assert_array_equal(np.asarray(lin.codes.get_value()), word_codes(jnp.asarray(old)))
+    np.testing.assert_array_equal(logits(True), plain)
+    assert np.abs(logits(False) - plain).max() > 1e-3
+  for lin, old in zip(linears, before, strict=True):
+    np.testing.assert_array_equal(np.asarray(lin.codes.get_value()), old)
+  np.testing.assert_array_equal(logits(False), plain)

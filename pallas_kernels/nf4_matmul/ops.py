@@ -173,6 +173,8 @@ def _fwd_impl(impl, lookup, x2, weights, scales=None, word=None):
   use = impl != "xla" and x2.dtype == jnp.bfloat16
   cfg = _forward_config(m, n, x2.shape[1], impl == "interpret") if use else None
   if cfg is None:
+    if word is not None:  # the codes may be these (permuted in place, decoding): undo the order
+      weights = (reference.word_bytes(word), *weights[1:])
     return reference.dequantize_then_dot(x2, *weights)
   kernel = _kernel()
   kw = _kernel_args(impl, lookup)
@@ -243,7 +245,9 @@ def nf4_matmul(
   codes in its order, ``word_codes(codes)``, made once for many calls) are given, else "prmt"
   (measured on an H100, experiments/check_nf4_lookup.py: "word" 0.61-0.87x the time of
   "prmt" on the 8B shapes at 1-64 tokens; made per call, its permutation costs more than it
-  saves). The XLA path ignores ``word_codes``."""
+  saves). The XLA path dequantizes from ``word_codes`` where they are given (put back in
+  bitsandbytes' order), so ``codes`` may be the same word-order array (decoding's in-place
+  order, ``decoding.codes_in_word_order``)."""
   lead = x.shape[:-1]
   tokens = math.prod(lead)
   if lookup is not None and (lookup not in LOOKUPS or impl in ("xla", "interpret")):
