@@ -11,11 +11,16 @@ this module runs the one it is given:
                same kernel interpreted on CPU, or its jnp reference). Under a mesh it runs
                per (data, tensor) shard in a ``shard_map``: a custom call has no partitioning
                rule of its own; inside pipeline stages that are manual over every axis, on
-               the stage's rows directly.
+               the stage's rows directly; inside stages manual over pipe only (a tensor
+               axis, --shard-frozen), where a nested shard_map is rejected, through
+               ``custom_partitioning``, which tells the partitioner the same split.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
 
 from jaxtune import context
 from jaxtune.runtime import DEFAULT, FLASH, Runtime
@@ -93,6 +98,9 @@ def _flash_sharded(q, k, v, segment_ids, window, scale, softcap, runtime: Runtim
   if runtime.mesh is None or (not here.empty and here.are_all_axes_manual):
     return flash(q, k, v, segment_ids, window)  # one device, or a pipeline stage's own rows
   heads = runtime.spec("batch", "length", "heads", "head_dim")
+  if not here.empty and here.manual_axes:  # a stage manual over pipe only: no nested shard_map
+    op = _partitioned_flash(kernel, scale, softcap)
+    return op(q, k, v, segment_ids, jnp.asarray(window, jnp.int32).reshape(1))
   return jax.shard_map(
     flash,
     mesh=runtime.mesh,
@@ -128,3 +136,67 @@ def masked_attention(
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
   return out.reshape(b, t, n, h)
+
+
+@functools.cache
+def _partitioned_flash(kernel, scale, softcap):
+  """The flash op (q, k, v, segment ids, window [1]) -> out, split by the partitioner itself:
+  ``custom_partitioning`` takes the split the model's constraints give q (rows over data,
+  heads over tensor; every token and head_dim whole) for q, k, v and out alike, and runs the
+  op on each shard's part, as ``_flash_sharded``'s shard_map would. Differentiable by a
+  custom VJP whose backward is split the same way; it recomputes its shard's forward
+  (jax.vjp of the op): one more forward kernel than the op's own backward."""
+
+  def forward(q, k, v, seg, win):
+    return flash_attention(
+      q, k, v, segment_ids=seg, causal=True, window=win[0], softcap=softcap, scale=scale,
+      implementation=kernel,
+    )  # fmt: skip
+
+  def backward(q, k, v, seg, win, do):
+    _, pull = jax.vjp(lambda q, k, v: forward(q, k, v, seg, win), q, k, v)
+    return pull(do)
+
+  def split(args):
+    """The shardings the op runs with: q's for q, k, v (and out, its cotangent and the
+    gradients), the given ones for segment ids and window, after checking that q splits
+    rows and heads only and the segment ids split rows alike."""
+    q, seg = args[0], args[3]
+    qs, ss = q.sharding.shard_shape(q.shape), seg.sharding.shard_shape(seg.shape)
+    if qs[1] != q.shape[1] or qs[3] != q.shape[3] or ss != (qs[0], seg.shape[1]):
+      raise ValueError(f"flash attention split as q {qs} of {q.shape}, segment ids {ss}")
+    return q.sharding, args[3].sharding, args[4].sharding
+
+  def forward_partition(mesh, args, result):
+    h, r, w = split(args)
+    return mesh, forward, h, (h, h, h, r, w)
+
+  def backward_partition(mesh, args, result):
+    h, r, w = split(args)
+    return mesh, backward, (h, h, h), (h, h, h, r, w, h)
+
+  fwd = custom_partitioning(forward)
+  fwd.def_partition(
+    partition=forward_partition,
+    infer_sharding_from_operands=lambda mesh, args, result: args[0].sharding,
+    sharding_rule="b t n h, b t k h, b t k h, b t, w -> b t n h",
+  )
+  bwd = custom_partitioning(backward)
+  bwd.def_partition(
+    partition=backward_partition,
+    infer_sharding_from_operands=lambda mesh, args, result: (args[0].sharding,) * 3,
+    sharding_rule="b t n h, b t k h, b t k h, b t, w, b t n h -> b t n h, b t k h, b t k h",
+  )
+
+  @jax.custom_vjp
+  def op(q, k, v, seg, win):
+    return fwd(q, k, v, seg, win)
+
+  def op_fwd(q, k, v, seg, win):
+    return fwd(q, k, v, seg, win), (q, k, v, seg, win)
+
+  def op_bwd(res, do):
+    return (*bwd(*res, do), None, None)
+
+  op.defvjp(op_fwd, op_bwd)
+  return op

@@ -225,11 +225,10 @@ def resolve_attention(
   Unset: cuDNN on a GPU where it computes the model's function (one document per row, no
   softcap or window: measured 2.5% faster than the Pallas kernel in the 1B train step on an
   H100, and compiles in seconds), else the Pallas kernel on Hopper, else XLA. Under a
-  pipeline: the Pallas kernel on Hopper where the stages run manual over every axis
-  (``manual_stages``: no tensor axis, no --shard-frozen; a custom call does not partition
-  inside a partly automatic shard_map; 8B on 4 H200s, `--mesh 1x1x4`: 1.50x XLA's tokens/s),
-  else XLA (cuDNN does not run inside the stages). Refuses what cannot compute the model's
-  function.
+  pipeline the Pallas kernel on Hopper, else XLA (cuDNN does not run inside the stages):
+  on the stage's rows where the stages run manual over every axis (``manual_stages``: 8B on
+  4 H200s, `--mesh 1x1x4`, 1.50x XLA's tokens/s), else split by the partitioner through
+  custom_partitioning (attention.py). Refuses what cannot compute the model's function.
   """
   device = device or jax.devices()[0]
   gpu, hopper = device.platform == "gpu", _on_hopper(device)
@@ -240,12 +239,6 @@ def resolve_attention(
     raise MeshError(
       "--attention fused (cuDNN) cannot run inside the pipeline yet; use --attention xla or "
       "pallas with a pipe axis in --mesh."
-    )
-  if requested == "pallas" and pipelined and not manual_stages:
-    raise MeshError(
-      "--attention pallas (the Mosaic GPU kernel) cannot run inside pipeline stages that "
-      "also split over a tensor axis (or with --shard-frozen) yet; use --attention xla, or a "
-      "mesh of data and pipe axes only."
     )
   if requested == "fused":
     if special:
@@ -263,7 +256,7 @@ def resolve_attention(
     if kernel_ok:
       return "mosaic", None
     return "flash_xla", "flash attention's jnp reference (the kernel needs a Hopper GPU)"
-  if requested == "xla" or (pipelined and not manual_stages):
+  if requested == "xla":
     return "xla", None
   if cudnn_exact and not pipelined:
     return "cudnn", None

@@ -689,12 +689,6 @@ CASES = [
     r"--attention fused \(cuDNN\) cannot run inside the pipeline yet",
   ),
   Case(
-    "mesh-pipe-with-pallas-attention",
-    lambda w: w.train_args("--mesh", "2x2x2", "--attention", "pallas"),
-    r"--attention pallas \(the Mosaic GPU kernel\) cannot run inside pipeline stages that "
-    r"also split over a tensor axis",
-  ),
-  Case(
     "sequence-parallel-without-tensor",
     lambda w: w.train_args("--mesh", "8", "--sequence-parallel"),
     r"--sequence-parallel splits each row's tokens over the tensor axis, but --mesh 8 has "

@@ -159,10 +159,18 @@ def test_flash_attention_runs_inside_pipeline_stages(host_model, single):
   _assert_same(loss_and_grads(host_model, "4x1x2", attention="flash_xla"), single, "4x1x2")
 
 
-def test_attention_inside_pipeline_stages_is_the_kernel_where_stages_are_manual():
-  """Unset under a pipe axis: the Pallas kernel on Hopper where the stages run manual over
-  every axis (measured 1.50x XLA on 4 GPUs), XLA where they split over tensor too or off
-  Hopper, never cuDNN (it does not run inside the stages)."""
+def test_flash_attention_runs_inside_stages_split_over_tensor(host_model, single):
+  """With a tensor axis (or --shard-frozen) the stages are manual over pipe only, where a
+  shard_map of the flash op's own is rejected; custom_partitioning tells the partitioner how
+  to split it (rows over data, heads over tensor): the same loss and gradients as one
+  device."""
+  _assert_same(loss_and_grads(host_model, "2x2x2", attention="flash_xla"), single, "2x2x2")
+
+
+def test_attention_inside_pipeline_stages_is_the_kernel_on_hopper():
+  """Unset under a pipe axis: the Pallas kernel on Hopper, whether the stages run manual over
+  every axis or over pipe only (then split by custom_partitioning), XLA off Hopper, never
+  cuDNN (it does not run inside the stages)."""
   from types import SimpleNamespace
 
   cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
@@ -177,7 +185,8 @@ def test_attention_inside_pipeline_stages_is_the_kernel_where_stages_are_manual(
     )[0]  # fmt: skip
 
   assert chosen(h100, manual=True) == "mosaic"
-  assert chosen(h100, manual=False) == "xla"
+  assert chosen(h100, manual=False) == "mosaic"
+  assert chosen(h100, manual=False, asked="pallas") == "mosaic"
   assert chosen(h100, manual=True, asked="xla") == "xla"
   assert chosen(a100, manual=True) == "xla"
   assert chosen(a100, manual=False, pipelined=False) == "cudnn"  # one row a document, no pipe
