@@ -225,10 +225,12 @@ def resolve_attention(
   Unset: cuDNN on a GPU where it computes the model's function (one document per row, no
   softcap or window: measured 2.5% faster than the Pallas kernel in the 1B train step on an
   H100, and compiles in seconds), else the Pallas kernel on Hopper, else XLA. Under a
-  pipeline the Pallas kernel on Hopper, else XLA (cuDNN does not run inside the stages):
-  on the stage's rows where the stages run manual over every axis (``manual_stages``: 8B on
-  4 H200s, `--mesh 1x1x4`, 1.50x XLA's tokens/s), else split by the partitioner through
-  custom_partitioning (attention.py). Refuses what cannot compute the model's function.
+  pipeline (cuDNN does not run inside the stages): where the stages run manual over every
+  axis (``manual_stages``), the Pallas kernel on Hopper on each stage's rows (8B on 4 H200s,
+  `--mesh 1x1x4`: 1.50x XLA's tokens/s), else XLA; where they are manual over pipe only (a
+  tensor axis, --shard-frozen), XLA unless --attention pallas asks for the kernel, split by
+  the partitioner through custom_partitioning (attention.py; not measured on GPUs yet).
+  Refuses what cannot compute the model's function.
   """
   device = device or jax.devices()[0]
   gpu, hopper = device.platform == "gpu", _on_hopper(device)
@@ -256,8 +258,8 @@ def resolve_attention(
     if kernel_ok:
       return "mosaic", None
     return "flash_xla", "flash attention's jnp reference (the kernel needs a Hopper GPU)"
-  if requested == "xla":
-    return "xla", None
+  if requested == "xla" or (pipelined and not manual_stages and requested != "pallas"):
+    return "xla", None  # stages manual over pipe only: the kernel when asked (unmeasured)
   if cudnn_exact and not pipelined:
     return "cudnn", None
   return ("mosaic", None) if kernel_ok else ("xla", None)
