@@ -19,9 +19,7 @@ and way. speedup = one GPU's time / the ring's; efficiency = speedup / C.
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 if "--cpu" in sys.argv:
@@ -36,6 +34,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from experiments.measure import wall_ms  # noqa: E402
 from experiments.record import record  # noqa: E402
 from jaxtune import context  # noqa: E402
 from pallas_kernels.flash_attention import flash_attention  # noqa: E402
@@ -82,16 +81,6 @@ def one_device_fn(impl, scale):
     return jnp.sum(out.astype(jnp.float32) * r), out
 
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-
-
-def timed(fn, args, reps):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t)
-  return statistics.median(times) * 1e3
 
 
 def rel(got, ref) -> float:
@@ -159,13 +148,15 @@ def main():
     q, k, v, r, seg, pos = make_inputs(t, heads, kv_heads, dim, 1)
     base_impl = kernel if not args.cpu else "xla"
     one = one_device_fn(base_impl, scale)
-    base_ms = timed(one, (on0(bf16(q)), on0(bf16(k)), on0(bf16(v)), on0(r), on0(seg)), args.reps)
+    base_ms = wall_ms(
+      one, on0(bf16(q)), on0(bf16(k)), on0(bf16(v)), on0(r), on0(seg), reps=args.reps
+    )
     rows.append({"seq": t, "context": 1, "way": f"one GPU, flash {base_impl}", "ms": base_ms})
     print(rows[-1], flush=True)
     for c in contexts:
       ring_args, _ = on_ring(c, q, k, v, r, seg, pos)
       for way, kern in ways.items():
-        ms = timed(ring_fn(meshes[c], kern, scale), ring_args, args.reps)
+        ms = wall_ms(ring_fn(meshes[c], kern, scale), *ring_args, reps=args.reps)
         rows.append(
           {"seq": t, "context": c, "way": way, "ms": ms, "check_rel_err": checks[(c, way)]}
         )

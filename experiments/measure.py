@@ -24,6 +24,18 @@ def matmul_tflops(n: int = 8192, reps: int = 20) -> float:
   return 2 * n**3 / statistics.median(times) / 1e12
 
 
+def wall_ms(f, *args, reps: int = 6) -> float:
+  """Median wall-clock milliseconds of ``f(*args)`` over ``reps`` calls after one warm-up
+  (compilation), each waited for on the device."""
+  jax.block_until_ready(f(*args))
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    times.append(time.perf_counter() - t)
+  return statistics.median(times) * 1e3
+
+
 def _status_kib(key: str) -> int:
   for line in Path("/proc/self/status").read_text().splitlines():
     if line.startswith(key + ":"):

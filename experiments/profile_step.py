@@ -4,10 +4,8 @@ python experiments/profile_step.py --shape llama-3.2-1b --batch 4
 """
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -19,18 +17,11 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jaxtune  # noqa: E402
+from experiments.measure import wall_ms  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
 from jaxtune import runtime  # noqa: E402
 
-
-def bench(f, *args, reps=6):
-  jax.block_until_ready(f(*args))
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    times.append(time.perf_counter() - t)
-  return statistics.median(times) * 1e3
+bench = wall_ms  # its name in this script
 
 
 def main():
