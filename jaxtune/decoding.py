@@ -254,12 +254,14 @@ def codes_in_word_order(model: nnx.Module, tokens: int, every: bool = False):
   kernel (XLA's path) read the codes back in their order (``nf4_matmul(word_codes=)``).
   Yields how many layers were permuted. ``every``: see ``_kernel_plan``."""
   _, alone = _kernel_plan(model, tokens, word="inplace", every=every)
-  for linear in alone:
-    linear.codes.set_value(_swap_word_order(linear.codes.get_value()))
+  done = []  # put back on the way out, also when a later layer fails to permute
   try:
+    for linear in alone:
+      linear.codes.set_value(_swap_word_order(linear.codes.get_value()))
+      done.append(linear)
     yield len(alone)
   finally:
-    for linear in alone:
+    for linear in done:
       linear.codes.set_value(_swap_word_order(linear.codes.get_value()))
 
 
@@ -267,11 +269,11 @@ def _scales(linear) -> jax.Array:
   return kernel_scales(linear.absmax[...], linear.nested_absmax[...], linear.offset[...])
 
 
-def word_codes_fit(model: nnx.Module, tokens: int) -> bool:
+def word_codes_fit(model: nnx.Module, tokens: int, fuse: bool = True) -> bool:
   """Whether the decode loop makes the kernel's "word" codes: a copy of every kernel layer's
   codes (8B: 3.5 GB; 70B: 35 GB), made where it takes at most half the device's free memory
   (kernel 0.61-0.87x the time with them; the loop's own temporaries need the rest)."""
-  groups, alone = _kernel_plan(model, tokens, word=True)
+  groups, alone = _kernel_plan(model, tokens, word=True, fuse=fuse)
   linears = [lin for *_, group in groups for lin in group] + alone
   need = sum(lin.codes[...].nbytes for lin in linears)
   if not need:
@@ -369,7 +371,7 @@ def generate_ids(
     graphdef, state, jnp.asarray(tokens), positions, init_cache(model, b, length), key_valid
   )
   eos = jnp.asarray(list(eos_token_ids), jnp.int32)
-  word = word_codes_fit(model, b) if word_lookup in (None, "inplace") else word_lookup
+  word = word_codes_fit(model, b, fuse) if word_lookup in (None, "inplace") else word_lookup
   with contextlib.ExitStack() as stack:
     if word_lookup == "inplace" and not word:
       if stack.enter_context(codes_in_word_order(model, b)):
@@ -378,7 +380,7 @@ def generate_ids(
     new, steps = _decode_call(
       graphdef, state, logits, cache, key_valid, p_len, room, temperature, top_k, top_p,
       positions=jnp.asarray(p_len - pad, jnp.int32), eos=eos, seed=seed,
-      max_new_tokens=max_new_tokens, word=word, fuse=fuse,
+      max_new_tokens=max_new_tokens, word=word, fuse=fuse and word is True,
     )  # fmt: skip
   new = np.asarray(new)[:, : int(steps)]
   out = []

@@ -100,9 +100,10 @@ def gpipe(
     (rope tables, segment ids), cut into micro-batches like x.
   stage_fn(x_mb, local_layer_xs, batch_xs_mb, j) -> x_mb: run this stage's layers on
     micro-batch j.
-  manual: the stages run manual over every mesh axis (Runtime.manual_stages: no tensor axis),
-    each on its data shard's rows, so custom calls (the Pallas kernels) run inside them;
-    else only ``pipe`` is manual and the partitioner splits the rest inside a stage.
+  manual: the stages run manual over every mesh axis (Runtime.manual_stages: no tensor axis,
+    no --shard-frozen), each on its data shard's rows, so custom calls (the Pallas kernels)
+    run inside them directly; else only ``pipe`` is manual and the partitioner splits the
+    rest inside a stage (the flash kernel then through custom_partitioning, attention.py).
   Returns the last stage's output [B, ...], the same on every stage.
   """
   stages = mesh.shape[AXIS]

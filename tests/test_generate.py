@@ -251,3 +251,27 @@ def test_codes_put_in_word_order_in_place_for_the_loop_and_back(hf_llama_dir):
   for lin, old in zip(linears, before, strict=True):
     np.testing.assert_array_equal(np.asarray(lin.codes.get_value()), old)
   np.testing.assert_array_equal(logits(False), plain)
+
+
+def test_generate_with_codes_in_place_gives_the_same_tokens(hf_llama_dir, monkeypatch):
+  """generate_ids(word_lookup="inplace") where no copy fits (no free-memory figure here): the
+  decode loop runs on the model's own codes permuted in place (every NF4 layer taken as a
+  kernel layer; the op's XLA path reads them back in order), gives the tokens of a plain
+  call, and leaves the codes as they were."""
+  from jaxtune import decoding
+
+  path, _ = hf_llama_dir(seed=37)
+  model = jaxtune.from_pretrained(path, dtype="float32")
+  prompts = [[5, 17, 99, 3], [42, 7]]
+  plain = generate_ids(model, prompts, max_new_tokens=6, word_lookup=False)
+  linears = [lin for _, lin in iter_linears(model) if lin.quantized]
+  before = [np.array(lin.codes.get_value(), copy=True) for lin in linears]
+  swaps = []
+  swap = decoding._swap_word_order
+  monkeypatch.setattr(decoding, "uses_kernel", lambda tokens, weights: True)
+  monkeypatch.setattr(decoding, "_swap_word_order", lambda c: swaps.append(1) or swap(c))
+  got = generate_ids(model, prompts, max_new_tokens=6, word_lookup="inplace")
+  assert got == plain
+  assert len(swaps) == 2 * len(linears)  # each layer's codes out of order and back
+  for lin, old in zip(linears, before, strict=True):
+    np.testing.assert_array_equal(np.asarray(lin.codes.get_value()), old)

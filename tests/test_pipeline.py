@@ -172,7 +172,9 @@ def test_mosaic_kernel_lowers_inside_stages_split_over_tensor(tmp_path):
   deadlocks on fake CPU devices) through custom_partitioning in 2x2x2 stages, bf16, remat
   activations: the step lowers. With the stages' replication bookkeeping on, the kernel's
   gradient came back typed varying over pipe into an NF4 input typed invariant and failed
-  the custom VJP's type check; the first GPU run of 1x2x2 found it."""
+  the custom VJP's type check; the first GPU run of 1x2x2 found it. Lowering does not run
+  the partition callbacks (compilation does): those ran in the 2x2x2 test with the op's
+  reference above."""
   cfg = dict(TINY, head_dim=64)  # the kernel takes head_dim 64+
   model = jaxtune.from_pretrained(
     write_random_checkpoint(tmp_path / "hd64", cfg, dtype="float32"), dtype="bfloat16"

@@ -130,7 +130,7 @@ def _kernel_args(impl: str, lookup: str | None = None):
 
 
 def word_codes(codes: jax.Array) -> jax.Array:
-  """The forward kernel's codes for the "word" lookup (kernel.word_bytes), [..., N, K/2] uint8
+  """The forward kernel's codes for the "word" lookup (reference.word_bytes), uint8 [..., N, K/2]
   (a stack of layers too): made once where one weight serves many calls (decoding), passed as
   ``nf4_matmul(..., word_codes=)``. As many bytes as the codes."""
   return reference.word_bytes(codes)
@@ -178,6 +178,8 @@ def _fwd_impl(impl, lookup, x2, weights, scales=None, word=None):
     return reference.dequantize_then_dot(x2, *weights)
   kernel = _kernel()
   kw = _kernel_args(impl, lookup)
+  if word is not None and kw["lookup"] != "word":  # as above: the codes may be in word order
+    weights = (reference.word_bytes(word), *weights[1:])
   if kw["lookup"] == "word":
     if word is None:
       w4 = kernel.word_codes(weights[0])
@@ -210,7 +212,10 @@ def _nf4_matmul(impl, lookup, x2, codes, absmax, nested_absmax, offset, scales, 
 
 def _vjp_fwd(impl, lookup, x2, codes, absmax, nested_absmax, offset, scales, word):
   weights = (codes, absmax, nested_absmax, offset)
-  return _fwd_impl(impl, lookup, x2, weights, scales, word), weights
+  y = _fwd_impl(impl, lookup, x2, weights, scales, word)
+  if word is not None:  # the backward reads bitsandbytes' order (codes may be word order)
+    weights = (reference.word_bytes(word), *weights[1:])
+  return y, weights
 
 
 def _vjp_bwd(impl, lookup, weights, dy2):
@@ -245,8 +250,9 @@ def nf4_matmul(
   codes in its order, ``word_codes(codes)``, made once for many calls) are given, else "prmt"
   (measured on an H100, experiments/check_nf4_lookup.py: "word" 0.61-0.87x the time of
   "prmt" on the 8B shapes at 1-64 tokens; made per call, its permutation costs more than it
-  saves). The XLA path dequantizes from ``word_codes`` where they are given (put back in
-  bitsandbytes' order), so ``codes`` may be the same word-order array (decoding's in-place
+  saves). Every path but the kernel's word lookup (XLA's, the interpreter's, "prmt", the
+  backward) reads the codes from ``word_codes`` where they are given, put back in
+  bitsandbytes' order, so ``codes`` may be the same word-order array (decoding's in-place
   order, ``decoding.codes_in_word_order``)."""
   lead = x.shape[:-1]
   tokens = math.prod(lead)
