@@ -434,12 +434,19 @@ def _run_locked(
   jax.block_until_ready(nnx.state(model))
   load_s = time.perf_counter() - t_load
   recorded = run.replace(model=str(model_path), dtype=rt.dtype)
-  _write_config(recorded, out)
-  if distributed.is_main():
-    run_dir.record_start(out, recorded.to_yaml(), _start_header(resume, previous, allow_changes))
-    hardware = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
-    given = run.data if data is None else f"a {type(data).__name__} given from Python"
-    model_card.write_run_info(out, command or _python_command(run), run.model, given, hardware)
+
+  def record_start() -> None:
+    """config.yaml, the config history and the run's info: written once the step compiled
+    and fits (a refusal there, such as a plan that does not fit, leaves OUT as it was: a
+    resumed run's config.yaml still describes its checkpoints)."""
+    _write_config(recorded, out)
+    if distributed.is_main():
+      header = _start_header(resume, previous, allow_changes)
+      run_dir.record_start(out, recorded.to_yaml(), header)
+      hardware = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
+      given = run.data if data is None else f"a {type(data).__name__} given from Python"
+      model_card.write_run_info(out, command or _python_command(run), run.model, given, hardware)
+
   if previous.changes and resume:
     changed = ", ".join(f"{k} {v[0]} -> {v[1]}" for k, v in previous.changes.items())
     say(f"jaxtune: resuming with changed settings: {changed}")
@@ -467,6 +474,7 @@ def _run_locked(
 
   def announce(chosen: plan.Plan | None) -> None:
     """The start line, once the step is compiled: the settings it runs with and their plan."""
+    record_start()
     if chosen is None:
       say(f"{shape}; {rt.describe()}; loaded in {load_s:.1f}s")
       return
