@@ -12,7 +12,7 @@ the order of its faster "word" lookup where the device has room for that copy
 
 import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -245,7 +245,7 @@ def _swap_word_order(codes: jax.Array) -> jax.Array:
 
 
 @contextlib.contextmanager
-def codes_in_word_order(model: nnx.Module, tokens: int, every: bool = False):
+def codes_in_word_order(model: nnx.Module, tokens: int, every: bool = False) -> Iterator[int]:
   """Within the block, the codes of every NF4 layer whose calls of ``tokens`` rows go through
   the Pallas kernel are in its "word" order, permuted in their own buffers (no copy: for
   models with no room for ``word_codes``' copy, 70B on one GPU) and put back on the way out.

@@ -684,6 +684,12 @@ CASES = [
     r"layers do not split into 8 equal pipeline stages",
   ),
   Case(
+    "step-does-not-fit-device-memory",
+    lambda w: w.train_args("--memory-limit", "0.000001"),
+    r"the training step does not fit the 0 MiB of device memory \(--memory-limit\): the "
+    r"leanest setting tried",
+  ),
+  Case(
     "mesh-pipe-with-fused-attention",
     lambda w: w.train_args("--mesh", "4x1x2", "--attention", "fused"),
     r"--attention fused \(cuDNN\) cannot run inside the pipeline yet",

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from jaxtune import nf4
 from jaxtune.nf4_maps import NF4_CODE
@@ -53,7 +54,7 @@ def word_bytes(codes: jax.Array) -> jax.Array:
   return codes.reshape(*lead, half // 16, 4, 4).swapaxes(-1, -2).reshape(*lead, half)
 
 
-def prepared_weight(word: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+def prepared_weight(word: jax.Array, scales: jax.Array, dtype: DTypeLike) -> jax.Array:
   """W [N, K] from the forward kernel's prepared operands, as the kernel forms it: the NF4
   level (bf16) times the block's bf16 scale, a bf16 product. ``word``: codes [N, K/2] in
   "word" order; ``scales``: bf16 [K/64, N] (ops.kernel_scales)."""
