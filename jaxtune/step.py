@@ -10,7 +10,7 @@ down.
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +79,25 @@ class LossScale:
 # step divides the loss and the figures by the count over the accumulated batch. Its
 # ``figures`` attribute names the figures' dtypes ({"tokens": int32, ...}).
 Objective = Callable[..., tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
+
+
+class Rollouts(Protocol):
+  """Batches made from the current adapters instead of a dataset's (GRPO: rl.Rollouts)."""
+
+  def __call__(
+    self, step: int, graphdef: Any, lora: nnx.State, frozen: nnx.State
+  ) -> tuple[dict, dict]:
+    """(host batch, figures) for ``step``; the figures join the step's row."""
+    ...
+
+  def state(self, step: int) -> Any | None:
+    """What a checkpoint after ``step`` keeps so that a resume trains on the same batches
+    (None: nothing)."""
+    ...
+
+  def restore(self, saved: Any) -> None:
+    """Take back what ``state`` kept, when a run resumes from that checkpoint."""
+    ...
 
 
 def sft_objective(

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -119,7 +119,7 @@ def _start(lora, tx, runtime: Runtime, loss_scale, checkpoints, seed: int, datas
             "resume without --data-streaming, or start a new --out."
           )
         dataset.seek(saved["data"])
-      if saved.get("rollout") is not None and hasattr(rollouts, "restore"):
+      if saved.get("rollout") is not None and rollouts is not None:
         rollouts.restore(saved["rollout"])
   state = jax.device_put(state, where)
   if runtime.mesh is not None:
@@ -142,7 +142,7 @@ def train(
   previous_steps: int | None = None,
   announce: Callable[[plan.Plan | None], None] | None = None,
   objective: step.Objective = step.sft_objective,
-  rollouts: Callable[[int, Any, nnx.State, nnx.State], tuple[dict, dict]] | None = None,
+  rollouts: step.Rollouts | None = None,
 ) -> tuple[nnx.Module, list[dict]]:
   """Run the loop under ``runtime``; returns (trained model, list of per-step metrics).
 
@@ -155,8 +155,8 @@ def train(
   the step is compiled, before the first step (the start line); ``announce(None)`` when no
   step is left to train. ``objective``: what the step minimises (step.Objective; default
   SFT's cross-entropy, preference.Preference for DPO/IPO/ORPO); its figures join the rows.
-  ``rollouts(step, graphdef, lora, frozen) -> (host batch, figures)``: batches made from the
-  current adapters (GRPO, rl.Rollouts) instead of ``dataset``'s; their figures join the rows.
+  ``rollouts`` (step.Rollouts): batches made from the current adapters (GRPO, rl.Rollouts)
+  instead of ``dataset``'s; their figures join the rows, their state the checkpoints.
   """
   graphdef, lora, frozen = step.place(model, runtime)
   rows = HostRows(frozen, runtime) if runtime.host_embeddings else None
@@ -229,7 +229,7 @@ def train(
     nonlocal saved
     if checkpoints is not None and n != saved:
       data_state = dataset.state() if hasattr(dataset, "state") else None
-      held = rollouts.state(n) if hasattr(rollouts, "state") else None
+      held = rollouts.state(n) if rollouts is not None else None
       checkpoints.save(n, {"lora": lora, "opt_state": opt_state, "key": key}, data_state, held)
       saved = n
 
