@@ -120,13 +120,15 @@ def run_trial(args) -> None:
     model = jaxtune.apply_lora(random_nf4_model(cfg), rank=LORA_RANK, alpha=LORA_RANK)
     asked = None if args.attention == "default" else args.attention
     impl, _ = runtime.resolve_attention(asked, cfg, dtype="bfloat16", packed=False)
-    mesh = None
+    mesh, blocks, chunks = None, "xla", (args.loss_chunk, args.mlp_chunk)
     if args.context > 1:  # the sequence split over the first --context devices, ring attention
       mesh = meshlib.make_mesh(f"context={args.context}", jax.devices()[: args.context])
-      impl = "ring"
+      impl = "ring"  # its blocks as a run resolves them (the flash kernel on Hopper)
+      blocks, _ = runtime.resolve_ring_blocks(asked, cfg, dtype="bfloat16", device=jax.devices()[0])
+      chunks = (0, 0)  # pieces of the loss or MLP would gather the sequence (a run refuses them)
     rt = runtime.Runtime(
-      mesh=mesh, dtype="bfloat16", remat=args.remat, attention=impl, loss_chunk=args.loss_chunk,
-      mlp_chunk=args.mlp_chunk,
+      mesh=mesh, dtype="bfloat16", remat=args.remat, attention=impl, ring_blocks=blocks,
+      loss_chunk=chunks[0], mlp_chunk=chunks[1],
     )  # fmt: skip
     graphdef, lora, frozen = trainer.place(model, rt)
     del model
@@ -145,7 +147,7 @@ def run_trial(args) -> None:
     at = rt.sharding("accum", "batch", "length")
     batch = {k: jnp.asarray(v) if at is None else jax.device_put(v, at) for k, v in host.items()}
     jax.block_until_ready((jax.tree.leaves(frozen), batch))
-    say(phase="built", attention=impl, build_s=time.perf_counter() - t0)
+    say(phase="built", attention=impl, ring_blocks=blocks, build_s=time.perf_counter() - t0)
     t = time.perf_counter()
     compiled = step.lower(lora, opt_state, frozen, batch, jax.random.key(0)).compile()
     m = compiled.memory_analysis()
