@@ -9,10 +9,8 @@ warm-up; decode tokens/s = batch * N / (difference), so prefill and compilation 
 
 import argparse
 import functools
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -23,6 +21,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jaxtune  # noqa: E402
+from experiments.measure import wall_ms  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
 from jaxtune import decoding  # noqa: E402
@@ -31,13 +30,9 @@ from pallas_kernels.nf4_matmul import ops  # noqa: E402
 
 
 def timed(model, prompts, n, word=None, fuse=True, reps=3):
-  generate_ids(model, prompts, max_new_tokens=n, word_lookup=word, fuse=fuse)  # compile
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    generate_ids(model, prompts, max_new_tokens=n, word_lookup=word, fuse=fuse)
-    times.append(time.perf_counter() - t)
-  return statistics.median(times)
+  """Median seconds of generate_ids (after a compiling call)."""
+  call = lambda: generate_ids(model, prompts, max_new_tokens=n, word_lookup=word, fuse=fuse)  # noqa: E731
+  return wall_ms(call, reps=reps) / 1e3
 
 
 # --lookups names -> (generate_ids' word_lookup, fuse)

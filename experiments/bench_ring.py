@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from experiments.bench_nf4_matmul import rel_err  # noqa: E402
 from experiments.measure import wall_ms  # noqa: E402
 from experiments.record import record  # noqa: E402
 from jaxtune import context  # noqa: E402
@@ -83,11 +84,6 @@ def one_device_fn(impl, scale):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
 
 
-def rel(got, ref) -> float:
-  got = np.asarray(got, np.float64)
-  return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-
-
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--contexts", default="2,4")
@@ -133,7 +129,7 @@ def main():
     for way, kern in ways.items():
       (_, out), grads = ring_fn(meshes[c], kern, scale)(*ring_args)
       got = [np.take(np.asarray(a, np.float32), undo, axis=1) for a in (out, *grads)]
-      errs = [rel(g, ref) for g, ref in zip(got, refs, strict=True)]
+      errs = [rel_err(g, ref) for g, ref in zip(got, refs, strict=True)]
       ok = max(errs) < TOLERANCE
       failed += not ok
       checks[(c, way)] = max(errs)

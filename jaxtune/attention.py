@@ -97,10 +97,10 @@ def _flash_sharded(q, k, v, segment_ids, window, scale, softcap, runtime: Runtim
   here = jax.sharding.get_abstract_mesh()
   if runtime.mesh is None or (not here.empty and here.are_all_axes_manual):
     return flash(q, k, v, segment_ids, window)  # one device, or a pipeline stage's own rows
-  heads = runtime.spec("batch", "length", "heads", "head_dim")
   if not here.empty and here.manual_axes:  # a stage manual over pipe only: no nested shard_map
     op = _partitioned_flash(kernel, scale, softcap)
     return op(q, k, v, segment_ids, jnp.asarray(window, jnp.int32).reshape(1))
+  heads = runtime.spec("batch", "length", "heads", "head_dim")
   return jax.shard_map(
     flash,
     mesh=runtime.mesh,

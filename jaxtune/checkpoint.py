@@ -12,6 +12,7 @@ With several processes every one of them calls ``save`` and ``restore_latest`` (
 coordinates the collective write); the directory must be on storage all of them share.
 """
 
+import contextlib
 import errno
 import logging
 import shutil
@@ -95,6 +96,8 @@ class Checkpoints:
     _quiet_orbax()
     self.directory = Path(directory).absolute()
     self.read_only = read_only
+    # Made here (orbax creates it): removed again by close() while no checkpoint is in it.
+    self.made = not read_only and not self.directory.exists()
     self.manager = ocp.CheckpointManager(
       self.directory,
       item_handlers={
@@ -159,7 +162,12 @@ class Checkpoints:
       shutil.rmtree(partial, ignore_errors=True)
 
   def close(self) -> None:
+    """Close; the directory goes again if this made it and nothing was saved (a run refused
+    before its first checkpoint leaves its --out as it was)."""
     self.manager.close()
+    if self.made and jax.process_index() == 0:
+      with contextlib.suppress(OSError):  # rmdir: only while empty
+        self.directory.rmdir()
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()

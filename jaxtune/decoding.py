@@ -377,10 +377,12 @@ def generate_ids(
       if stack.enter_context(codes_in_word_order(model, b)):
         word = "inplace"
         graphdef, state = nnx.split(model)
-    new, steps = _decode_call(
-      graphdef, state, logits, cache, key_valid, p_len, room, temperature, top_k, top_p,
-      positions=jnp.asarray(p_len - pad, jnp.int32), eos=eos, seed=seed,
-      max_new_tokens=max_new_tokens, word=word, fuse=fuse and word is True,
+    new, steps = jax.block_until_ready(  # the loop ends before in-place codes are put back
+      _decode(
+        graphdef, state, logits, cache, key_valid, p_len, room, float(temperature),
+        int(top_k), float(top_p), jnp.asarray(p_len - pad, jnp.int32), eos,
+        jax.random.key(seed), jnp.int32(max_new_tokens), word, fuse and word is True,
+      )
     )  # fmt: skip
   new = np.asarray(new)[:, : int(steps)]
   out = []
@@ -388,33 +390,6 @@ def generate_ids(
     stop = next((i for i, t in enumerate(row) if t in set(eos_token_ids)), None)
     out.append(row if stop is None else row[: stop + 1])
   return out
-
-
-def _decode_call(
-  graphdef, state, logits, cache, key_valid, p_len, room, temperature, top_k, top_p, *,
-  positions, eos, seed, max_new_tokens, word, fuse,
-):  # fmt: skip
-  """``_decode`` with the host values made static or device arrays; blocks until done (the
-  loop must end before in-place codes are put back)."""
-  out = _decode(
-    graphdef,
-    state,
-    logits,
-    cache,
-    key_valid,
-    p_len,
-    room,
-    float(temperature),
-    int(top_k),
-    float(top_p),
-    positions,
-    eos,
-    jax.random.key(seed),
-    jnp.int32(max_new_tokens),
-    word,
-    fuse,
-  )
-  return jax.block_until_ready(out)
 
 
 def _bucket(n: int) -> int:

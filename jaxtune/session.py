@@ -485,7 +485,6 @@ def _run_locked(
     )
 
   ckpt_dir = out / "checkpoints"
-  new_ckpt_dir = not ckpt_dir.exists()
   ckpts = checkpoint.Checkpoints(ckpt_dir, keep=run.keep_checkpoints)
   sample_fn = make_sample_fn(prompts, tokenizer)
   was_steps = previous.saved.steps if previous.saved is not None else None
@@ -510,9 +509,6 @@ def _run_locked(
     raise TrainingError(f"{reason} (checkpoints saved before it are in {ckpt_dir}).") from e
   finally:
     ckpts.close()
-    if new_ckpt_dir and distributed.is_main():
-      with contextlib.suppress(OSError):  # only if empty: refused before its first checkpoint
-        ckpt_dir.rmdir()
   model = distributed.local_model(model, rt.mesh)
   if run.export:
     if distributed.is_main():

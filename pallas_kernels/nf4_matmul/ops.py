@@ -156,41 +156,39 @@ def prepared_matmul(
   cfg = _forward_config(x2.shape[0], n, k, impl == "interpret") if use else None
   if cfg is None:
     return reference.prepared_dot(x, word, scales)
+  y = _forward_kernel(impl, "word", x2, cfg, scales, word=word)
+  return y.astype(x.dtype).reshape(*lead, n)
+
+
+def _forward_kernel(impl, lookup, x2, cfg, scales, codes=None, word=None):
+  """kernel.forward of x2 [m, K] (rows padded to the tile and back), the weight as ``codes``
+  in bitsandbytes' order or ``word`` in the word lookup's (``word_codes``), whichever the
+  lookup (the interpreter: its own) reads."""
   kernel = _kernel()
-  if impl == "interpret":  # the interpreter's lookup reads bitsandbytes' order
-    kw = _kernel_args(impl)
-    w4 = kernel.kernel_codes(reference.word_bytes(word), swap_nibbles=True)
-  else:
-    kw = _kernel_args(impl, "word")
+  kw = _kernel_args(impl, lookup)
+  if kw["lookup"] == "word" and word is not None:  # already in word order: the int4 view
     w4 = kernel.kernel_codes(word, swap_nibbles=False)
-  y = kernel.forward(_pad_rows(x2, cfg.block_m), w4, scales, config=cfg, **kw)
-  return y[: x2.shape[0]].astype(x.dtype).reshape(*lead, n)
+  elif kw["lookup"] == "word":
+    w4 = kernel.word_codes(codes)
+  else:
+    codes = reference.word_bytes(word) if codes is None else codes
+    w4 = kernel.kernel_codes(codes, swap_nibbles=kw["lookup"] == "select")
+  return kernel.forward(_pad_rows(x2, cfg.block_m), w4, scales, config=cfg, **kw)[: x2.shape[0]]
 
 
 def _fwd_impl(impl, lookup, x2, weights, scales=None, word=None):
-  m, _ = x2.shape
   n = weights[0].shape[0]
   use = impl != "xla" and x2.dtype == jnp.bfloat16
-  cfg = _forward_config(m, n, x2.shape[1], impl == "interpret") if use else None
+  cfg = _forward_config(x2.shape[0], n, x2.shape[1], impl == "interpret") if use else None
+  # With ``word``, the codes may be that very array (permuted in place, decoding): every path
+  # but the word lookup reads the codes back from it in bitsandbytes' order.
+  codes = weights[0] if word is None else None
   if cfg is None:
-    if word is not None:  # the codes may be these (permuted in place, decoding): undo the order
-      weights = (reference.word_bytes(word), *weights[1:])
-    return reference.dequantize_then_dot(x2, *weights)
-  kernel = _kernel()
-  kw = _kernel_args(impl, lookup)
-  if word is not None and kw["lookup"] != "word":  # as above: the codes may be in word order
-    weights = (reference.word_bytes(word), *weights[1:])
-  if kw["lookup"] == "word":
-    if word is None:
-      w4 = kernel.word_codes(weights[0])
-    else:  # already in word order (ops.word_codes): only the int4 view
-      w4 = kernel.kernel_codes(word, swap_nibbles=False)
-  else:
-    w4 = kernel.kernel_codes(weights[0], swap_nibbles=kw["lookup"] == "select")
+    codes = reference.word_bytes(word) if codes is None else codes
+    return reference.dequantize_then_dot(x2, codes, *weights[1:])
   if scales is None:  # else prepared once for many calls (decoding)
     scales = kernel_scales(*weights[1:])
-  y = kernel.forward(_pad_rows(x2, cfg.block_m), w4, scales, config=cfg, **kw)
-  return y[:m]
+  return _forward_kernel(impl, lookup, x2, cfg, scales, codes=codes, word=word)
 
 
 def _bwd_impl(impl, dy2, weights):
