@@ -218,18 +218,16 @@ def resolve_attention(
   packed: bool,
   pipelined: bool = False,
   device: jax.Device | None = None,
-  manual_stages: bool = False,
 ) -> tuple[str, str | None]:
   """(the attention implementation that runs, a note when it is not what was asked).
 
   Unset: cuDNN on a GPU where it computes the model's function (one document per row, no
   softcap or window: measured 2.5% faster than the Pallas kernel in the 1B train step on an
   H100, and compiles in seconds), else the Pallas kernel on Hopper, else XLA. Under a
-  pipeline (cuDNN does not run inside the stages): where the stages run manual over every
-  axis (``manual_stages``), the Pallas kernel on Hopper on each stage's rows (8B on 4 H200s,
-  `--mesh 1x1x4`: 1.50x XLA's tokens/s), else XLA; where they are manual over pipe only (a
-  tensor axis, --shard-frozen), XLA unless --attention pallas asks for the kernel, split by
-  the partitioner through custom_partitioning (attention.py; not measured on GPUs yet).
+  pipeline (cuDNN does not run inside the stages) the Pallas kernel on Hopper, else XLA: on
+  each stage's rows where the stages run manual over every axis (8B on 4 H200s, `--mesh
+  1x1x4`: 1.50x XLA's tokens/s), split by the partitioner through custom_partitioning where
+  they are manual over pipe only (a tensor axis or --shard-frozen; `1x2x2`: 1.37x).
   Refuses what cannot compute the model's function.
   """
   device = device or jax.devices()[0]
@@ -258,8 +256,8 @@ def resolve_attention(
     if kernel_ok:
       return "mosaic", None
     return "flash_xla", "flash attention's jnp reference (the kernel needs a Hopper GPU)"
-  if requested == "xla" or (pipelined and not manual_stages and requested != "pallas"):
-    return "xla", None  # stages manual over pipe only: the kernel when asked (unmeasured)
+  if requested == "xla":
+    return "xla", None
   if cudnn_exact and not pipelined:
     return "cudnn", None
   return ("mosaic", None) if kernel_ok else ("xla", None)
@@ -342,9 +340,8 @@ def resolve(
     )
   else:
     attention, attention_note = resolve_attention(
-      run.attention, cfg, dtype=dtype, packed=packed, pipelined=pp > 1, device=devices[0],
-      manual_stages=manual_stages(dict(mesh.shape), run.shard_frozen),
-    )  # fmt: skip
+      run.attention, cfg, dtype=dtype, packed=packed, pipelined=pp > 1, device=devices[0]
+    )
   return Runtime(
     mesh=mesh if mesh.size > 1 else None,
     dtype=dtype,

@@ -193,11 +193,10 @@ def test_mosaic_kernel_lowers_inside_stages_split_over_tensor(tmp_path):
   assert "custom_partitioning" in lowered.as_text(debug_info=True)
 
 
-def test_attention_inside_pipeline_stages_is_the_kernel_where_measured():
-  """Unset under a pipe axis: the Pallas kernel on Hopper where the stages run manual over
-  every axis (measured 1.50x XLA on 4 GPUs), XLA where they are manual over pipe only unless
-  --attention pallas asks (then split by custom_partitioning), XLA off Hopper, never cuDNN
-  (it does not run inside the stages)."""
+def test_attention_inside_pipeline_stages_is_the_kernel_on_hopper():
+  """Unset under a pipe axis: the Pallas kernel on Hopper (measured 1.50x XLA in stages manual
+  over every axis, 1.37x in stages split over tensor by custom_partitioning, 4 GPUs), XLA when
+  asked and off Hopper, never cuDNN (it does not run inside the stages)."""
   from types import SimpleNamespace
 
   cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
@@ -205,18 +204,16 @@ def test_attention_inside_pipeline_stages_is_the_kernel_where_measured():
   h100 = SimpleNamespace(platform="gpu", compute_capability="9.0")
   a100 = SimpleNamespace(platform="gpu", compute_capability="8.0")
 
-  def chosen(device, manual, asked=None, pipelined=True):
+  def chosen(device, asked=None, pipelined=True):
     return runtime.resolve_attention(
-      asked, cfg, dtype="bfloat16", packed=False, pipelined=pipelined, device=device,
-      manual_stages=manual,
-    )[0]  # fmt: skip
+      asked, cfg, dtype="bfloat16", packed=False, pipelined=pipelined, device=device
+    )[0]
 
-  assert chosen(h100, manual=True) == "mosaic"
-  assert chosen(h100, manual=False) == "xla"
-  assert chosen(h100, manual=False, asked="pallas") == "mosaic"
-  assert chosen(h100, manual=True, asked="xla") == "xla"
-  assert chosen(a100, manual=True) == "xla"
-  assert chosen(a100, manual=False, pipelined=False) == "cudnn"  # one row a document, no pipe
+  assert chosen(h100) == "mosaic"
+  assert chosen(h100, asked="pallas") == "mosaic"
+  assert chosen(h100, asked="xla") == "xla"
+  assert chosen(a100) == "xla"
+  assert chosen(a100, pipelined=False) == "cudnn"  # one row a document, no pipe
 
 
 @pytest.mark.slow
