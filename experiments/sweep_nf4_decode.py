@@ -2,8 +2,11 @@
 
 For M in --ms and (K, N) of Llama-3.1-8B's projections, times y = x @ W^T: cuBLAS on a bf16
 copy of W, and the Mosaic GPU kernel alone (scales prepared once, as decoding now passes them;
-x already padded to the tile) over a grid of configurations: K split over 1x, 0.5x or 2x the
-cells dispatch picks, 1, 2 or 4 64-wide k blocks per pipeline step (4 pipeline stages).
+x already padded to the tile; --lookup, "word" as decoding runs it) over a grid of
+configurations: compute warpgroups (--wgs; K split over proportionally more cells where a cell
+covers more rows), K split over --split-factors times those cells, --subs 64-wide k blocks per
+pipeline step, wgmmas waited for in their step or one step later (--delays), 4 pipeline
+stages.
 Device time (CUPTI), each call over weight copies that outgrow L2, median of --reps. Checks
 each configuration against the float32 reference. Prints the best per shape and how dispatch's
 current choice compares.
@@ -32,11 +35,24 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--ms", default="1,16")
   ap.add_argument("--reps", type=int, default=10)
+  ap.add_argument("--lookup", default="word", choices=("word", "prmt"))
+  ap.add_argument("--wgs", default="2", help="compute warpgroups per cell, comma-separated")
+  ap.add_argument("--split-factors", default="1,0.5,2")
+  ap.add_argument("--subs", default="1,2,4")
+  ap.add_argument("--delays", default="0", help="delay_release values: 0, 1 or both")
+  ap.add_argument(
+    "--shapes", default=None,
+    help="KxN,... (default the 8B projections; decoding's launches: 4096x6144,4096x4096,"
+    "4096x28672,14336x4096 = fused q/k/v, o, fused gate/up, down)",
+  )  # fmt: skip
   ap.add_argument("--results-dir", default=None)
   args = ap.parse_args()
   rng = np.random.default_rng(0)
   rows, best = [], []
-  for k, n in LLAMA_8B:
+  shapes = LLAMA_8B
+  if args.shapes:
+    shapes = [tuple(int(v) for v in kn.split("x")) for kn in args.shapes.split(",")]
+  for k, n in shapes:
     copies = max(2, -(-64 * 2**20 // (k * n // 2)))
     qs, dense = weights(rng, k, n, copies)
     for m in (int(v) for v in args.ms.split(",")):
@@ -44,34 +60,55 @@ def main():
       ref = np.asarray(reference.nf4_matmul_reference(x, *qs[0]))
       bf16 = time_per_call(jax.jit(lambda a, w: a @ w.T), x, dense, args.reps)
       base = ops._forward_config(m, n, k, False)
-      prepared = [
-        (kernel.kernel_codes(q[0], swap_nibbles=False), kernel_scales(*q[1:])) for q in qs
-      ]
+      codes = kernel.word_codes if args.lookup == "word" else kernel.kernel_codes
+      kw = {} if args.lookup == "word" else {"swap_nibbles": False}
+      prepared = [(codes(q[0], **kw), kernel_scales(*q[1:])) for q in qs]
       found = []
-      for split_f, sub, stages in itertools.product((1.0, 0.5, 2.0), (1, 2, 4), (4,)):
-        split = max(1, int(base.split_k * split_f))
+      grid = itertools.product(
+        _ints(args.wgs), _floats(args.split_factors), _ints(args.subs), _ints(args.delays), (4,)
+      )
+      for wgs, split_f, sub, delay, stages in grid:
+        if n % (kernel.WG_ROWS * wgs):
+          continue
+        split = max(1, int(base.split_k * split_f * wgs / base.compute_wgs))
         if k % (64 * sub * split) or k // split < 64 * sub:
           continue
         cfg = kernel.Config(
-          block_m=base.block_m, compute_wgs=base.compute_wgs, split_k=split, k_sub=sub,
-          max_concurrent_steps=stages,
+          block_m=base.block_m, compute_wgs=wgs, split_k=split, k_sub=sub,
+          max_concurrent_steps=stages, delay_release=delay,
         )  # fmt: skip
+        if kernel.forward_smem_bytes(cfg) > kernel.SMEM_BYTES:
+          continue
         xp = ops._pad_rows(x, cfg.block_m)
-        f = jax.jit(lambda a, w4, s, cfg=cfg: kernel.forward(a, w4, s, config=cfg)[: a.shape[0]])
+        f = jax.jit(
+          lambda a, w4, s, cfg=cfg: kernel.forward(a, w4, s, config=cfg, lookup=args.lookup)
+        )
         try:
           err = rel_err(f(xp, *prepared[0])[:m], ref)
           ms = time_per_call(lambda a, w, f=f: f(a, *w), xp, prepared, args.reps)
         except Exception:  # a configuration that does not lower is reported and skipped
           traceback.print_exc(limit=2)
           continue
+        now = (wgs, split, sub, delay, stages) == (
+          base.compute_wgs,
+          base.split_k,
+          base.k_sub,
+          base.delay_release,
+          4,
+        )
         row = {
-          "M": m, "K": k, "N": n, "split_k": split, "k_sub": sub, "stages": stages,
-          "dispatch": (split, sub, stages) == (base.split_k, base.k_sub, 4), "err": err,
+          "M": m, "K": k, "N": n, "lookup": args.lookup, "wgs": wgs, "split_k": split,
+          "k_sub": sub, "delay_release": delay, "stages": stages, "dispatch": now, "err": err,
           "kernel_ms": ms, "bf16_ms": bf16, "kernel_vs_bf16": ms / bf16,
         }  # fmt: skip
         rows.append(row)
         found.append(row)
-        print({a: f"{b:.4g}" if isinstance(b, float) else b for a, b in row.items()}, flush=True)
+        print(
+          f"M={m} K={k} N={n} wgs={wgs} split={split} k_sub={sub} delay={delay}: "
+          f"{ms * 1e3:.1f} us = {ms / bf16:.3f}x bf16, err {err:.1e}"
+          + (" (dispatch)" if now else ""),
+          flush=True,
+        )
       if found:
         top = min(found, key=lambda r: r["kernel_ms"])
         now = next((r for r in found if r["dispatch"]), None)
@@ -85,13 +122,21 @@ def main():
     "configuration ops._forward_config picks today.",
     out_dir=args.results_dir,
   )
-  print("\n|    M     K     N | dispatch / bf16 | best / bf16 | best (split, k_sub, stages) |")
+  print("\n|    M     K     N | dispatch / bf16 | best / bf16 | best (wgs, split, k_sub, delay) |")
   for m, k, n, top, now in best:
     cur = f"{now['kernel_vs_bf16']:.3f}" if now else "-"
     print(
       f"| {m:>4} {k:>5} {n:>5} | {cur:>15} | {top['kernel_vs_bf16']:>11.3f} | "
-      f"({top['split_k']}, {top['k_sub']}, {top['stages']}) |"
+      f"({top['wgs']}, {top['split_k']}, {top['k_sub']}, {top['delay_release']}) |"
     )
+
+
+def _ints(text):
+  return [int(v) for v in text.split(",")]
+
+
+def _floats(text):
+  return [float(v) for v in text.split(",")]
 
 
 if __name__ == "__main__":

@@ -52,12 +52,20 @@ def test_forward_matches_reference(lead, k, n):
     (kernel.Config(block_m=16, compute_wgs=2, split_k=2, a_from_smem=True), 256),
     (kernel.Config(block_m=32, compute_wgs=1, k_sub=2, a_from_smem=True), 256),
     (kernel.Config(block_m=16, compute_wgs=2, split_k=2, k_sub=4, a_from_smem=True), 1024),
+    (kernel.Config(block_m=16, compute_wgs=2, k_sub=2, delay_release=1, a_from_smem=True), 512),
+    (kernel.Config(block_m=16, compute_wgs=4, split_k=2, k_sub=2, a_from_smem=True), 512),
   ],
-  ids=["split-k", "two-k-blocks-per-step", "split-k-four-k-blocks-per-step"],
+  ids=[
+    "split-k",
+    "two-k-blocks-per-step",
+    "split-k-four-k-blocks-per-step",
+    "wgmma-in-flight-across-steps",
+    "four-compute-warpgroups",
+  ],  # fmt: skip
 )
 def test_forward_configs(cfg, k):
   rng = np.random.default_rng(3)
-  m, n = 32, 128
+  m, n = 32, max(128, 2 * kernel.WG_ROWS * cfg.compute_wgs)
   q = _weights(rng, n, k)
   x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
   w4, scales = kernel.kernel_operands(*q, swap_nibbles=True)
@@ -136,18 +144,20 @@ def test_prmt_lookup_program_on_every_byte():
 def test_decoding_dispatch_takes_the_swept_configurations():
   """At decoding sizes dispatch splits K to a cell per SM and takes the most k blocks per
   step that leave 4 steps: the fastest configurations of experiments/sweep_nf4_decode.py
-  (H100, 8B shapes, M = 1 and 16): (split, k blocks) = (8, 2), (2, 4), (8, 4); at M = 64 half
-  the cells and the most blocks that fit in shared memory: (4, 2), (1, 4), (4, 2)."""
+  (H100, 8B shapes, M = 1 and 16): (split, k blocks) = (8, 2), (2, 4), (8, 4), wgmmas in
+  flight into the next step; at M = 64 half the cells and the most blocks that fit in shared
+  memory: (4, 2), (1, 4), (4, 2)."""
   from pallas_kernels.nf4_matmul import ops
 
   for (k, n), want in {(4096, 4096): (8, 2), (4096, 14336): (2, 4), (14336, 4096): (8, 4)}.items():
     for m in (1, 16):
       cfg = ops._forward_config(m, n, k, interpret=False)
       assert (cfg.block_m, cfg.split_k, cfg.k_sub) == (16, *want), (m, k, n)
+      assert cfg.delay_release == 1  # wgmmas left in flight across steps (swept at M <= 16)
   # 64 tokens (GRPO's rollouts of 8 x 8): the sweep's fastest at M = 64 is half the cells.
   for (k, n), want in {(4096, 4096): (4, 2), (4096, 14336): (1, 4), (14336, 4096): (4, 2)}.items():
     cfg = ops._forward_config(64, n, k, interpret=False)
-    assert (cfg.block_m, cfg.split_k, cfg.k_sub) == (64, *want), (k, n)
+    assert (cfg.block_m, cfg.split_k, cfg.k_sub, cfg.delay_release) == (64, *want, 0), (k, n)
   assert ops._forward_config(4096, 4096, 4096, interpret=False).k_sub == 1  # training tiles
 
 

@@ -69,6 +69,10 @@ class Config:
   # Forward: 64-wide k blocks per pipeline step; their wgmmas are issued back to back, so the
   # next block's dequantization overlaps the previous block's matrix product.
   k_sub: int = 1
+  # Forward: pipeline steps a step's shared-memory tiles stay held after it (0 or 1). With 1
+  # a step's wgmmas are left in flight across the step boundary (waited for one step later),
+  # so the next step's dequantization overlaps them too.
+  delay_release: int = 0
 
 
 def forward_smem_bytes(config: Config, x_itemsize: int = 2) -> int:
@@ -314,6 +318,7 @@ def forward(
       f"nf4 forward kernel: shape {(m, k, n)} does not tile by {(bm, bk * splits, cta_n)}"
     )
   out_dtype = x.dtype if splits == 1 else jnp.float32
+  hold = config.delay_release
 
   def body(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem):
     m0 = lax.axis_index("m") * bm
@@ -327,6 +332,7 @@ def forward(
       @functools.partial(pl.run_scoped, acc=plgpu.ACC((WG_ROWS, bm), jnp.float32))
       def _(acc):
         run_pipeline(acc)
+        plgpu.wgmma_wait(0)  # the last step's wgmmas (left in flight with delay_release)
         o_smem.at[wg][...] = acc[...].astype(o_smem.dtype)  # [64, bm]: a tile of y^T
         plgpu.commit_smem()
         out = o_part.at[pl.ds(n0 + wg * WG_ROWS, WG_ROWS), pl.ds(m0, bm)]
@@ -342,7 +348,8 @@ def forward(
           plgpu.commit_smem()
           w = a_smem.at[wg, j]
         plgpu.wgmma(acc, w, x_smem.at[:, cols].T)  # [64, 64] @ [64, bm]
-      plgpu.wgmma_wait(0)
+      # Each wgmma is one group: wait for all, or (delay_release) for the previous step's.
+      plgpu.wgmma_wait(sub if config.delay_release else 0)
       return acc
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
@@ -350,9 +357,13 @@ def forward(
       grid=(k_part // bk,),
       memory_registers=40,
       in_specs=[
-        plgpu.BlockSpec((bm, bk), lambda i: (0, i), transforms=_transforms(BLOCK_K, x.dtype)),
-        plgpu.BlockSpec((cta_n, bk), lambda i: (0, i), transforms=_CODE_TRANSFORMS),
-        plgpu.BlockSpec((sub, cta_n), lambda i: (i, 0)),
+        plgpu.BlockSpec(
+          (bm, bk), lambda i: (0, i), transforms=_transforms(BLOCK_K, x.dtype), delay_release=hold
+        ),
+        plgpu.BlockSpec(
+          (cta_n, bk), lambda i: (0, i), transforms=_CODE_TRANSFORMS, delay_release=hold
+        ),
+        plgpu.BlockSpec((sub, cta_n), lambda i: (i, 0), delay_release=hold),
       ],
       wg_axis="wg",
       num_compute_wgs=wgs,
