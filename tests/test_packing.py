@@ -141,9 +141,8 @@ def test_kernel_path_computes_the_xla_loss_and_gradients(hf_llama_dir):
       s, n = losses.loss_sums(graphdef, lora, frozen, batch, None, rt)
       return s / n
 
-    fn = jax.jit(jax.value_and_grad(mean_loss))
-    jaxpr = str(jax.make_jaxpr(jax.value_and_grad(mean_loss))(lora))
-    return fn(lora), jaxpr
+    traced = jax.jit(jax.value_and_grad(mean_loss)).trace(lora)  # traced once, run once
+    return traced.lower().compile()(lora), str(traced.jaxpr)
 
   (ref, ref_g), ref_jaxpr = loss_and_grads(False)
   (got, got_g), got_jaxpr = loss_and_grads(True)
