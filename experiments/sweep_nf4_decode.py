@@ -5,8 +5,8 @@ copy of W, and the Mosaic GPU kernel alone (scales prepared once, as decoding no
 x already padded to the tile; --lookup, "word" as decoding runs it) over a grid of
 configurations: compute warpgroups (--wgs; K split over proportionally more cells where a cell
 covers more rows), K split over --split-factors times those cells, --subs 64-wide k blocks per
-pipeline step, wgmmas waited for in their step or one step later (--delays), the scales
-applied to the tile or after each k block's product (--scale-after), 4 pipeline stages.
+pipeline step, wgmmas waited for in their step or one step later (--delays), 4 pipeline
+stages.
 Device time (CUPTI), each call over weight copies that outgrow L2, median of --reps. Checks
 each configuration against the float32 reference. Prints the best per shape and how dispatch's
 current choice compares.
@@ -41,9 +41,6 @@ def main():
   ap.add_argument("--subs", default="1,2,4")
   ap.add_argument("--delays", default="0", help="delay_release values: 0, 1 or both")
   ap.add_argument(
-    "--scale-after", default="0", help="0, 1 or both: scales applied after each k block's product"
-  )
-  ap.add_argument(
     "--shapes", default=None,
     help="KxN,... (default the 8B projections; decoding's launches: 4096x6144,4096x4096,"
     "4096x28672,14336x4096 = fused q/k/v, o, fused gate/up, down)",
@@ -68,18 +65,17 @@ def main():
       prepared = [(codes(q[0], **kw), kernel_scales(*q[1:])) for q in qs]
       found = []
       grid = itertools.product(
-        _ints(args.wgs), _floats(args.split_factors), _ints(args.subs), _ints(args.delays),
-        _ints(args.scale_after), (4,),
-      )  # fmt: skip
-      for wgs, split_f, sub, delay, after, stages in grid:
-        if n % (kernel.WG_ROWS * wgs) or (after and delay):  # scale_after waits in its step
+        _ints(args.wgs), _floats(args.split_factors), _ints(args.subs), _ints(args.delays), (4,)
+      )
+      for wgs, split_f, sub, delay, stages in grid:
+        if n % (kernel.WG_ROWS * wgs):
           continue
         split = max(1, int(base.split_k * split_f * wgs / base.compute_wgs))
         if k % (64 * sub * split) or k // split < 64 * sub:
           continue
         cfg = kernel.Config(
           block_m=base.block_m, compute_wgs=wgs, split_k=split, k_sub=sub,
-          max_concurrent_steps=stages, delay_release=delay, scale_after=bool(after),
+          max_concurrent_steps=stages, delay_release=delay,
         )  # fmt: skip
         if kernel.forward_smem_bytes(cfg) > kernel.SMEM_BYTES:
           continue
@@ -93,20 +89,22 @@ def main():
         except Exception:  # a configuration that does not lower is reported and skipped
           traceback.print_exc(limit=2)
           continue
-        now = (wgs, split, sub, delay, bool(after), stages) == (
-          base.compute_wgs, base.split_k, base.k_sub, base.delay_release, base.scale_after, 4
-        )  # fmt: skip
+        now = (wgs, split, sub, delay, stages) == (
+          base.compute_wgs,
+          base.split_k,
+          base.k_sub,
+          base.delay_release,
+          4,
+        )
         row = {
           "M": m, "K": k, "N": n, "lookup": args.lookup, "wgs": wgs, "split_k": split,
-          "k_sub": sub, "delay_release": delay, "scale_after": bool(after), "stages": stages,
-          "dispatch": now, "err": err,
+          "k_sub": sub, "delay_release": delay, "stages": stages, "dispatch": now, "err": err,
           "kernel_ms": ms, "bf16_ms": bf16, "kernel_vs_bf16": ms / bf16,
         }  # fmt: skip
         rows.append(row)
         found.append(row)
         print(
-          f"M={m} K={k} N={n} wgs={wgs} split={split} k_sub={sub} delay={delay} "
-          f"scale_after={after}: "
+          f"M={m} K={k} N={n} wgs={wgs} split={split} k_sub={sub} delay={delay}: "
           f"{ms * 1e3:.1f} us = {ms / bf16:.3f}x bf16, err {err:.1e}"
           + (" (dispatch)" if now else ""),
           flush=True,

@@ -53,19 +53,12 @@ def test_forward_matches_reference(lead, k, n):
     (kernel.Config(block_m=32, compute_wgs=1, k_sub=2, a_from_smem=True), 256),
     (kernel.Config(block_m=16, compute_wgs=2, split_k=2, k_sub=4, a_from_smem=True), 1024),
     (kernel.Config(block_m=16, compute_wgs=2, k_sub=2, delay_release=1, a_from_smem=True), 512),
-    (
-      kernel.Config(
-        block_m=16, compute_wgs=2, split_k=2, k_sub=2, scale_after=True, a_from_smem=True
-      ),
-      512,
-    ),  # fmt: skip
   ],
   ids=[
     "split-k",
     "two-k-blocks-per-step",
     "split-k-four-k-blocks-per-step",
     "wgmma-in-flight-across-steps",
-    "scale-after-the-product",
   ],  # fmt: skip
 )
 def test_forward_configs(cfg, k):

@@ -73,10 +73,6 @@ class Config:
   # a step's wgmmas are left in flight across the step boundary (waited for one step later),
   # so the next step's dequantization overlaps them too.
   delay_release: int = 0
-  # Forward: each k block's product in an accumulator of its own, scaled after (acc += s *
-  # (codes_kb @ x_kb), float32, one multiply per output element and k block) instead of the
-  # tile scaled before the product (one per weight element); waits for its wgmmas in its step.
-  scale_after: bool = False
 
 
 def forward_smem_bytes(config: Config, x_itemsize: int = 2) -> int:
@@ -279,23 +275,15 @@ def _lookup_word(w):
 
 
 def _dequant_tile(w_smem, s_smem, lookup: str):
-  """[64, 64] codes in SMEM and their [64] scales in SMEM (None: unscaled NF4 levels) -> bf16
-  tile in the WGMMA layout."""
+  """[64, 64] codes in SMEM and their [64] scales in SMEM -> bf16 tile in the WGMMA layout."""
   w = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
   if lookup == "word":
     w = _lookup_word(w)
   else:
     w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
     w = _lookup_prmt(w) if lookup == "prmt" else _lookup_select(w)
-  if s_smem is None:
-    return w
-  return w * _row_scales(s_smem, w.shape, w.dtype)
-
-
-def _row_scales(s_smem, shape, dtype):
-  """The [64] scales in SMEM broadcast over the columns of a [64, n] tile (WGMMA layout)."""
-  s = plgpu.load(s_smem, (), layout=plgpu.Layout.WGMMA.reduce(1)).astype(dtype)
-  return lax.broadcast_in_dim(s, shape, [0])
+  s = plgpu.load(s_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
+  return w * lax.broadcast_in_dim(s, w.shape, [0])
 
 
 def _transforms(minor: int, dtype) -> tuple:
@@ -340,54 +328,29 @@ def forward(
     rows = pl.ds(wg * WG_ROWS, WG_ROWS)
     o_part = o_gmem.at[lax.axis_index("s")]
 
-    def store(tile):  # [64, bm] float32: a tile of y^T
-      o_smem.at[wg][...] = tile.astype(o_smem.dtype)
-      plgpu.commit_smem()
-      out = o_part.at[pl.ds(n0 + wg * WG_ROWS, WG_ROWS), pl.ds(m0, bm)]
-      plgpu.copy_smem_to_gmem(o_smem.at[wg], out)
-      plgpu.wait_smem_to_gmem(0)
-
     def compute_context(run_pipeline):
-      if config.scale_after:  # the carry is the scaled sum itself, in registers
-        zeros = jnp.zeros((WG_ROWS, bm), jnp.float32)
-        store(run_pipeline(plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)))
-        return
-
       @functools.partial(pl.run_scoped, acc=plgpu.ACC((WG_ROWS, bm), jnp.float32))
       def _(acc):
         run_pipeline(acc)
         plgpu.wgmma_wait(0)  # the last step's wgmmas (left in flight with delay_release)
-        store(acc[...])
+        o_smem.at[wg][...] = acc[...].astype(o_smem.dtype)  # [64, bm]: a tile of y^T
+        plgpu.commit_smem()
+        out = o_part.at[pl.ds(n0 + wg * WG_ROWS, WG_ROWS), pl.ds(m0, bm)]
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], out)
+        plgpu.wait_smem_to_gmem(0)
 
-    def products(x_smem, w_smem, s_smem, accs):
-      """Each k block's [64, 64] @ [64, bm] into accs[j], or all into accs[0]; the tile
-      scaled first unless scale_after."""
+    def step(_, x_smem, w_smem, s_smem, acc):
       for j in range(sub):
         cols = pl.ds(j * BLOCK_K, BLOCK_K)
-        scales = None if config.scale_after else s_smem.at[j, rows]
-        w = _dequant_tile(w_smem.at[rows, cols], scales, lookup)
+        w = _dequant_tile(w_smem.at[rows, cols], s_smem.at[j, rows], lookup)
         if config.a_from_smem:
           a_smem.at[wg, j][...] = w
           plgpu.commit_smem()
           w = a_smem.at[wg, j]
-        plgpu.wgmma(accs[j if config.scale_after else 0], w, x_smem.at[:, cols].T)
-
-    def step(_, x_smem, w_smem, s_smem, carry):
-      if config.scale_after:
-
-        def blocks(*accs):
-          products(x_smem, w_smem, s_smem, accs)
-          plgpu.wgmma_wait(0)
-          return [a[...] for a in accs]
-
-        parts = pl.run_scoped(blocks, *[plgpu.ACC((WG_ROWS, bm), jnp.float32)] * sub)
-        for j, part in enumerate(parts):
-          carry = carry + part * _row_scales(s_smem.at[j, rows], part.shape, part.dtype)
-        return carry
-      products(x_smem, w_smem, s_smem, [carry])
+        plgpu.wgmma(acc, w, x_smem.at[:, cols].T)  # [64, 64] @ [64, bm]
       # Each wgmma is one group: wait for all, or (delay_release) for the previous step's.
       plgpu.wgmma_wait(sub if config.delay_release else 0)
-      return carry
+      return acc
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
       step,
