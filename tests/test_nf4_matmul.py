@@ -53,17 +53,24 @@ def test_forward_matches_reference(lead, k, n):
     (kernel.Config(block_m=32, compute_wgs=1, k_sub=2, a_from_smem=True), 256),
     (kernel.Config(block_m=16, compute_wgs=2, split_k=2, k_sub=4, a_from_smem=True), 1024),
     (kernel.Config(block_m=16, compute_wgs=2, k_sub=2, delay_release=1, a_from_smem=True), 512),
+    (
+      kernel.Config(
+        block_m=16, compute_wgs=4, split_k=2, k_sub=2, delay_release=1, a_from_smem=True
+      ),
+      1024,
+    ),  # fmt: skip
   ],
   ids=[
     "split-k",
     "two-k-blocks-per-step",
     "split-k-four-k-blocks-per-step",
     "wgmma-in-flight-across-steps",
+    "four-compute-warpgroups",
   ],  # fmt: skip
 )
 def test_forward_configs(cfg, k):
   rng = np.random.default_rng(3)
-  m, n = 32, 128
+  m, n = 32, 2 * kernel.WG_ROWS * cfg.compute_wgs // min(cfg.compute_wgs, 2)
   q = _weights(rng, n, k)
   x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
   w4, scales = kernel.kernel_operands(*q, swap_nibbles=True)
@@ -140,18 +147,24 @@ def test_prmt_lookup_program_on_every_byte():
 
 
 def test_decoding_dispatch_takes_the_swept_configurations():
-  """At decoding sizes dispatch splits K to a cell per SM and takes the most k blocks per
-  step that leave 4 steps: the fastest configurations of experiments/sweep_nf4_decode.py
-  (H100, 8B shapes, M = 1 and 16): (split, k blocks) = (8, 2), (2, 4), (8, 4), wgmmas in
-  flight into the next step; at M = 64 half the cells and the most blocks that fit in shared
-  memory: (4, 2), (1, 4), (4, 2)."""
+  """At decoding sizes dispatch takes four compute warpgroups a cell, splits K to at most one
+  wave of cells and takes the most k blocks per step that leave 4 steps, wgmmas in flight into
+  the next step: the fastest configurations measured (experiments/RESULTS.md, H100, decoding's
+  8B launches, M = 1 and 16); two warpgroups split to a cell per SM where N is no multiple
+  of 256; at M = 64 half the cells and the most blocks that fit in shared memory: (4, 2),
+  (1, 4), (4, 2)."""
   from pallas_kernels.nf4_matmul import ops
 
-  for (k, n), want in {(4096, 4096): (8, 2), (4096, 14336): (2, 4), (14336, 4096): (8, 4)}.items():
+  decode = {  # (K, N): (split, k blocks a step), four compute warpgroups, one wave of cells
+    (4096, 4096): (8, 2), (4096, 6144): (4, 4), (4096, 28672): (1, 4), (14336, 4096): (8, 4),
+  }  # fmt: skip
+  for (k, n), want in decode.items():
     for m in (1, 16):
       cfg = ops._forward_config(m, n, k, interpret=False)
-      assert (cfg.block_m, cfg.split_k, cfg.k_sub) == (16, *want), (m, k, n)
+      assert (cfg.block_m, cfg.compute_wgs, cfg.split_k, cfg.k_sub) == (16, 4, *want), (m, k, n)
       assert cfg.delay_release == 1  # wgmmas left in flight across steps (swept at M <= 16)
+  cfg = ops._forward_config(1, 4096 + 128, 4096, interpret=False)  # not a multiple of 256
+  assert (cfg.compute_wgs, cfg.split_k) == (2, 4)  # 33 cells split to cover the GPU
   # 64 tokens (GRPO's rollouts of 8 x 8): the sweep's fastest at M = 64 is half the cells.
   for (k, n), want in {(4096, 4096): (4, 2), (4096, 14336): (1, 4), (14336, 4096): (4, 2)}.items():
     cfg = ops._forward_config(64, n, k, interpret=False)
@@ -443,3 +456,22 @@ def test_prepared_matmul_runs_weights_of_one_input_as_one():
   np.testing.assert_array_equal(np.asarray(auto[0]), np.asarray(xla))
   with pytest.raises(ValueError, match="impl must be one of"):
     ops.prepared_matmul(x, word, scales, impl="cuda")
+
+
+def test_four_warpgroups_get_registers_the_block_has():
+  """Mosaic GPU's pipeline would raise four compute warpgroups to 112 registers each, more
+  than a block of 640 threads is launched with (it hung on an H100); while the kernel is
+  traced they get 96, and the pipeline's own split is back afterwards."""
+  from jax._src.pallas.mosaic_gpu import pipeline
+
+  from pallas_kernels import _gpu
+
+  assert _gpu.four_warpgroups_supported()
+  assert pipeline._compute_registers(40, 4) == 112  # what hangs: 4 x 128 x 112 + 128 x 40
+  with _gpu.compute_registers(4):
+    assert pipeline._compute_registers(40, 4) == 96
+    assert 4 * 128 * 96 + 128 * 40 <= 640 * 96
+    assert pipeline._compute_registers(40, 2) == 232  # two warpgroups keep the pipeline's
+  with _gpu.compute_registers(2):
+    assert pipeline._compute_registers(40, 4) == 112
+  assert pipeline._compute_registers(40, 4) == 112

@@ -46,6 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxtune import nf4
 from jaxtune.nf4_maps import NF4_CODE
+from pallas_kernels import _gpu
 from pallas_kernels.nf4_matmul.reference import word_bytes
 
 BLOCK_K = nf4.BLOCKSIZE  # one scale per 64 inputs: the natural k step
@@ -376,7 +377,7 @@ def forward(
       s_gmem.at[pl.ds(k0 // BLOCK_K, k_part // BLOCK_K), pl.ds(n0, cta_n)],
     )
 
-  out = plgpu.kernel(
+  kernel = plgpu.kernel(
     body,
     out_type=jax.ShapeDtypeStruct((splits, n, m), out_dtype),
     scratch_types=dict(
@@ -392,7 +393,9 @@ def forward(
     num_threads=wgs + 1,
     thread_name="wg",
     interpret=interpret,
-  )(x, w4, scales)
+  )
+  with _gpu.compute_registers(wgs):  # the body is traced here
+    out = kernel(x, w4, scales)
   if splits == 1:
     return out[0].T
   return jnp.sum(out, axis=0).T.astype(x.dtype)
