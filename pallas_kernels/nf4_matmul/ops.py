@@ -73,34 +73,37 @@ def _block_m(m: int) -> int:
 def _forward_config(m: int, n: int, k: int, interpret: bool):
   """The kernel's Config for x [m, k] @ W^T [k, n], or None where it does not apply.
 
-  Decoding tiles (at most 64 tokens) follow the sweep of experiments/sweep_nf4_decode.py
-  (one H100, 8B shapes, M = 1 and 16): K is split until the grid has a cell per
-  streaming multiprocessor, and each pipeline step takes the most 64-wide k blocks (4, 2, 1)
+  Decoding tiles (at most 64 tokens) follow the sweeps of experiments/sweep_nf4_decode.py
+  (one H100, 8B shapes, M = 1 and 16): K is split (wider tiles: until the grid has a cell per
+  streaming multiprocessor), and each pipeline step takes the most 64-wide k blocks (4, 2, 1)
   that still leave it 4 steps and fit in shared memory (64 tokens with split K: 2 blocks);
   21-24% faster than one block a step over twice the cells. Tiles of 64 tokens measured
   fastest at half those cells (M = 64: 0.77-0.82x cuBLAS bf16, against 0.85-1.02x at a cell
   per SM). Tiles of at most 16 tokens leave a step's wgmmas in flight into the next step
   (``delay_release``; the same sweep, decoding's fused shapes, M = 1 and 16: 1-5% less time
   on every shape, e.g. gate/up 0.513 against 0.531 of cuBLAS bf16; not measured wider).
-  Those tiles take four compute warpgroups a cell where N is a multiple of 256 (twice the
-  warps to hide the lookup's latency; 5-9% less time than two on the large 8B shapes), and
-  split K only as far as one wave of cells (gate/up unsplit: 112 cells ran 39.5 us against
-  43.4 us for 224; down split 8: 21.2 against 24.2 for 16).
+  Those tiles split K only as far as one wave of cells (at most one per SM), and take four
+  compute warpgroups a cell where two would need more than a wave and N is a multiple of 256
+  (H100, word lookup, decoding's 8B launches at M = 1, one run: q/k/v 96 cells 13.0 us against
+  15.4 at 192; o 128 cells 9.4 against 12.0 at 256; down 128 cells 20.2 against 23.1 at 256;
+  gate/up 112 cells of four warpgroups 37.9 against 40.8 for 224 of two).
   """
   kernel = _kernel()
   bm = _block_m(m)
   wgs = 2 if n % (2 * kernel.WG_ROWS) == 0 else 1
-  four = bm <= 16 and n % (4 * kernel.WG_ROWS) == 0 and _gpu.four_warpgroups_supported()
-  wgs = 4 if four else wgs
   if n % (wgs * kernel.WG_ROWS) or k % kernel.BLOCK_K:
     return None
   cells = (n // (wgs * kernel.WG_ROWS)) * (-(-m // bm))
+  if bm <= 16 and cells > _TARGET_CELLS and n % (4 * kernel.WG_ROWS) == 0:
+    if _gpu.four_warpgroups_supported():
+      wgs, cells = 4, cells // 2
   split = 1
-  # Few output tiles (decoding): split K until the grid covers the GPU (four warpgroups: at
-  # most one wave), keeping at least 4 steps of 64 per cell. Not with wide tiles: their
-  # float32 partial outputs would not fit in shared memory beside the pipeline.
+  # Few output tiles (decoding): split K while the grid stays within one wave (16-token
+  # tiles) or until it covers the GPU (wider ones), keeping at least 4 steps of 64 per cell.
+  # Not with wide tiles: their float32 partial outputs would not fit in shared memory beside
+  # the pipeline.
   target = _TARGET_CELLS if bm <= 32 else _TARGET_CELLS // 2  # 64-token tiles: one per 2 SMs
-  more = (lambda c: c * 2 <= target) if four else (lambda c: c < target)  # noqa: E731
+  more = (lambda c: c * 2 <= target) if bm <= 16 else (lambda c: c < target)  # noqa: E731
   while bm <= 64 and more(cells * split) and k % (kernel.BLOCK_K * split * 2) == 0:
     if k // (split * 2) < 4 * kernel.BLOCK_K:
       break
