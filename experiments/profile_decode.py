@@ -75,9 +75,11 @@ def main():
   ap.add_argument("--checkpoint-dir", default=None, help="reuse or keep the checkpoint here")
   ap.add_argument(
     "--wall-steps", type=int, default=20,
-    help="token steps timed by the host clock back to back (launch gaps included)",
+    help="token steps timed by the host clock back to back (launch gaps included; >= 1)",
   )  # fmt: skip
   args = ap.parse_args()
+  if args.wall_steps < 1:
+    ap.error("--wall-steps must be at least 1")
   from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 (GPU only)
 
   rows = []

@@ -8,6 +8,7 @@ as is the warp-specialized pipeline's register split (``compute_registers``).
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -49,6 +50,9 @@ def four_warpgroups_supported() -> bool:
   return callable(getattr(pipeline, "_compute_registers", None))
 
 
+_PATCH_LOCK = threading.RLock()  # one patch at a time; a trace nested in a trace is fine
+
+
 @contextlib.contextmanager
 def compute_registers(num_compute_wgs: int) -> Iterator[None]:
   """While a kernel is traced: Mosaic GPU's warp-specialized pipeline (jax 0.11.2) raises each
@@ -56,19 +60,22 @@ def compute_registers(num_compute_wgs: int) -> Iterator[None]:
   With four compute warpgroups that is 112, more than the block was launched with (640
   threads x 96), so the increase never completes and the block hangs on the GPU (measured on
   an H100: no result in 90 s; with 96 it runs, experiments/RESULTS.md). Four compute
-  warpgroups get ``FOUR_WARPGROUP_REGISTERS`` instead; other counts keep the pipeline's."""
+  warpgroups get ``FOUR_WARPGROUP_REGISTERS`` instead; other counts keep the pipeline's.
+  Used inside the kernel's body around the pipeline, so that every trace of the body (a
+  vmap of the kernel traces it again, later) is covered."""
   if num_compute_wgs != 4:
     yield
     return
   from jax._src.pallas.mosaic_gpu import pipeline  # noqa: PLC0415
 
-  original = pipeline._compute_registers
+  with _PATCH_LOCK:
+    original = pipeline._compute_registers
 
-  def split(memory_registers: int, wgs: int) -> int:
-    return FOUR_WARPGROUP_REGISTERS if wgs == 4 else original(memory_registers, wgs)
+    def split(memory_registers: int, wgs: int) -> int:
+      return FOUR_WARPGROUP_REGISTERS if wgs == 4 else original(memory_registers, wgs)
 
-  pipeline._compute_registers = split
-  try:
-    yield
-  finally:
-    pipeline._compute_registers = original
+    pipeline._compute_registers = split
+    try:
+      yield
+    finally:
+      pipeline._compute_registers = original

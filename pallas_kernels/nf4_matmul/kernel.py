@@ -318,6 +318,10 @@ def forward(
     raise ValueError(
       f"nf4 forward kernel: shape {(m, k, n)} does not tile by {(bm, bk * splits, cta_n)}"
     )
+  if config.a_from_smem and config.delay_release and interpret is None:
+    # One staging tile per warpgroup and k block: the next step would overwrite it while the
+    # previous step's wgmma may still read it (the interpreter's wgmma is synchronous).
+    raise ValueError("nf4 forward kernel: a_from_smem with delay_release races on the GPU")
   out_dtype = x.dtype if splits == 1 else jnp.float32
   hold = config.delay_release
 
@@ -371,11 +375,12 @@ def forward(
       max_concurrent_steps=config.max_concurrent_steps,
       compute_context=compute_context,
     )
-    pipeline(
-      x_gmem.at[pl.ds(m0, bm), pl.ds(k0, k_part)],
-      w_gmem.at[pl.ds(n0, cta_n), pl.ds(k0, k_part)],
-      s_gmem.at[pl.ds(k0 // BLOCK_K, k_part // BLOCK_K), pl.ds(n0, cta_n)],
-    )
+    with _gpu.compute_registers(wgs):  # the pipeline sets its registers as it is traced
+      pipeline(
+        x_gmem.at[pl.ds(m0, bm), pl.ds(k0, k_part)],
+        w_gmem.at[pl.ds(n0, cta_n), pl.ds(k0, k_part)],
+        s_gmem.at[pl.ds(k0 // BLOCK_K, k_part // BLOCK_K), pl.ds(n0, cta_n)],
+      )
 
   kernel = plgpu.kernel(
     body,
@@ -394,8 +399,7 @@ def forward(
     thread_name="wg",
     interpret=interpret,
   )
-  with _gpu.compute_registers(wgs):  # the body is traced here
-    out = kernel(x, w4, scales)
+  out = kernel(x, w4, scales)
   if splits == 1:
     return out[0].T
   return jnp.sum(out, axis=0).T.astype(x.dtype)

@@ -83,7 +83,8 @@ def _forward_config(m: int, n: int, k: int, interpret: bool):
   (``delay_release``; the same sweep, decoding's fused shapes, M = 1 and 16: 1-5% less time
   on every shape, e.g. gate/up 0.513 against 0.531 of cuBLAS bf16; not measured wider).
   Those tiles split K only as far as one wave of cells (at most one per SM), and take four
-  compute warpgroups a cell where two would need more than a wave and N is a multiple of 256
+  compute warpgroups a cell where two would need more than a wave, four would not, and N is
+  a multiple of 256
   (H100, word lookup, decoding's 8B launches at M = 1, one run: q/k/v 96 cells 13.0 us against
   15.4 at 192; o 128 cells 9.4 against 12.0 at 256; down 128 cells 20.2 against 23.1 at 256;
   gate/up 112 cells of four warpgroups 37.9 against 40.8 for 224 of two).
@@ -94,7 +95,8 @@ def _forward_config(m: int, n: int, k: int, interpret: bool):
   if n % (wgs * kernel.WG_ROWS) or k % kernel.BLOCK_K:
     return None
   cells = (n // (wgs * kernel.WG_ROWS)) * (-(-m // bm))
-  if bm <= 16 and cells > _TARGET_CELLS and n % (4 * kernel.WG_ROWS) == 0:
+  # Measured only where four bring the grid within a wave (8B gate/up; not 70B's 448 cells).
+  if bm <= 16 and cells > _TARGET_CELLS >= cells // 2 and n % (4 * kernel.WG_ROWS) == 0:
     if _gpu.four_warpgroups_supported():
       wgs, cells = 4, cells // 2
   split = 1
