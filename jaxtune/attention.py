@@ -138,6 +138,18 @@ def masked_attention(
   return out.reshape(b, t, n, h)
 
 
+def _whole(sharding, dims):
+  """``sharding`` with ``dims`` unsplit where it names its mesh axes (a NamedSharding); other
+  kinds (the GSPMDShardings of a partly manual region, which come with those dims whole) as
+  given."""
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return sharding
+  spec = [*sharding.spec, *[None] * (max(dims) + 1 - len(sharding.spec))]
+  for d in dims:
+    spec[d] = None
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+
+
 @functools.cache
 def _partitioned_flash(kernel, scale, softcap):
   """The flash op (q, k, v, segment ids, window [1]) -> out, split by the partitioner itself:
@@ -159,13 +171,15 @@ def _partitioned_flash(kernel, scale, softcap):
 
   def split(args):
     """The shardings the op runs with: q's for q, k, v (and out, its cotangent and the
-    gradients), the given ones for segment ids and window, after checking that q splits
-    rows and heads only and the segment ids split rows alike."""
+    gradients) with tokens and head_dim whole (the partitioner gathers them first where they
+    come split), the segment ids' with tokens whole, the window's; after checking that q
+    splits rows and heads only and the segment ids split rows alike."""
     q, seg = args[0], args[3]
-    qs, ss = q.sharding.shard_shape(q.shape), seg.sharding.shard_shape(seg.shape)
+    h, r = _whole(q.sharding, (1, 3)), _whole(seg.sharding, (1,))
+    qs, ss = h.shard_shape(q.shape), r.shard_shape(seg.shape)
     if qs[1] != q.shape[1] or qs[3] != q.shape[3] or ss != (qs[0], seg.shape[1]):
       raise ValueError(f"flash attention split as q {qs} of {q.shape}, segment ids {ss}")
-    return q.sharding, args[3].sharding, args[4].sharding
+    return h, r, args[4].sharding
 
   def forward_partition(mesh, args, result):
     h, r, w = split(args)
@@ -178,13 +192,13 @@ def _partitioned_flash(kernel, scale, softcap):
   fwd = custom_partitioning(forward)
   fwd.def_partition(
     partition=forward_partition,
-    infer_sharding_from_operands=lambda mesh, args, result: args[0].sharding,
+    infer_sharding_from_operands=lambda mesh, args, result: split(args)[0],
     sharding_rule="b t n h, b t k h, b t k h, b t, w -> b t n h",
   )
   bwd = custom_partitioning(backward)
   bwd.def_partition(
     partition=backward_partition,
-    infer_sharding_from_operands=lambda mesh, args, result: (args[0].sharding,) * 3,
+    infer_sharding_from_operands=lambda mesh, args, result: (split(args)[0],) * 3,
     sharding_rule="b t n h, b t k h, b t k h, b t, w, b t n h -> b t n h, b t k h, b t k h",
   )
 
