@@ -13,10 +13,8 @@ import argparse
 import collections
 import functools
 import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -27,6 +25,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jaxtune  # noqa: E402
+from experiments.measure import wall_ms  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
 from jaxtune import decoding  # noqa: E402
@@ -38,19 +37,6 @@ CATEGORIES = (  # first match wins
   ("copy", ("copy", "transpose", "dynamic", "memcpy", "memset", "concatenate", "slice")),
   ("fusion", ("fusion", "loop_", "input_", "reduce", "convert", "multiply", "add")),
 )
-
-
-def wall_ms(step, state, ids, cache, pos, n: int):
-  """(median host-clock ms of one token step, the cache after): ``n`` steps back to back (the
-  cache donated and carried), each one waited for: device time plus launch gaps and host
-  overhead."""
-  times = []
-  for _ in range(n):
-    t0 = time.perf_counter()
-    logits, cache = step(state, ids, cache, pos)
-    jax.block_until_ready(logits)
-    times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times), cache
 
 
 def category(name: str) -> str:
@@ -75,7 +61,8 @@ def main():
   ap.add_argument("--checkpoint-dir", default=None, help="reuse or keep the checkpoint here")
   ap.add_argument(
     "--wall-steps", type=int, default=20,
-    help="token steps timed by the host clock back to back (launch gaps included; >= 1)",
+    help="token steps timed by the host clock after one more, each waited for (launch gaps "
+    "included; >= 1)",
   )  # fmt: skip
   args = ap.parse_args()
   if args.wall_steps < 1:
@@ -117,7 +104,14 @@ def main():
         p1 = jnp.full((b, 1), args.prompt_len, jnp.int32)
         logits, cache = token_step(pstate, one, cache, p1)
         jax.block_until_ready(logits)
-        wall, cache = wall_ms(token_step, pstate, one, cache, p1, args.wall_steps)
+        carried = [cache]  # donated by each step, so each call passes the previous step's
+
+        def next_step(carried=carried, state=pstate, one=one, p1=p1, token_step=token_step):
+          logits, carried[0] = token_step(state, one, carried[0], p1)
+          return logits
+
+        wall = wall_ms(next_step, reps=args.wall_steps)
+        cache = carried[0]
         _, kernels = profiler.measure(
           lambda s, i, c, p: token_step(s, i, c, p)[0], aggregate=False
         )(pstate, one, cache, p1)

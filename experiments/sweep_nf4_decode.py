@@ -90,13 +90,7 @@ def main():
         except Exception:  # a configuration that does not lower is reported and skipped
           traceback.print_exc(limit=2)
           continue
-        now = (wgs, split, sub, delay, stages) == (
-          base.compute_wgs,
-          base.split_k,
-          base.k_sub,
-          base.delay_release,
-          4,
-        )
+        now = cfg == base  # dispatch's own configuration
         row = {
           "M": m, "K": k, "N": n, "lookup": args.lookup, "wgs": wgs, "split_k": split,
           "k_sub": sub, "delay_release": delay, "stages": stages, "dispatch": now, "err": err,

@@ -40,6 +40,7 @@ def interpret_params() -> "InterpretGPUParams":
 FOUR_WARPGROUP_REGISTERS = 96
 
 
+@functools.cache
 def four_warpgroups_supported() -> bool:
   """Whether ``compute_registers`` can correct the pipeline's register split (the private
   function it replaces exists in this jax)."""

@@ -105,8 +105,8 @@ def _forward_config(m: int, n: int, k: int, interpret: bool):
   # Not with wide tiles: their float32 partial outputs would not fit in shared memory beside
   # the pipeline.
   target = _TARGET_CELLS if bm <= 32 else _TARGET_CELLS // 2  # 64-token tiles: one per 2 SMs
-  more = (lambda c: c * 2 <= target) if bm <= 16 else (lambda c: c < target)  # noqa: E731
-  while bm <= 64 and more(cells * split) and k % (kernel.BLOCK_K * split * 2) == 0:
+  limit = target // 2 if bm <= 16 else target - 1  # most cells before doubling the split
+  while bm <= 64 and cells * split <= limit and k % (kernel.BLOCK_K * split * 2) == 0:
     if k // (split * 2) < 4 * kernel.BLOCK_K:
       break
     split *= 2
