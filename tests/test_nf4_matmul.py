@@ -59,6 +59,9 @@ def test_forward_matches_reference(lead, k, n):
       ),
       1024,
     ),  # fmt: skip
+    # Training tiles store y, not y^T (each tile transposed into shared memory). One compute
+    # warpgroup: with two, Mosaic GPU's interpreter deadlocks on that store now and then.
+    (kernel.Config(block_m=32, compute_wgs=1, out_rows=True, a_from_smem=True), 256),
   ],
   ids=[
     "split-k",
@@ -66,6 +69,7 @@ def test_forward_matches_reference(lead, k, n):
     "split-k-four-k-blocks-per-step",
     "wgmma-in-flight-across-steps",
     "four-compute-warpgroups",
+    "output-stored-as-rows",
   ],  # fmt: skip
 )
 def test_forward_configs(cfg, k):
@@ -84,8 +88,9 @@ def test_forward_configs(cfg, k):
   [
     kernel.Config(block_m=64, block_n=64, block_k_out=64, compute_wgs=2),
     kernel.Config(block_m=64, block_n=128, block_k_out=128, compute_wgs=1),
+    kernel.Config(block_m=64, block_n=64, block_k_out=64, compute_wgs=2, delay_release=1),
   ],
-  ids=["two-warpgroups", "wide-tiles"],
+  ids=["two-warpgroups", "wide-tiles", "wgmma-in-flight-across-steps"],
 )
 def test_backward_kernel(cfg):
   rng = np.random.default_rng(4)
@@ -169,7 +174,28 @@ def test_decoding_dispatch_takes_the_swept_configurations():
   for (k, n), want in {(4096, 4096): (4, 2), (4096, 14336): (1, 4), (14336, 4096): (4, 2)}.items():
     cfg = ops._forward_config(64, n, k, interpret=False)
     assert (cfg.block_m, cfg.split_k, cfg.k_sub, cfg.delay_release) == (64, *want, 0), (k, n)
-  assert ops._forward_config(4096, 4096, 4096, interpret=False).k_sub == 1  # training tiles
+  # Training tiles (sweep_nf4_train.py, H100): 256 tokens, one k block a step, y stored as
+  # rows (not under the interpreter), the word lookup on codes permuted per call; the input
+  # gradient in 256 x 64 tiles.
+  cfg = ops._forward_config(4096, 4096, 4096, interpret=False)
+  assert (cfg.block_m, cfg.k_sub, cfg.delay_release, cfg.out_rows) == (256, 1, 0, True)
+  assert not ops._forward_config(4096, 4096, 4096, interpret=True).out_rows
+  assert ops._kernel_args("kernel", None, 256)["lookup"] == "word"
+  assert ops._kernel_args("kernel", None, 16)["lookup"] == "prmt"
+  assert ops._kernel_args("interpret", None, 256)["lookup"] == "select"
+  bwd = ops._backward_config(4096, 14336, 4096)
+  assert (bwd.block_m, bwd.block_n, bwd.block_k_out, bwd.delay_release) == (256, 64, 64, 0)
+
+
+def test_forward_refuses_wgmmas_in_flight_on_wide_tiles():
+  """Wgmmas left in flight gave non-finite sums at 256-token tiles on an H100: the kernel
+  refuses them beyond the 16 tokens where they measured exact (the interpreter, whose wgmma
+  is synchronous, still runs them)."""
+  x = jnp.zeros((32, 256), jnp.bfloat16)
+  w4 = jnp.zeros((128, 256), jnp.int4)
+  scales = jnp.zeros((4, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="delay_release"):
+    kernel.forward(x, w4, scales, config=kernel.Config(block_m=32, delay_release=1))
 
 
 def test_dispatched_forward_configurations_fit_in_shared_memory():

@@ -7,7 +7,9 @@ and go straight into ``wgmma``.
 Forward, y = x @ W^T with W [N, K]: the kernel computes y^T = W x^T, W being the register
 operand of wgmma (64 rows of N per compute warpgroup) and x^T the shared-memory operand, so M
 (tokens) is wgmma's N dimension and may be as small as 8: one kernel serves decoding (M = 1,
-padded to 8) and training (tiles of up to 256 tokens). The output tile is stored transposed.
+padded to 8) and training (tiles of up to 256 tokens). The output is y^T (XLA transposes it;
+nothing at decoding sizes) or, with ``Config.out_rows``, y itself: each tile is written
+transposed into shared memory before its TMA store.
 
 Backward, dx = dy @ W: contraction over N, so W's tile is the shared-memory operand in its
 natural [N, K] orientation: each compute warpgroup dequantizes its columns of the tile into
@@ -70,10 +72,13 @@ class Config:
   # Forward: 64-wide k blocks per pipeline step; their wgmmas are issued back to back, so the
   # next block's dequantization overlaps the previous block's matrix product.
   k_sub: int = 1
-  # Forward: pipeline steps a step's shared-memory tiles stay held after it (0 or 1). With 1
-  # a step's wgmmas are left in flight across the step boundary (waited for one step later),
-  # so the next step's dequantization overlaps them too.
+  # Pipeline steps a step's shared-memory tiles stay held after it (0 or 1). With 1 a step's
+  # wgmmas are left in flight across the step boundary (waited for one step later), so the
+  # next step's dequantization overlaps them too (backward: into a second shared tile).
   delay_release: int = 0
+  # Forward: store the output as y [M, N] (each tile written transposed into shared memory),
+  # not as y^T for XLA to transpose: a pass over the output less at training sizes.
+  out_rows: bool = False
 
 
 def forward_smem_bytes(config: Config, x_itemsize: int = 2) -> int:
@@ -322,6 +327,11 @@ def forward(
     # One staging tile per warpgroup and k block: the next step would overwrite it while the
     # previous step's wgmma may still read it (the interpreter's wgmma is synchronous).
     raise ValueError("nf4 forward kernel: a_from_smem with delay_release races on the GPU")
+  if config.delay_release and bm > 16 and interpret is None:
+    # Measured on an H100 (experiments/sweep_nf4_train.py): 256-token tiles with wgmmas left
+    # in flight return non-finite sums (likely registers of the in-flight register operand
+    # reused under the 128-register accumulator); decoding's 16-token tiles measured exact.
+    raise ValueError("nf4 forward kernel: delay_release is measured correct up to 16 tokens")
   out_dtype = x.dtype if splits == 1 else jnp.float32
   hold = config.delay_release
 
@@ -338,9 +348,14 @@ def forward(
       def _(acc):
         run_pipeline(acc)
         plgpu.wgmma_wait(0)  # the last step's wgmmas (left in flight with delay_release)
-        o_smem.at[wg][...] = acc[...].astype(o_smem.dtype)  # [64, bm]: a tile of y^T
+        tile = acc[...].astype(o_smem.dtype)  # [64, bm]: a tile of y^T
+        if config.out_rows:
+          o_smem.at[wg].T[...] = tile
+          out = o_part.at[pl.ds(m0, bm), pl.ds(n0 + wg * WG_ROWS, WG_ROWS)]
+        else:
+          o_smem.at[wg][...] = tile
+          out = o_part.at[pl.ds(n0 + wg * WG_ROWS, WG_ROWS), pl.ds(m0, bm)]
         plgpu.commit_smem()
-        out = o_part.at[pl.ds(n0 + wg * WG_ROWS, WG_ROWS), pl.ds(m0, bm)]
         plgpu.copy_smem_to_gmem(o_smem.at[wg], out)
         plgpu.wait_smem_to_gmem(0)
 
@@ -384,9 +399,13 @@ def forward(
 
   kernel = plgpu.kernel(
     body,
-    out_type=jax.ShapeDtypeStruct((splits, n, m), out_dtype),
+    out_type=jax.ShapeDtypeStruct((splits, m, n) if config.out_rows else (splits, n, m), out_dtype),
     scratch_types=dict(
-      o_smem=plgpu.SMEM((wgs, WG_ROWS, bm), out_dtype, transforms=_transforms(bm, out_dtype)),
+      o_smem=plgpu.SMEM(
+        (wgs, bm, WG_ROWS) if config.out_rows else (wgs, WG_ROWS, bm),
+        out_dtype,
+        transforms=_transforms(WG_ROWS if config.out_rows else bm, out_dtype),
+      ),
       a_smem=plgpu.SMEM(
         (wgs, sub, WG_ROWS, BLOCK_K) if config.a_from_smem else (1, 1, WG_ROWS, BLOCK_K),
         x.dtype,
@@ -400,9 +419,9 @@ def forward(
     interpret=interpret,
   )
   out = kernel(x, w4, scales)
-  if splits == 1:
-    return out[0].T
-  return jnp.sum(out, axis=0).T.astype(x.dtype)
+  if splits > 1:
+    out = jnp.sum(out, axis=0).astype(x.dtype)[None]
+  return out[0] if config.out_rows else out[0].T
 
 
 def backward(
@@ -423,6 +442,7 @@ def backward(
   if m % bm or bm % 64 or n % bn or bn % 64 or k % cta_k or bko % BLOCK_K:
     raise ValueError(f"nf4 backward kernel: shape {(m, n, k)} does not tile by {(bm, bn, cta_k)}")
   sub = bko // BLOCK_K  # 64-wide scale blocks per warpgroup
+  slots = 1 + config.delay_release
 
   def body(dy_gmem, w_gmem, s_gmem, o_gmem, wbf_smem, o_smem):
     m0 = lax.axis_index("m") * bm
@@ -433,13 +453,16 @@ def backward(
       @functools.partial(pl.run_scoped, acc=plgpu.ACC((bm, bko), jnp.float32))
       def _(acc):
         run_pipeline(acc)
+        plgpu.wgmma_wait(0)
         o_smem.at[wg][...] = acc[...].astype(o_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[pl.ds(m0, bm), pl.ds(k0 + wg * bko, bko)])
         plgpu.wait_smem_to_gmem(0)
 
-    def step(_, dy_smem, w_smem, s_smem, acc):
-      mine = wbf_smem.at[wg]
+    def step(idx, dy_smem, w_smem, s_smem, acc):
+      # With delay_release, two dequantized tiles alternate: this step's is written while the
+      # previous step's wgmma may still read the other (and that step's dy tile, held).
+      mine = wbf_smem.at[wg, lax.rem(idx[0], slots)]
       for j in range(sub):
         for r in range(bn // WG_ROWS):
           rows = pl.ds(r * WG_ROWS, WG_ROWS)
@@ -448,7 +471,7 @@ def backward(
           mine.at[rows, pl.ds(j * BLOCK_K, BLOCK_K)][...] = tile
       plgpu.commit_smem()  # make the stores visible to the tensor cores
       plgpu.wgmma(acc, dy_smem, mine)  # [bm, bn] @ [bn, bko]
-      plgpu.wgmma_wait(0)
+      plgpu.wgmma_wait(config.delay_release)
       return acc
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
@@ -456,9 +479,21 @@ def backward(
       grid=(n // bn,),
       memory_registers=40,
       in_specs=[
-        plgpu.BlockSpec((bm, bn), lambda i: (0, i), transforms=_transforms(bn, dy.dtype)),
-        plgpu.BlockSpec((bn, cta_k), lambda i: (i, 0), transforms=_CODE_TRANSFORMS),
-        plgpu.BlockSpec((cta_k // BLOCK_K, bn), lambda i: (0, i)),
+        plgpu.BlockSpec(
+          (bm, bn),
+          lambda i: (0, i),
+          transforms=_transforms(bn, dy.dtype),
+          delay_release=config.delay_release,
+        ),
+        plgpu.BlockSpec(
+          (bn, cta_k),
+          lambda i: (i, 0),
+          transforms=_CODE_TRANSFORMS,
+          delay_release=config.delay_release,  # (read before the step ends; Pallas wants all)
+        ),
+        plgpu.BlockSpec(
+          (cta_k // BLOCK_K, bn), lambda i: (0, i), delay_release=config.delay_release
+        ),
       ],
       wg_axis="wg",
       num_compute_wgs=wgs,
@@ -475,7 +510,7 @@ def backward(
     body,
     out_type=jax.ShapeDtypeStruct((m, k), dy.dtype),
     scratch_types=dict(
-      wbf_smem=plgpu.SMEM((wgs, bn, bko), dy.dtype, transforms=_transforms(bko, dy.dtype)),
+      wbf_smem=plgpu.SMEM((wgs, slots, bn, bko), dy.dtype, transforms=_transforms(bko, dy.dtype)),
       o_smem=plgpu.SMEM((wgs, bm, bko), dy.dtype, transforms=_transforms(bko, dy.dtype)),
     ),
     grid=(k // cta_k, m // bm),

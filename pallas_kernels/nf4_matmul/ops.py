@@ -14,8 +14,10 @@ GPU, so it is loaded the first time "kernel" or "interpret" runs.
 
 The forward kernel's table lookup on the GPU: "word" where the caller passes the codes in its
 order (``word_codes``, made once for many calls: jaxtune's decode loop does where the copy
-fits; 0.61-0.87x the kernel time of "prmt" on an H100), else "prmt" (``lookup`` forces one;
-"word" without prepared codes permutes them on every call, slower than "prmt").
+fits; 0.61-0.87x the kernel time of "prmt" on an H100); for tiles of at least
+``WORD_MIN_TOKENS`` tokens (training) "word" on codes permuted per call, forward and input
+gradient (a pass over the codes, small beside a 4096-token product); else "prmt" (``lookup``
+forces one for the forward; at decoding sizes the per-call permutation costs more than it saves).
 """
 
 import functools
@@ -35,6 +37,11 @@ KERNEL_MAX_TOKENS = 64
 # (4096 x 1024 at one token: 4.5 us against the kernel's 8.7 us on an H100).
 KERNEL_MIN_WEIGHTS = 2**23
 _TARGET_CELLS = 132  # one per streaming multiprocessor of an H100 / H200
+# Tiles of at least this many tokens (training) read the codes through the "word" lookup, the
+# codes permuted on every call (one pass over them, ~2% of a 4096-token product): measured
+# faster than "prmt" at 4096 tokens (experiments/sweep_nf4_train.py, H100, 8B shapes: forward
+# 0.94 against 1.13x cuBLAS bf16 at 4096 x 4096, input gradient 1.08 against 1.47x).
+WORD_MIN_TOKENS = 128
 
 
 @functools.cache
@@ -119,7 +126,10 @@ def _forward_config(m: int, n: int, k: int, interpret: bool):
     if (k // split) % block == 0 and k // split // block >= 4 and smem <= kernel.SMEM_BYTES:
       sub = s
       break
-  return config(k_sub=sub, a_from_smem=interpret, delay_release=int(bm <= 16))
+  # Training tiles store y itself, not y^T for XLA to transpose: 8-10% less time at 4096
+  # tokens (same sweep). Not under the interpreter, which deadlocks on that store pattern.
+  out_rows = bm >= WORD_MIN_TOKENS and not interpret
+  return config(k_sub=sub, a_from_smem=interpret, delay_release=int(bm <= 16), out_rows=out_rows)
 
 
 def _backward_config(m: int, n: int, k: int):
@@ -128,6 +138,8 @@ def _backward_config(m: int, n: int, k: int):
   wgs = 2 if k % 128 == 0 else 1
   if n % bn or k % (64 * wgs):
     return None
+  if m >= 256:  # 256 x 64 tiles (sweep_nf4_train.py, H100: 1.08 against 1.51x cuBLAS for 128 x 128)
+    return kernel.Config(block_m=256, block_n=64, block_k_out=64, compute_wgs=wgs)
   bm = 64 if m <= 64 else 128
   return kernel.Config(block_m=bm, block_n=bn, block_k_out=64, compute_wgs=wgs)
 
@@ -137,9 +149,10 @@ def _pad_rows(a: jax.Array, multiple: int) -> jax.Array:
   return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
 
 
-def _kernel_args(impl: str, lookup: str | None = None):
+def _kernel_args(impl: str, lookup: str | None, block_m: int):
   interpret = impl == "interpret"
-  lookup = "select" if interpret else lookup or "prmt"
+  default = "word" if block_m >= WORD_MIN_TOKENS else "prmt"
+  lookup = "select" if interpret else lookup or default
   return dict(lookup=lookup, interpret=_gpu.interpret_params() if interpret else None)
 
 
@@ -179,7 +192,7 @@ def _forward_kernel(impl, lookup, x2, cfg, scales, codes=None, word=None):
   in bitsandbytes' order or ``word`` in the word lookup's (``word_codes``), whichever the
   lookup (the interpreter: its own) reads."""
   kernel = _kernel()
-  kw = _kernel_args(impl, lookup)
+  kw = _kernel_args(impl, lookup, cfg.block_m)
   if kw["lookup"] == "word" and word is not None:  # already in word order: the int4 view
     w4 = kernel.kernel_codes(word, swap_nibbles=False)
   elif kw["lookup"] == "word":
@@ -212,8 +225,10 @@ def _bwd_impl(impl, dy2, weights):
   if cfg is None:
     return reference.dequantize_then_dot_t(dy2, *weights)
   kernel = _kernel()
-  kw = _kernel_args(impl)
+  kw = _kernel_args(impl, None, cfg.block_m)
   w4, scales = kernel.kernel_operands(*weights, swap_nibbles=kw["lookup"] == "select")
+  if kw["lookup"] == "word":
+    w4 = kernel.word_codes(weights[0])
   return kernel.backward(_pad_rows(dy2, cfg.block_m), w4, scales, config=cfg, **kw)[:m]
 
 
