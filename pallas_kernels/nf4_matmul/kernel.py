@@ -329,8 +329,10 @@ def forward(
     raise ValueError("nf4 forward kernel: a_from_smem with delay_release races on the GPU")
   if config.delay_release and bm > 16 and interpret is None:
     # Measured on an H100 (experiments/sweep_nf4_train.py): 256-token tiles with wgmmas left
-    # in flight return non-finite sums (likely registers of the in-flight register operand
-    # reused under the 128-register accumulator); decoding's 16-token tiles measured exact.
+    # in flight return non-finite sums; decoding's 16-token tiles measured exact. Pinning the
+    # dequantized register tiles until the next step's wait did not cure it (tried); the
+    # loop-carried 128-register accumulator, which an in-flight wgmma still writes, is the
+    # next suspect (CUTLASS fences its accumulators across such steps).
     raise ValueError("nf4 forward kernel: delay_release is measured correct up to 16 tokens")
   out_dtype = x.dtype if splits == 1 else jnp.float32
   hold = config.delay_release
