@@ -174,6 +174,8 @@ def test_decoding_dispatch_takes_the_swept_configurations():
   for (k, n), want in {(4096, 4096): (4, 2), (4096, 14336): (1, 4), (14336, 4096): (4, 2)}.items():
     cfg = ops._forward_config(64, n, k, interpret=False)
     assert (cfg.block_m, cfg.split_k, cfg.k_sub, cfg.delay_release) == (64, *want, 0), (k, n)
+  cfg = ops._forward_config(64, 28672, 4096, interpret=False)  # fused gate/up: 4 warpgroups
+  assert (cfg.compute_wgs, cfg.split_k, cfg.k_sub) == (4, 1, 2)
   # Training tiles (sweep_nf4_train.py, H100): 256 tokens, one k block a step, y stored as
   # rows (not under the interpreter), the word lookup on codes permuted per call; the input
   # gradient in 256 x 64 tiles.

@@ -94,7 +94,9 @@ def _forward_config(m: int, n: int, k: int, interpret: bool):
   a multiple of 256
   (H100, word lookup, decoding's 8B launches at M = 1, one run: q/k/v 96 cells 13.0 us against
   15.4 at 192; o 128 cells 9.4 against 12.0 at 256; down 128 cells 20.2 against 23.1 at 256;
-  gate/up 112 cells of four warpgroups 37.9 against 40.8 for 224 of two).
+  gate/up 112 cells of four warpgroups 37.9 against 40.8 for 224 of two). At 64 tokens the
+  same four-warpgroup rule (H100, M = 64, one run: fused gate/up 48.0 us against 51.3; the
+  other launches' dispatch was the fastest swept or within 1%).
   """
   kernel = _kernel()
   bm = _block_m(m)
@@ -102,8 +104,9 @@ def _forward_config(m: int, n: int, k: int, interpret: bool):
   if n % (wgs * kernel.WG_ROWS) or k % kernel.BLOCK_K:
     return None
   cells = (n // (wgs * kernel.WG_ROWS)) * (-(-m // bm))
-  # Measured only where four bring the grid within a wave (8B gate/up; not 70B's 448 cells).
-  if bm <= 16 and cells > _TARGET_CELLS >= cells // 2 and n % (4 * kernel.WG_ROWS) == 0:
+  # Measured only where four bring the grid within a wave (8B gate/up at 16 and 64 tokens;
+  # not 70B's 448 cells; 32-token tiles take the same rule unmeasured).
+  if bm <= 64 and cells > _TARGET_CELLS >= cells // 2 and n % (4 * kernel.WG_ROWS) == 0:
     if _gpu.four_warpgroups_supported():
       wgs, cells = 4, cells // 2
   split = 1
