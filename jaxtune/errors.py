@@ -9,6 +9,14 @@ This module imports nothing, so every layer can raise these.
 """
 
 
+def size_text(n: float) -> str:
+  """A byte count as user-facing sentences write it: GiB to a tenth from 1 GiB, whole MiB from
+  10 MiB, MiB to a tenth below."""
+  if n >= 2**30:
+    return f"{n / 2**30:.1f} GiB"
+  return f"{n / 2**20:.0f} MiB" if n >= 10 * 2**20 else f"{n / 2**20:.1f} MiB"
+
+
 class UserError(Exception):
   """Anything the user can fix; its message is one sentence saying how."""
 

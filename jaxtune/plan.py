@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import jax.extend
 
-from jaxtune.errors import UserError
+from jaxtune.errors import UserError, size_text
 from jaxtune.runtime import Runtime
 
 GIB = 2**30
@@ -60,16 +60,16 @@ class Plan:
   def note(self) -> str:
     """What the start line says of the choice, after the remat setting it names."""
     if self.budget is None:
-      return f"planned {_size(self.planned)}"
-    note = f"auto: planned {_size(self.planned)} of {_size(self.budget)} ({self.budget_source})"
+      return f"planned {size_text(self.planned)}"
+    note = (
+      f"auto: planned {size_text(self.planned)} of {size_text(self.budget)} ({self.budget_source})"
+    )
     if self.rejected:
       name, size, compiled = self.rejected[-1]
-      note += f", {name} would " + (f"plan {_size(size)}" if compiled else f"need {_size(size)}+")
+      note += f", {name} would " + (
+        f"plan {size_text(size)}" if compiled else f"need {size_text(size)}+"
+      )
     return note
-
-
-def _size(n: int) -> str:
-  return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.0f} MiB"
 
 
 def planned_bytes(compiled: Any) -> int | None:
@@ -203,8 +203,8 @@ def choose(
   offload = "" if any(r == "offload" for r, _ in candidates) else "use --remat offload, "
   plans = "plans" if compiled else "needs at least"
   raise UserError(
-    f"the training step does not fit the {_size(limit)} of device memory ({source}): the "
-    f"leanest setting tried, {name}, {plans} {_size(size)} per device; {offload}lower "
+    f"the training step does not fit the {size_text(limit)} of device memory ({source}): the "
+    f"leanest setting tried, {name}, {plans} {size_text(size)} per device; {offload}lower "
     "--batch-size (with --grad-accum to keep the batch) or --seq-len, or split the model over "
     "more devices with --mesh."
   )

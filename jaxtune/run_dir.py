@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxtune.errors import SaveError, UserError
+from jaxtune.errors import SaveError, UserError, size_text
 
 LOCK_NAME = ".jaxtune.lock"
 
@@ -70,19 +70,15 @@ def free_bytes(path: Path) -> int:
   return shutil.disk_usage(_existing_ancestor(Path(path))).free
 
 
-def _mib(n: float) -> str:
-  return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 def check_room(out: Path, needs: dict[str, int]) -> None:
   """Refuse to start when the disk holding ``out`` has less free space than ``needs`` (what ->
   bytes: checkpoints, the export) adds up to."""
   total = sum(needs.values())
   free = free_bytes(out)
   if total > free:
-    parts = ", ".join(f"{what} about {_mib(n)}" for what, n in needs.items() if n)
+    parts = ", ".join(f"{what} about {size_text(n)}" for what, n in needs.items() if n)
     raise SaveError(
-      f"the disk holding {out} has {_mib(free)} free and this run writes more ({parts}); free "
+      f"the disk holding {out} has {size_text(free)} free and this run writes more ({parts}); free "
       "some space or choose another --out."
     )
 

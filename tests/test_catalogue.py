@@ -686,7 +686,7 @@ CASES = [
   Case(
     "step-does-not-fit-device-memory",
     lambda w: w.train_args("--memory-limit", "0.000001"),
-    r"the training step does not fit the 0 MiB of device memory \(--memory-limit\): the "
+    r"the training step does not fit the 0.0 MiB of device memory \(--memory-limit\): the "
     r"leanest setting tried",
   ),
   Case(
