@@ -238,6 +238,11 @@ class Encoder:
     prompt = template.format(instruction=instruction, input=extra)
     return self._spans(prompt + output, [(len(prompt), len(prompt) + len(output))], True, eos=True)
 
+  def generation_prompt(self, messages: Any, where: str) -> str:
+    """A message list rendered by the chat template up to where the assistant's reply starts
+    (what a model generates from: GRPO's prompts). ``where`` names the row in errors."""
+    return self._render(self._messages(messages, where), where, generation_prompt=True)
+
   def _prompt_completion(self, prompt: Any, completion: Any, where: str):
     if isinstance(prompt, str) and isinstance(completion, str):
       text = prompt + completion

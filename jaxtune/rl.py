@@ -164,7 +164,7 @@ class Prompts:
     if isinstance(prompt, str) and prompt:
       return tokenizer(prompt, add_special_tokens=True)["input_ids"], prompt
     if isinstance(prompt, list) and prompt and encoder.chat:
-      text = encoder._render(encoder._messages(prompt, where), where, generation_prompt=True)
+      text = encoder.generation_prompt(prompt, where)
       return tokenizer(text, add_special_tokens=False)["input_ids"], text
     raise DataError(f"{where}: 'prompt' must be a non-empty string or message list.")
 
