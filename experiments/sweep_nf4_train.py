@@ -56,6 +56,11 @@ def main():
     help="also time the op as training calls it (dispatch's configuration, codes permuted "
     "per call) with impl kernel and xla",
   )  # fmt: skip
+  ap.add_argument(
+    "--bwd-rs", action="store_true",
+    help="also time the input gradient as the forward kernel on W^T's codes (Config.transposed:"
+    " W^T from registers), alone and with the codes transposed and permuted per call",
+  )  # fmt: skip
   ap.add_argument("--results-dir", default=None)
   args = ap.parse_args()
   rng = np.random.default_rng(0)
@@ -88,6 +93,21 @@ def main():
           else:
             f = jax.jit(functools.partial(ops._bwd_impl, impl))
           _run(rows, which, m, k, n, "op", impl, base, f, a, [(q,) for q in qs], want, args.reps)
+    if args.bwd_rs:
+      cfg = kernel.Config(block_m=256, compute_wgs=2, out_rows=True, transposed=True)
+
+      def rs_operands(q):
+        return kernel.word_codes(kernel.transposed_codes(q[0])), kernel_scales(*q[1:])
+
+      made = [rs_operands(q) for q in qs]
+      f = jax.jit(functools.partial(kernel.forward, config=cfg, lookup="word"))
+      _run(rows, "bwd", m, k, n, "word", "rs alone", base, f, dy, made, ref_dx, args.reps)
+      f_op = jax.jit(
+        lambda g, q, cfg=cfg: kernel.forward(g, *rs_operands(q), config=cfg, lookup="word")
+      )
+      _run(
+        rows, "bwd", m, k, n, "word", "rs op", base, f_op, dy, [(q,) for q in qs], ref_dx, args.reps
+      )
     for lookup in args.lookups.split(","):
       if lookup == "word":
         ops_ = [(kernel.word_codes(q[0]), kernel_scales(*q[1:])) for q in qs]
@@ -138,7 +158,7 @@ def main():
 
 def _run(rows, which, m, k, n, lookup, cfg, base, f, a, operands, ref, reps):
   if isinstance(cfg, str):
-    desc = f"op impl={cfg}"
+    desc = cfg if cfg.startswith("rs") else f"op impl={cfg}"
   elif which == "fwd":
     desc = (
       f"bm{cfg.block_m} st{cfg.max_concurrent_steps} sub{cfg.k_sub} d{cfg.delay_release} "

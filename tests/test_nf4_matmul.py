@@ -19,7 +19,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtune import nf4
 from jaxtune.nf4_maps import NF4_CODE
 from pallas_kernels import _gpu
-from pallas_kernels.nf4_matmul import kernel, nf4_matmul, nf4_matmul_reference, ops
+from pallas_kernels.nf4_matmul import kernel, kernel_scales, nf4_matmul, nf4_matmul_reference, ops
 
 
 def _weights(rng, n, k):
@@ -103,6 +103,38 @@ def test_backward_kernel(cfg):
   )
   ref = np.asarray(dy, np.float32) @ np.asarray(nf4.dequantize_linear(*q, jnp.float32))
   assert _rel(got, ref) < 1e-2
+
+
+@pytest.mark.parametrize(
+  "cfg",
+  [
+    kernel.Config(block_m=32, compute_wgs=2, transposed=True, a_from_smem=True),
+    kernel.Config(block_m=16, compute_wgs=1, k_sub=2, split_k=2, transposed=True, a_from_smem=True),
+  ],
+  ids=["two-warpgroups", "split-k-two-k-blocks-per-step"],
+)
+def test_input_gradient_through_the_forward_kernel_on_transposed_codes(cfg):
+  """dy @ W as the forward kernel on W^T's codes with W's scales along the tile's columns
+  (``Config.transposed``): the register-operand path for the input gradient."""
+  rng = np.random.default_rng(6)
+  m, n, k = 32, 256, 128  # dy [m, n], W [n, k]
+  q = _weights(rng, n, k)
+  dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+  wt = kernel.kernel_codes(kernel.transposed_codes(q[0]), swap_nibbles=True)
+  interpret = _gpu.interpret_params()
+  got = kernel.forward(
+    dy, wt, kernel_scales(*q[1:]), config=cfg, lookup="select", interpret=interpret
+  )
+  ref = np.asarray(dy, np.float32) @ np.asarray(nf4.dequantize_linear(*q, jnp.float32))
+  assert got.shape == (m, k) and _rel(got, ref) < 1e-2
+
+
+def test_transposed_codes_are_the_transposed_weights_codes():
+  codes = np.random.default_rng(12).integers(0, 256, (2, 64, 48), dtype=np.uint8)
+  got = np.asarray(kernel.transposed_codes(jnp.asarray(codes)))
+  assert got.shape == (2, 96, 32)
+  for b in range(2):
+    np.testing.assert_array_equal(_logical_codes(got[b]), _logical_codes(codes[b]).T)
 
 
 def test_gradient_matches_reference():
@@ -222,8 +254,6 @@ def test_dispatched_forward_configurations_fit_in_shared_memory():
 def test_prepared_scales_give_the_same_products():
   """Decoding makes the kernel's scales once (kernel_scales, stacked over layers) and passes
   them to every call: the same values as the kernel makes per call, so the same products."""
-  from pallas_kernels.nf4_matmul import kernel_scales
-
   rng = np.random.default_rng(8)
   layers = [_weights(rng, 128, 256) for _ in range(2)]
   stacked = [jnp.stack(parts) for parts in zip(*layers, strict=True)]

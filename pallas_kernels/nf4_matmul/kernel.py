@@ -15,6 +15,13 @@ Backward, dx = dy @ W: contraction over N, so W's tile is the shared-memory oper
 natural [N, K] orientation: each compute warpgroup dequantizes its columns of the tile into
 shared memory and multiplies dy's tile by it.
 
+The same product through the forward's path (``Config.transposed``): dx = dy @ W as the
+forward of dy against W^T's codes (``transposed_codes``, [K, N], made per call) with W's scales
+along the tile's columns, so W^T is the register operand and dy the shared-memory one at 256
+tokens a tile. Written for the backward's shared-memory bound (both its operands come from
+shared memory at N = 64: 1.36-1.42x cuBLAS bf16 on the MLP's shapes); tested under the
+interpreter, not yet timed on the GPU, so dispatch keeps ``backward``.
+
 Operands (made from the stored bitsandbytes layout by ``kernel_operands``):
   w4      int4 [N, K]     bitsandbytes' bytes reinterpreted as JAX int4. bnb puts element 2j in
                           a byte's high nibble, JAX's int4 in the low one; the "prmt" lookup
@@ -79,6 +86,10 @@ class Config:
   # Forward: store the output as y [M, N] (each tile written transposed into shared memory),
   # not as y^T for XLA to transpose: a pass over the output less at training sizes.
   out_rows: bool = False
+  # Forward: the codes are W^T's ([K, N], ``transposed_codes``) and the scales W's ([K/64, N]),
+  # so a block's scale runs along the tile's columns: the forward's register-operand path then
+  # computes dy @ W, the input gradient (dy [M, N] in x's place).
+  transposed: bool = False
 
 
 def forward_smem_bytes(config: Config, x_itemsize: int = 2) -> int:
@@ -106,6 +117,13 @@ def kernel_operands(
   """(w4 int4 [N, K], scales bf16 [K/64, N]) from the 2-D layout of ``jaxtune.nf4``."""
   scales = nf4.dequantize_absmax(absmax, nested_absmax, offset)  # [N, K/64] float32
   return kernel_codes(codes, swap_nibbles=swap_nibbles), scales.T.astype(jnp.bfloat16)
+
+
+def transposed_codes(codes: jax.Array) -> jax.Array:
+  """W^T's codes uint8 [..., K, N/2] from W's [..., N, K/2], in bitsandbytes' packing (element
+  2j in byte j's high nibble): the operand ``Config.transposed`` takes (a pass over them)."""
+  values = nf4.unpack(codes).swapaxes(-1, -2)  # [..., K, N]
+  return (values[..., 0::2] << 4) | values[..., 1::2]
 
 
 def kernel_codes(codes: jax.Array, *, swap_nibbles: bool) -> jax.Array:
@@ -280,16 +298,17 @@ def _lookup_word(w):
   return lookup(w)
 
 
-def _dequant_tile(w_smem, s_smem, lookup: str):
-  """[64, 64] codes in SMEM and their [64] scales in SMEM -> bf16 tile in the WGMMA layout."""
+def _dequant_tile(w_smem, s_smem, lookup: str, along: int = 0):
+  """[64, 64] codes in SMEM and their [64] scales in SMEM, one per row (``along`` 0) or per
+  column (1) -> bf16 tile in the WGMMA layout."""
   w = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
   if lookup == "word":
     w = _lookup_word(w)
   else:
     w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
     w = _lookup_prmt(w) if lookup == "prmt" else _lookup_select(w)
-  s = plgpu.load(s_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
-  return w * lax.broadcast_in_dim(s, w.shape, [0])
+  s = plgpu.load(s_smem, (), layout=plgpu.Layout.WGMMA.reduce(1 - along))
+  return w * lax.broadcast_in_dim(s, w.shape, [along])
 
 
 def _transforms(minor: int, dtype) -> tuple:
@@ -312,7 +331,8 @@ def forward(
   interpret: Any = None,
 ) -> jax.Array:
   """y [M, N] = x [M, K] @ dequant(w4, scales)^T; M a multiple of block_m, N of 64 * wgs,
-  K of 64 * split_k."""
+  K of 64 * split_k. With ``config.transposed``: w4 holds W^T [N, K] of a weight W [K, N] and
+  scales are W's [N/64, K], so y = x @ W (x being dy: the input gradient)."""
   m, k = x.shape
   n = w4.shape[0]
   bm, wgs, splits, sub = config.block_m, config.compute_wgs, config.split_k, config.k_sub
@@ -344,6 +364,7 @@ def forward(
     wg = lax.axis_index("wg")
     rows = pl.ds(wg * WG_ROWS, WG_ROWS)
     o_part = o_gmem.at[lax.axis_index("s")]
+    along = int(config.transposed)
 
     def compute_context(run_pipeline):
       @functools.partial(pl.run_scoped, acc=plgpu.ACC((WG_ROWS, bm), jnp.float32))
@@ -364,7 +385,8 @@ def forward(
     def step(_, x_smem, w_smem, s_smem, acc):
       for j in range(sub):
         cols = pl.ds(j * BLOCK_K, BLOCK_K)
-        w = _dequant_tile(w_smem.at[rows, cols], s_smem.at[j, rows], lookup)
+        scale = s_smem.at[wg, cols] if along else s_smem.at[j, rows]
+        w = _dequant_tile(w_smem.at[rows, cols], scale, lookup, along)
         if config.a_from_smem:
           a_smem.at[wg, j][...] = w
           plgpu.commit_smem()
@@ -385,7 +407,11 @@ def forward(
         plgpu.BlockSpec(
           (cta_n, bk), lambda i: (0, i), transforms=_CODE_TRANSFORMS, delay_release=hold
         ),
-        plgpu.BlockSpec((sub, cta_n), lambda i: (i, 0), delay_release=hold),
+        plgpu.BlockSpec(
+          (wgs, bk) if config.transposed else (sub, cta_n),
+          (lambda i: (0, i)) if config.transposed else (lambda i: (i, 0)),
+          delay_release=hold,
+        ),
       ],
       wg_axis="wg",
       num_compute_wgs=wgs,
@@ -396,7 +422,9 @@ def forward(
       pipeline(
         x_gmem.at[pl.ds(m0, bm), pl.ds(k0, k_part)],
         w_gmem.at[pl.ds(n0, cta_n), pl.ds(k0, k_part)],
-        s_gmem.at[pl.ds(k0 // BLOCK_K, k_part // BLOCK_K), pl.ds(n0, cta_n)],
+        s_gmem.at[pl.ds(n0 // BLOCK_K, wgs), pl.ds(k0, k_part)]
+        if config.transposed
+        else s_gmem.at[pl.ds(k0 // BLOCK_K, k_part // BLOCK_K), pl.ds(n0, cta_n)],
       )
 
   kernel = plgpu.kernel(
