@@ -43,14 +43,13 @@ def main():
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--lookups", default="prmt,word")
   ap.add_argument("--bms", default="256")
-  ap.add_argument("--stages", default="3")
+  ap.add_argument("--stages", default="4")
   ap.add_argument("--subs", default="1")
-  ap.add_argument("--delays", default="0,1")
+  ap.add_argument("--delays", default="0", help="1 is refused beyond 16 tokens")
   ap.add_argument("--out-rows", default="0,1")
-  ap.add_argument("--bwd", default="128x128x64,128x64x64,256x64x64,128x128x128",
+  ap.add_argument("--bwd", default="256x64x64,128x64x128",
                   help="backward tiles bm x bn x bko,... ('' for none)")  # fmt: skip
   ap.add_argument("--bwd-stages", default="4")
-  ap.add_argument("--bwd-delays", default="0,1")
   ap.add_argument(
     "--ops", action="store_true",
     help="also time the op as training calls it (dispatch's configuration, codes permuted "
@@ -127,14 +126,11 @@ def main():
         f = jax.jit(functools.partial(kernel.forward, config=cfg, lookup=lookup))
         _run(rows, "fwd", m, k, n, lookup, cfg, base, f, x, ops_, ref, args.reps)
       tiles = args.bwd.split(",") if args.bwd else []
-      for tile, stages, delay in itertools.product(
-        tiles, _ints(args.bwd_stages), _ints(args.bwd_delays)
-      ):
+      for tile, stages in itertools.product(tiles, _ints(args.bwd_stages)):
         bm, bn, bko = (int(v) for v in tile.split("x"))
         cfg = kernel.Config(
-          block_m=bm, block_n=bn, block_k_out=bko, compute_wgs=2, max_concurrent_steps=stages,
-          delay_release=delay,
-        )  # fmt: skip
+          block_m=bm, block_n=bn, block_k_out=bko, compute_wgs=2, max_concurrent_steps=stages
+        )
         if m % bm or n % bn or k % (2 * bko):
           continue
         f = jax.jit(functools.partial(kernel.backward, config=cfg, lookup=lookup))
@@ -165,10 +161,7 @@ def _run(rows, which, m, k, n, lookup, cfg, base, f, a, operands, ref, reps):
       f"rows{int(cfg.out_rows)}"
     )
   else:
-    desc = (
-      f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k_out} st{cfg.max_concurrent_steps} "
-      f"d{cfg.delay_release}"
-    )
+    desc = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k_out} st{cfg.max_concurrent_steps}"
   try:
     err = rel_err(f(a, *operands[0]), ref)
     ms = time_per_call(lambda a, w, f=f: f(a, *w), a, operands, reps)

@@ -79,9 +79,9 @@ class Config:
   # Forward: 64-wide k blocks per pipeline step; their wgmmas are issued back to back, so the
   # next block's dequantization overlaps the previous block's matrix product.
   k_sub: int = 1
-  # Pipeline steps a step's shared-memory tiles stay held after it (0 or 1). With 1 a step's
-  # wgmmas are left in flight across the step boundary (waited for one step later), so the
-  # next step's dequantization overlaps them too (backward: into a second shared tile).
+  # Forward: pipeline steps a step's shared-memory tiles stay held after it (0 or 1). With 1
+  # a step's wgmmas are left in flight across the step boundary (waited for one step later),
+  # so the next step's dequantization overlaps them too.
   delay_release: int = 0
   # Forward: store the output as y [M, N] (each tile written transposed into shared memory),
   # not as y^T for XLA to transpose: a pass over the output less at training sizes.
@@ -144,7 +144,8 @@ def word_codes(codes: jax.Array) -> jax.Array:
   columns 8b + 2t and 8b + 2t + 1 of each 8-column core matrix b: bitsandbytes' byte 4b + t.
   After the transpose the register holds exactly those bytes, core matrix b in byte b, and
   bitsandbytes' nibble order is kept (even column in the high nibble; the lookup reads it so).
-  Made once per weight (a pass over the codes); x and the scales keep their order."""
+  A pass over the codes: made once where one weight serves many calls (decoding), per call at
+  training sizes; x and the scales keep their order."""
   return kernel_codes(word_bytes(codes), swap_nibbles=False)
 
 
@@ -343,16 +344,22 @@ def forward(
     raise ValueError(
       f"nf4 forward kernel: shape {(m, k, n)} does not tile by {(bm, bk * splits, cta_n)}"
     )
+  if config.out_rows and splits > 1:
+    # Mosaic GPU finds no layout for the float32 partial tile stored transposed (it lowers
+    # for bf16 only); the interpreter would run it, so refuse it everywhere.
+    raise ValueError("nf4 forward kernel: out_rows stores whole products only (split_k 1)")
   if config.a_from_smem and config.delay_release and interpret is None:
     # One staging tile per warpgroup and k block: the next step would overwrite it while the
     # previous step's wgmma may still read it (the interpreter's wgmma is synchronous).
     raise ValueError("nf4 forward kernel: a_from_smem with delay_release races on the GPU")
   if config.delay_release and bm > 16 and interpret is None:
     # Measured on an H100 (experiments/sweep_nf4_train.py): 256-token tiles with wgmmas left
-    # in flight return non-finite sums; decoding's 16-token tiles measured exact. Pinning the
-    # dequantized register tiles until the next step's wait did not cure it (tried); the
-    # loop-carried 128-register accumulator, which an in-flight wgmma still writes, is the
-    # next suspect (CUTLASS fences its accumulators across such steps).
+    # in flight return non-finite sums; decoding's 16-token tiles measured exact in every
+    # sweep. The backward, whose operands both come from shared memory, ran exact at 256
+    # tokens with wgmmas in flight and the same 128-register accumulator, which points at the
+    # register operand (PTX: its registers must not change before the wait), so the 16-token
+    # case may be the same hazard with a smaller window. Pinning the dequantized tiles into
+    # the next step (an optimization barrier after its wait) did not cure it (tried).
     raise ValueError("nf4 forward kernel: delay_release is measured correct up to 16 tokens")
   out_dtype = x.dtype if splits == 1 else jnp.float32
   hold = config.delay_release
@@ -449,9 +456,8 @@ def forward(
     interpret=interpret,
   )
   out = kernel(x, w4, scales)
-  if splits > 1:
-    out = jnp.sum(out, axis=0).astype(x.dtype)[None]
-  return out[0] if config.out_rows else out[0].T
+  out = out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
+  return out if config.out_rows else out.T
 
 
 def backward(
@@ -472,7 +478,6 @@ def backward(
   if m % bm or bm % 64 or n % bn or bn % 64 or k % cta_k or bko % BLOCK_K:
     raise ValueError(f"nf4 backward kernel: shape {(m, n, k)} does not tile by {(bm, bn, cta_k)}")
   sub = bko // BLOCK_K  # 64-wide scale blocks per warpgroup
-  slots = 1 + config.delay_release
 
   def body(dy_gmem, w_gmem, s_gmem, o_gmem, wbf_smem, o_smem):
     m0 = lax.axis_index("m") * bm
@@ -483,16 +488,13 @@ def backward(
       @functools.partial(pl.run_scoped, acc=plgpu.ACC((bm, bko), jnp.float32))
       def _(acc):
         run_pipeline(acc)
-        plgpu.wgmma_wait(0)
         o_smem.at[wg][...] = acc[...].astype(o_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[pl.ds(m0, bm), pl.ds(k0 + wg * bko, bko)])
         plgpu.wait_smem_to_gmem(0)
 
-    def step(idx, dy_smem, w_smem, s_smem, acc):
-      # With delay_release, two dequantized tiles alternate: this step's is written while the
-      # previous step's wgmma may still read the other (and that step's dy tile, held).
-      mine = wbf_smem.at[wg, lax.rem(idx[0], slots)]
+    def step(_, dy_smem, w_smem, s_smem, acc):
+      mine = wbf_smem.at[wg]
       for j in range(sub):
         for r in range(bn // WG_ROWS):
           rows = pl.ds(r * WG_ROWS, WG_ROWS)
@@ -501,7 +503,7 @@ def backward(
           mine.at[rows, pl.ds(j * BLOCK_K, BLOCK_K)][...] = tile
       plgpu.commit_smem()  # make the stores visible to the tensor cores
       plgpu.wgmma(acc, dy_smem, mine)  # [bm, bn] @ [bn, bko]
-      plgpu.wgmma_wait(config.delay_release)
+      plgpu.wgmma_wait(0)
       return acc
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
@@ -509,21 +511,9 @@ def backward(
       grid=(n // bn,),
       memory_registers=40,
       in_specs=[
-        plgpu.BlockSpec(
-          (bm, bn),
-          lambda i: (0, i),
-          transforms=_transforms(bn, dy.dtype),
-          delay_release=config.delay_release,
-        ),
-        plgpu.BlockSpec(
-          (bn, cta_k),
-          lambda i: (i, 0),
-          transforms=_CODE_TRANSFORMS,
-          delay_release=config.delay_release,  # (read before the step ends; Pallas wants all)
-        ),
-        plgpu.BlockSpec(
-          (cta_k // BLOCK_K, bn), lambda i: (0, i), delay_release=config.delay_release
-        ),
+        plgpu.BlockSpec((bm, bn), lambda i: (0, i), transforms=_transforms(bn, dy.dtype)),
+        plgpu.BlockSpec((bn, cta_k), lambda i: (i, 0), transforms=_CODE_TRANSFORMS),
+        plgpu.BlockSpec((cta_k // BLOCK_K, bn), lambda i: (0, i)),
       ],
       wg_axis="wg",
       num_compute_wgs=wgs,
@@ -540,7 +530,7 @@ def backward(
     body,
     out_type=jax.ShapeDtypeStruct((m, k), dy.dtype),
     scratch_types=dict(
-      wbf_smem=plgpu.SMEM((wgs, slots, bn, bko), dy.dtype, transforms=_transforms(bko, dy.dtype)),
+      wbf_smem=plgpu.SMEM((wgs, bn, bko), dy.dtype, transforms=_transforms(bko, dy.dtype)),
       o_smem=plgpu.SMEM((wgs, bm, bko), dy.dtype, transforms=_transforms(bko, dy.dtype)),
     ),
     grid=(k // cta_k, m // bm),

@@ -6,7 +6,9 @@ rows (decoding, short prompts) and weights of at least ``KERNEL_MIN_WEIGHTS`` va
 single Hopper GPU; there it measured 1.6-2.4x faster than XLA, which materialises the bf16
 weight on every call. Elsewhere XLA's dequantize-then-dot:
 at training sizes XLA dequantizes once per call into a bf16 weight and runs cuBLAS, which
-measured 1.1x a bf16 matmul, faster than the fused kernel (1.2-1.7x); under a multi-device
+measured 1.11-1.14x a bf16 matmul on the 8B shapes at 4096 tokens; the kernels measured
+0.97-1.19x (forward) and 1.15-1.47x (input gradient), faster only at 4096 x 4096, and
+trained 0.90x as fast when forced (experiments/sweep_nf4_train.py); under a multi-device
 mesh the kernel would need a shard_map wrapper that is not written yet. ``impl`` forces one:
 "kernel", "xla", or "interpret" (the kernels under Mosaic GPU's CPU interpreter, with the
 lookup and data path the interpreter supports; what the tests run). kernel.py imports Mosaic
@@ -14,10 +16,10 @@ GPU, so it is loaded the first time "kernel" or "interpret" runs.
 
 The forward kernel's table lookup on the GPU: "word" where the caller passes the codes in its
 order (``word_codes``, made once for many calls: jaxtune's decode loop does where the copy
-fits; 0.61-0.87x the kernel time of "prmt" on an H100); for tiles of at least
-``WORD_MIN_TOKENS`` tokens (training) "word" on codes permuted per call, forward and input
-gradient (a pass over the codes, small beside a 4096-token product); else "prmt" (``lookup``
-forces one for the forward; at decoding sizes the per-call permutation costs more than it saves).
+fits; 0.61-0.87x the kernel time of "prmt" on an H100); for calls of at least
+``WORD_PER_CALL_MIN_TOKENS`` tokens (training) "word" on codes permuted per call, forward and
+input gradient; else "prmt" (``lookup`` forces one for the forward; the permutation is a pass
+over the codes whatever the tokens, so below that it costs more than the lookup saves).
 """
 
 import functools
@@ -37,11 +39,13 @@ KERNEL_MAX_TOKENS = 64
 # (4096 x 1024 at one token: 4.5 us against the kernel's 8.7 us on an H100).
 KERNEL_MIN_WEIGHTS = 2**23
 _TARGET_CELLS = 132  # one per streaming multiprocessor of an H100 / H200
-# Tiles of at least this many tokens (training) read the codes through the "word" lookup, the
-# codes permuted on every call (one pass over them, ~2% of a 4096-token product): measured
-# faster than "prmt" at 4096 tokens (experiments/sweep_nf4_train.py, H100, 8B shapes: forward
-# 0.94 against 1.13x cuBLAS bf16 at 4096 x 4096, input gradient 1.08 against 1.47x).
-WORD_MIN_TOKENS = 128
+# Calls of at least this many tokens (training) read the codes through the "word" lookup, the
+# codes permuted on every call. Measured at 4096 tokens (experiments/sweep_nf4_train.py, H100,
+# 8B shapes, 4096 x 4096): forward 0.97x cuBLAS bf16 with the permutation (3-5% of the op)
+# against "prmt"'s 1.13x; input gradient 1.15x against 1.47x. The permutation costs the same
+# at any token count and the lookup's saving shrinks with it: even at ~1,200 tokens by those
+# figures; not measured below 4096.
+WORD_PER_CALL_MIN_TOKENS = 2048
 
 
 @functools.cache
@@ -88,7 +92,7 @@ def _forward_config(m: int, n: int, k: int, interpret: bool):
   fastest at half those cells (M = 64: 0.77-0.82x cuBLAS bf16, against 0.85-1.02x at a cell
   per SM). Tiles of at most 16 tokens leave a step's wgmmas in flight into the next step
   (``delay_release``; the same sweep, decoding's fused shapes, M = 1 and 16: 1-5% less time
-  on every shape, e.g. gate/up 0.513 against 0.531 of cuBLAS bf16; not measured wider).
+  on every shape, e.g. gate/up 0.513 against 0.531 of cuBLAS bf16; wrong at 256 tokens).
   Those tiles split K only as far as one wave of cells (at most one per SM), and take four
   compute warpgroups a cell where two would need more than a wave, four would not, and N is
   a multiple of 256
@@ -105,8 +109,9 @@ def _forward_config(m: int, n: int, k: int, interpret: bool):
     return None
   cells = (n // (wgs * kernel.WG_ROWS)) * (-(-m // bm))
   # Measured only where four bring the grid within a wave (8B gate/up at 16 and 64 tokens;
-  # not 70B's 448 cells; 32-token tiles take the same rule unmeasured).
-  if bm <= 64 and cells > _TARGET_CELLS >= cells // 2 and n % (4 * kernel.WG_ROWS) == 0:
+  # not 70B's 448 cells, not 32-token tiles).
+  measured = bm <= 16 or bm == 64
+  if measured and cells > _TARGET_CELLS >= cells // 2 and n % (4 * kernel.WG_ROWS) == 0:
     if _gpu.four_warpgroups_supported():
       wgs, cells = 4, cells // 2
   split = 1
@@ -129,10 +134,10 @@ def _forward_config(m: int, n: int, k: int, interpret: bool):
     if (k // split) % block == 0 and k // split // block >= 4 and smem <= kernel.SMEM_BYTES:
       sub = s
       break
-  # Training tiles store y itself, not y^T for XLA to transpose: 8-10% less time at 4096
-  # tokens (same sweep). Not under the interpreter, which deadlocks on that store pattern.
-  out_rows = bm >= WORD_MIN_TOKENS and not interpret
-  return config(k_sub=sub, a_from_smem=interpret, delay_release=int(bm <= 16), out_rows=out_rows)
+  # 256-token tiles (training) store y itself, not y^T for XLA to transpose: 8-10% less time
+  # at 4096 tokens (sweep_nf4_train.py, H100, 8B shapes). Wgmmas left in flight: at most 16
+  # tokens (measured faster there; wrong at 256, where the kernel refuses them).
+  return config(k_sub=sub, a_from_smem=interpret, delay_release=int(bm <= 16), out_rows=bm == 256)
 
 
 def _backward_config(m: int, n: int, k: int):
@@ -141,7 +146,7 @@ def _backward_config(m: int, n: int, k: int):
   wgs = 2 if k % 128 == 0 else 1
   if n % bn or k % (64 * wgs):
     return None
-  if m >= 256:  # 256 x 64 tiles (sweep_nf4_train.py, H100: 1.08 against 1.51x cuBLAS for 128 x 128)
+  if m >= 256:  # sweep_nf4_train.py, H100, 4096 x 4096: 1.08x cuBLAS bf16 against 1.51x (128 x 128)
     return kernel.Config(block_m=256, block_n=64, block_k_out=64, compute_wgs=wgs)
   bm = 64 if m <= 64 else 128
   return kernel.Config(block_m=bm, block_n=bn, block_k_out=64, compute_wgs=wgs)
@@ -152,9 +157,9 @@ def _pad_rows(a: jax.Array, multiple: int) -> jax.Array:
   return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
 
 
-def _kernel_args(impl: str, lookup: str | None, block_m: int):
+def _kernel_args(impl: str, lookup: str | None, tokens: int):
   interpret = impl == "interpret"
-  default = "word" if block_m >= WORD_MIN_TOKENS else "prmt"
+  default = "word" if tokens >= WORD_PER_CALL_MIN_TOKENS else "prmt"
   lookup = "select" if interpret else lookup or default
   return dict(lookup=lookup, interpret=_gpu.interpret_params() if interpret else None)
 
@@ -195,7 +200,7 @@ def _forward_kernel(impl, lookup, x2, cfg, scales, codes=None, word=None):
   in bitsandbytes' order or ``word`` in the word lookup's (``word_codes``), whichever the
   lookup (the interpreter: its own) reads."""
   kernel = _kernel()
-  kw = _kernel_args(impl, lookup, cfg.block_m)
+  kw = _kernel_args(impl, lookup, x2.shape[0])
   if kw["lookup"] == "word" and word is not None:  # already in word order: the int4 view
     w4 = kernel.kernel_codes(word, swap_nibbles=False)
   elif kw["lookup"] == "word":
@@ -228,10 +233,12 @@ def _bwd_impl(impl, dy2, weights):
   if cfg is None:
     return reference.dequantize_then_dot_t(dy2, *weights)
   kernel = _kernel()
-  kw = _kernel_args(impl, None, cfg.block_m)
-  w4, scales = kernel.kernel_operands(*weights, swap_nibbles=kw["lookup"] == "select")
+  kw = _kernel_args(impl, None, m)
   if kw["lookup"] == "word":
     w4 = kernel.word_codes(weights[0])
+  else:
+    w4 = kernel.kernel_codes(weights[0], swap_nibbles=kw["lookup"] == "select")
+  scales = kernel_scales(*weights[1:])
   return kernel.backward(_pad_rows(dy2, cfg.block_m), w4, scales, config=cfg, **kw)[:m]
 
 
@@ -277,9 +284,10 @@ def nf4_matmul(
 
   ``lookup``: the forward kernel's table lookup, one of ``LOOKUPS``, where the kernel runs on
   the GPU (``impl`` "kernel", or dispatch's choice of it): "word" where ``word_codes`` (the
-  codes in its order, ``word_codes(codes)``, made once for many calls) are given, else "prmt"
+  codes in its order, ``word_codes(codes)``, made once for many calls) are given or the call
+  has at least ``WORD_PER_CALL_MIN_TOKENS`` tokens (then permuted per call), else "prmt"
   (measured on an H100, experiments/check_nf4_lookup.py: "word" 0.61-0.87x the time of
-  "prmt" on the 8B shapes at 1-64 tokens; made per call, its permutation costs more than it
+  "prmt" on the 8B shapes at 1-64 tokens, where a per-call permutation costs more than it
   saves). Every path but the kernel's word lookup (XLA's, the interpreter's, "prmt", the
   backward) reads the codes from ``word_codes`` where they are given, put back in
   bitsandbytes' order, so ``codes`` may be the same word-order array (decoding's in-place

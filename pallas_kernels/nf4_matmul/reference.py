@@ -57,6 +57,7 @@ def word_bytes(codes: jax.Array) -> jax.Array:
   *lead, half = codes.shape
   if half % 16:
     raise ValueError(f"word_codes: K = {2 * half} is not a multiple of 32")
+  # Little-endian words (every JAX backend): byte i of a word is bits 8i..8i+7.
   words = jax.lax.bitcast_convert_type(codes.reshape(*lead, half // 4, 4), jnp.uint32)
   words = words.reshape(*lead, half // 16, 4)  # word b of a group: its bytes 4b..4b+3
   # Word t of the result takes byte t of every word b, into its byte b.
@@ -67,7 +68,7 @@ def word_bytes(codes: jax.Array) -> jax.Array:
     for t in range(4)
   ]
   out = jnp.stack(out, axis=-1).reshape(*lead, half // 4)
-  return jax.lax.bitcast_convert_type(out, jnp.uint8).reshape(*lead, half)
+  return jax.lax.bitcast_convert_type(out, codes.dtype).reshape(*lead, half)
 
 
 def prepared_weight(word: jax.Array, scales: jax.Array, dtype: DTypeLike) -> jax.Array:
