@@ -122,8 +122,7 @@ def kernel_operands(
 def transposed_codes(codes: jax.Array) -> jax.Array:
   """W^T's codes uint8 [..., K, N/2] from W's [..., N, K/2], in bitsandbytes' packing (element
   2j in byte j's high nibble): the operand ``Config.transposed`` takes (a pass over them)."""
-  values = nf4.unpack(codes).swapaxes(-1, -2)  # [..., K, N]
-  return (values[..., 0::2] << 4) | values[..., 1::2]
+  return nf4.pack(nf4.unpack(codes).swapaxes(-1, -2))
 
 
 def kernel_codes(codes: jax.Array, *, swap_nibbles: bool) -> jax.Array:

@@ -164,6 +164,15 @@ def _kernel_args(impl: str, lookup: str | None, tokens: int):
   return dict(lookup=lookup, interpret=_gpu.interpret_params() if interpret else None)
 
 
+def _codes_for(lookup: str, codes: jax.Array) -> jax.Array:
+  """The kernels' int4 codes for ``lookup`` from codes in bitsandbytes' order: permuted for
+  "word", nibbles swapped for the interpreter's "select", viewed as they are for "prmt"."""
+  kernel = _kernel()
+  if lookup == "word":
+    return kernel.word_codes(codes)
+  return kernel.kernel_codes(codes, swap_nibbles=lookup == "select")
+
+
 def word_codes(codes: jax.Array) -> jax.Array:
   """The forward kernel's codes for the "word" lookup (reference.word_bytes), uint8 [..., N, K/2]
   (a stack of layers too): made once where one weight serves many calls (decoding), passed as
@@ -203,11 +212,8 @@ def _forward_kernel(impl, lookup, x2, cfg, scales, codes=None, word=None):
   kw = _kernel_args(impl, lookup, x2.shape[0])
   if kw["lookup"] == "word" and word is not None:  # already in word order: the int4 view
     w4 = kernel.kernel_codes(word, swap_nibbles=False)
-  elif kw["lookup"] == "word":
-    w4 = kernel.word_codes(codes)
   else:
-    codes = reference.word_bytes(word) if codes is None else codes
-    w4 = kernel.kernel_codes(codes, swap_nibbles=kw["lookup"] == "select")
+    w4 = _codes_for(kw["lookup"], reference.word_bytes(word) if codes is None else codes)
   return kernel.forward(_pad_rows(x2, cfg.block_m), w4, scales, config=cfg, **kw)[: x2.shape[0]]
 
 
@@ -234,11 +240,7 @@ def _bwd_impl(impl, dy2, weights):
     return reference.dequantize_then_dot_t(dy2, *weights)
   kernel = _kernel()
   kw = _kernel_args(impl, None, m)
-  if kw["lookup"] == "word":
-    w4 = kernel.word_codes(weights[0])
-  else:
-    w4 = kernel.kernel_codes(weights[0], swap_nibbles=kw["lookup"] == "select")
-  scales = kernel_scales(*weights[1:])
+  w4, scales = _codes_for(kw["lookup"], weights[0]), kernel_scales(*weights[1:])
   return kernel.backward(_pad_rows(dy2, cfg.block_m), w4, scales, config=cfg, **kw)[:m]
 
 
