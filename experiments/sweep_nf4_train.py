@@ -6,7 +6,9 @@ weight (what training runs today), and the Mosaic GPU kernels over a grid of con
 lookups (--lookups; "word" reads codes permuted once, ``kernel.word_codes``), tokens per tile
 (--bms), pipeline stages (--stages), 64-wide k blocks per step (--subs), wgmmas left in
 flight across steps (--delays), and the output stored as y or as y^T for XLA to transpose
-(--out-rows). The kernel rows include that transpose, so every row is one op's time.
+(--out-rows), and the order the grid walks its tiles (--groups). The kernel rows include that
+transpose, so every row is one op's time. --bwd-rs also times the input gradient as the
+forward kernel on W^T's codes over the same grid; --ops the op as training calls it.
 Device time (CUPTI), each call over weight copies that outgrow L2, median of --reps. Checks
 each configuration against the float32 reference. One line per configuration, a table last.
 
@@ -14,6 +16,7 @@ each configuration against the float32 reference. One line per configuration, a 
 """
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import sys
@@ -47,6 +50,7 @@ def main():
   ap.add_argument("--subs", default="1")
   ap.add_argument("--delays", default="0", help="1 is refused beyond 16 tokens")
   ap.add_argument("--out-rows", default="0,1")
+  ap.add_argument("--groups", default="1", help="Config.group_m: tile rows a grid group walks")
   ap.add_argument("--bwd", default="256x64x64,128x64x128",
                   help="backward tiles bm x bn x bko,... ('' for none)")  # fmt: skip
   ap.add_argument("--bwd-stages", default="4")
@@ -58,7 +62,7 @@ def main():
   ap.add_argument(
     "--bwd-rs", action="store_true",
     help="also time the input gradient as the forward kernel on W^T's codes (Config.transposed:"
-    " W^T from registers), alone and with the codes transposed and permuted per call",
+    " W^T from registers) over the forward's grid, the codes transposed and permuted once",
   )  # fmt: skip
   ap.add_argument("--results-dir", default=None)
   args = ap.parse_args()
@@ -92,37 +96,22 @@ def main():
           else:
             f = jax.jit(functools.partial(ops._bwd_impl, impl))
           _run(rows, which, m, k, n, "op", impl, base, f, a, [(q,) for q in qs], want, args.reps)
-    if args.bwd_rs:
-      cfg = kernel.Config(block_m=256, compute_wgs=2, out_rows=True, transposed=True)
+    if args.bwd_rs:  # the op's own (--ops) is dispatch's configuration
 
       def rs_operands(q):
-        return kernel.word_codes(kernel.transposed_codes(q[0])), kernel_scales(*q[1:])
+        return kernel.word_codes(reference.transposed_codes(q[0])), kernel_scales(*q[1:])
 
       made = [rs_operands(q) for q in qs]
-      f = jax.jit(functools.partial(kernel.forward, config=cfg, lookup="word"))
-      _run(rows, "bwd", m, k, n, "word", "rs alone", base, f, dy, made, ref_dx, args.reps)
-      f_op = jax.jit(
-        lambda g, q, cfg=cfg: kernel.forward(g, *rs_operands(q), config=cfg, lookup="word")
-      )
-      _run(
-        rows, "bwd", m, k, n, "word", "rs op", base, f_op, dy, [(q,) for q in qs], ref_dx, args.reps
-      )
+      for cfg in _forward_grid(args, m):
+        cfg = dataclasses.replace(cfg, transposed=True)
+        f = jax.jit(functools.partial(kernel.forward, config=cfg, lookup="word"))
+        _run(rows, "bwd", m, k, n, "word", cfg, base, f, dy, made, ref_dx, args.reps)
     for lookup in args.lookups.split(","):
       if lookup == "word":
         ops_ = [(kernel.word_codes(q[0]), kernel_scales(*q[1:])) for q in qs]
       else:
         ops_ = [(kernel.kernel_codes(q[0], swap_nibbles=False), kernel_scales(*q[1:])) for q in qs]
-      grid = itertools.product(
-        _ints(args.bms), _ints(args.stages), _ints(args.subs), _ints(args.delays),
-        _ints(args.out_rows),
-      )  # fmt: skip
-      for bm, stages, sub, delay, out_rows in grid:
-        cfg = kernel.Config(
-          block_m=bm, compute_wgs=2, k_sub=sub, max_concurrent_steps=stages,
-          delay_release=delay, out_rows=bool(out_rows),
-        )  # fmt: skip
-        if m % bm or kernel.forward_smem_bytes(cfg) > kernel.SMEM_BYTES:
-          continue
+      for cfg in _forward_grid(args, m):
         f = jax.jit(functools.partial(kernel.forward, config=cfg, lookup=lookup))
         _run(rows, "fwd", m, k, n, lookup, cfg, base, f, x, ops_, ref, args.reps)
       tiles = args.bwd.split(",") if args.bwd else []
@@ -152,13 +141,28 @@ def main():
     )
 
 
+def _forward_grid(args, m):
+  """The forward kernel's configurations of the sweep that tile M and fit in shared memory."""
+  grid = itertools.product(
+    _ints(args.bms), _ints(args.stages), _ints(args.subs), _ints(args.delays),
+    _ints(args.out_rows), _ints(args.groups),
+  )  # fmt: skip
+  for bm, stages, sub, delay, out_rows, group in grid:
+    cfg = kernel.Config(
+      block_m=bm, compute_wgs=2, k_sub=sub, max_concurrent_steps=stages,
+      delay_release=delay, out_rows=bool(out_rows), group_m=group,
+    )  # fmt: skip
+    if m % (bm * group) == 0 and kernel.forward_smem_bytes(cfg) <= kernel.SMEM_BYTES:
+      yield cfg
+
+
 def _run(rows, which, m, k, n, lookup, cfg, base, f, a, operands, ref, reps):
   if isinstance(cfg, str):
-    desc = cfg if cfg.startswith("rs") else f"op impl={cfg}"
-  elif which == "fwd":
+    desc = f"op impl={cfg}"
+  elif which == "fwd" or cfg.transposed:
     desc = (
-      f"bm{cfg.block_m} st{cfg.max_concurrent_steps} sub{cfg.k_sub} d{cfg.delay_release} "
-      f"rows{int(cfg.out_rows)}"
+      f"{'rs ' if cfg.transposed else ''}bm{cfg.block_m} st{cfg.max_concurrent_steps} "
+      f"sub{cfg.k_sub} d{cfg.delay_release} rows{int(cfg.out_rows)} g{cfg.group_m}"
     )
   else:
     desc = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k_out} st{cfg.max_concurrent_steps}"

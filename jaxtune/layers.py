@@ -88,11 +88,13 @@ class Linear(nnx.Module):
     self.lora_scale = 0.0  # a float, or a LoRAConstant [layers] when ranks differ by layer
     self.lora_mask = nnx.data(None)  # LoRAConstant [layers, rank]: 1 below each layer's rank
     self.lora_dropout = 0.0
-    # Decoding only (decoding.prepare_kernel_operands): the NF4 kernel's bf16 scales, and
-    # where memory allows its codes in "word" lookup order, made once for every token step
-    # instead of on each call.
+    # The NF4 kernel's operands made once instead of on each call: its bf16 scales, and its
+    # codes in "word" lookup order where memory allows (decoding.prepare_kernel_operands, for
+    # every token step); W^T's codes in that order too for the input gradient (a training
+    # run on the kernels, step.place).
     self.kernel_scales = nnx.data(None)
     self.kernel_codes = nnx.data(None)
+    self.kernel_codes_t = nnx.data(None)
 
   def frozen_arrays(self) -> tuple[jax.Array, ...]:
     """The frozen weight as stored: (codes, absmax, nested_absmax, offset) if NF4, else
@@ -123,9 +125,10 @@ class Linear(nnx.Module):
       parts = (self.codes[...], self.absmax[...], self.nested_absmax[...], self.offset[...])
       scales = None if self.kernel_scales is None else self.kernel_scales[...]
       word = None if self.kernel_codes is None else self.kernel_codes[...]
+      word_t = None if self.kernel_codes_t is None else self.kernel_codes_t[...]
       impl = None if nf4_impl == "auto" else nf4_impl
       with jax.named_scope("nf4_matmul"):
-        y = nf4_matmul(x, *parts, impl=impl, scales=scales, word_codes=word)
+        y = nf4_matmul(x, *parts, impl=impl, scales=scales, word_codes=word, word_codes_t=word_t)
     else:
       y = jnp.einsum("...i,oi->...o", x, self.dense_weight(x.dtype))
     if self.bias is not None:

@@ -22,9 +22,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtune import distributed, run_log, sharding
 from jaxtune.data import IGNORE, Dataset
 from jaxtune.errors import RunConfigError
+from jaxtune.layers import Linear
+from jaxtune.lora import iter_linears
 from jaxtune.losses import loss_sums
 from jaxtune.run_config import RunConfig
 from jaxtune.runtime import DEFAULT, Runtime
+from pallas_kernels.nf4_matmul import training_operands
 
 
 def make_optimizer(run: RunConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -214,15 +217,65 @@ def place(model: nnx.Module, runtime: Runtime) -> tuple[Any, nnx.State, nnx.Stat
   """Split the model and put every piece on its sharding; returns (graphdef, lora, frozen).
 
   ``runtime.shard_frozen`` also splits the NF4 storage over ``data`` (gathered per layer in
-  the scan).
+  the scan). A run on the NF4 kernels on one device (``--nf4-matmul kernel``) gets their
+  operands made once in its frozen state (``kernel_operands``); ``model`` keeps its own.
   """
-  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  made = kernel_operands(model, runtime)
+  try:
+    graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  finally:
+    for linear, (scales, word, word_t) in made:
+      linear.kernel_scales, linear.kernel_codes = nnx.data(scales), nnx.data(word)
+      linear.kernel_codes_t = nnx.data(word_t)
   lora = fp32_master(lora)
   mesh = runtime.mesh
   if mesh is not None:
     lora = jax.device_put(lora, sharding.state_shardings(lora, mesh))
     frozen = jax.device_put(frozen, sharding.state_shardings(frozen, mesh, runtime.shard_frozen))
   return graphdef, lora, frozen
+
+
+def kernel_operands(model: nnx.Module, runtime: Runtime) -> list[tuple[Linear, tuple]]:
+  """Give every NF4 linear layer the kernels' operands of a training run
+  (``nf4_matmul.training_operands``: W's and W^T's codes in the word lookup's order and the
+  bf16 scales) where the run forces the kernels (``nf4_matmul`` "kernel", or "interpret" in
+  tests) on one device and the copies, twice the codes' bytes, take at most half the
+  device's free memory. Without them the kernels permute and transpose the codes on every
+  call: at 4096 tokens of the 8B shapes 4-16% of their time (experiments/sweep_nf4_train.py);
+  with them the 8B step ran as fast as XLA's (H100, 13,540 tok/s both), 6.7 GiB more at its
+  peak. Dispatch ("auto") keeps training-size calls on XLA, so none are made there. Returns
+  (layer, its operands before) for each layer given them."""
+  if runtime.nf4_matmul not in ("kernel", "interpret") or runtime.mesh is not None:
+    return []
+  linears = [
+    linear
+    for _, linear in iter_linears(model)
+    if linear.quantized and linear.in_features % 32 == 0 and linear.out_features % 32 == 0
+  ]
+  need = 2 * sum(linear.codes[...].nbytes for linear in linears)
+  stats = jax.devices()[0].memory_stats()  # None where the backend keeps none (CPU)
+  if stats is not None and need > (stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)) // 2:
+    return []
+  made = []
+  for linear in linears:
+    made.append((linear, (linear.kernel_scales, linear.kernel_codes, linear.kernel_codes_t)))
+    word, word_t, scales = _training_operands(*linear.frozen_arrays())
+    linear.kernel_codes, linear.kernel_codes_t = nnx.data(word), nnx.data(word_t)
+    linear.kernel_scales = nnx.data(scales)
+  return made
+
+
+# One program per weight shape: its temporaries are one layer stack's, not every step's eager
+# intermediates (the eager ops peaked 3.4 GiB above the plan on the 8B model, H100).
+_training_operands = jax.jit(training_operands)
+
+
+def drop_kernel_operands(model: nnx.Module) -> None:
+  """Take ``kernel_operands``' arrays off the layers that have them (W^T's codes mark them)."""
+  for _, linear in iter_linears(model):
+    if linear.kernel_codes_t is not None:
+      linear.kernel_scales, linear.kernel_codes = nnx.data(None), nnx.data(None)
+      linear.kernel_codes_t = nnx.data(None)
 
 
 def placements(tree: Any, runtime: Runtime) -> Any:

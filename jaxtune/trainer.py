@@ -274,7 +274,9 @@ def train(
     log.close()
   if rows is not None:
     frozen = rows.restore(frozen)
-  return nnx.merge(graphdef, lora, frozen), history
+  trained = nnx.merge(graphdef, lora, frozen)
+  step.drop_kernel_operands(trained)  # the run's copies of the codes (step.kernel_operands)
+  return trained, history
 
 
 class HostRows:

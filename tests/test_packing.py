@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 import jaxtune
-from jaxtune import attention, data, losses, runtime
+from jaxtune import attention, data, losses, runtime, step
+from jaxtune import lora as lora_lib
 
 SEQ = 128  # one flash-attention block multiple, so the kernel path pads nothing
 
@@ -113,8 +114,9 @@ def test_packed_rows_give_each_example_its_own_loss(tmp_path, kernels):
 @pytest.mark.slow
 def test_kernel_path_computes_the_xla_loss_and_gradients(hf_llama_dir):
   """A training micro-batch of packed rows: loss and LoRA gradients of the Mosaic GPU kernels
-  (NF4 matmul forward and backward, flash attention forward and backward, interpreted)
-  against XLA's dequantize-then-dot and masked softmax attention."""
+  (NF4 matmul forward and backward, flash attention forward and backward, interpreted; the
+  NF4 operands made for the run as the trainer places them) against XLA's
+  dequantize-then-dot and masked softmax attention."""
   path, _ = hf_llama_dir(
     hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
     head_dim=64, num_hidden_layers=1,
@@ -134,7 +136,11 @@ def test_kernel_path_computes_the_xla_loss_and_gradients(hf_llama_dir):
 
   def loss_and_grads(kernels):
     rt = _use_kernels(kernels)
-    graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    graphdef, lora, frozen = step.place(model, rt)  # as the trainer does
+    # On the kernels the run's operands are made once, in the frozen state, not the model.
+    made = [v for p, v in nnx.to_flat_state(frozen) if p[-1] == "kernel_codes_t"]
+    assert len(made) == (7 if kernels else 0), made
+    assert all(lin.kernel_codes_t is None for _, lin in lora_lib.iter_linears(model))
     lora = jax.tree.map(lambda x: x + 0.02, lora)  # B = 0 would hide the adapters' gradients
 
     def mean_loss(lora):

@@ -6,6 +6,7 @@ from pallas_kernels.nf4_matmul.ops import (
   kernel_scales,
   nf4_matmul,
   prepared_matmul,
+  training_operands,
   uses_kernel,
   word_codes,
 )
@@ -17,6 +18,7 @@ __all__ = [
   "nf4_matmul",
   "nf4_matmul_reference",
   "prepared_matmul",
+  "training_operands",
   "uses_kernel",
   "word_codes",
 ]

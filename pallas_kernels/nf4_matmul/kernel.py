@@ -16,11 +16,11 @@ natural [N, K] orientation: each compute warpgroup dequantizes its columns of th
 shared memory and multiplies dy's tile by it.
 
 The same product through the forward's path (``Config.transposed``): dx = dy @ W as the
-forward of dy against W^T's codes (``transposed_codes``, [K, N], made per call) with W's scales
+forward of dy against W^T's codes (``reference.transposed_codes``, [K, N]) with W's scales
 along the tile's columns, so W^T is the register operand and dy the shared-memory one at 256
-tokens a tile. Written for the backward's shared-memory bound (both its operands come from
-shared memory at N = 64: 1.36-1.42x cuBLAS bf16 on the MLP's shapes); tested under the
-interpreter, not yet timed on the GPU, so dispatch keeps ``backward``.
+tokens a tile. The backward's operands both come from shared memory at N = 64 (1.36-1.43x
+cuBLAS bf16 on the MLP's shapes at 4096 tokens); this path measured 0.91-1.13x on the 8B
+shapes (H100, experiments/sweep_nf4_train.py), so dispatch takes it from 2048 tokens.
 
 Operands (made from the stored bitsandbytes layout by ``kernel_operands``):
   w4      int4 [N, K]     bitsandbytes' bytes reinterpreted as JAX int4. bnb puts element 2j in
@@ -86,10 +86,14 @@ class Config:
   # Forward: store the output as y [M, N] (each tile written transposed into shared memory),
   # not as y^T for XLA to transpose: a pass over the output less at training sizes.
   out_rows: bool = False
-  # Forward: the codes are W^T's ([K, N], ``transposed_codes``) and the scales W's ([K/64, N]),
-  # so a block's scale runs along the tile's columns: the forward's register-operand path then
-  # computes dy @ W, the input gradient (dy [M, N] in x's place).
+  # Forward: the codes are W^T's ([K, N], ``reference.transposed_codes``) and the scales W's
+  # ([K/64, N]), so a block's scale runs along the tile's columns: the forward's
+  # register-operand path then computes dy @ W, the input gradient (dy [M, N] in x's place).
   transposed: bool = False
+  # Forward: the grid walks groups of this many rows of tiles (tokens), all their columns one
+  # group after another, instead of one row of tiles at a time: the cells in flight then share
+  # fewer distinct operand tiles (L2 reuse). 1: row by row.
+  group_m: int = 1
 
 
 def forward_smem_bytes(config: Config, x_itemsize: int = 2) -> int:
@@ -97,12 +101,13 @@ def forward_smem_bytes(config: Config, x_itemsize: int = 2) -> int:
   steps than ``max_concurrent_steps`` has fewer stages): the pipeline's stages of x,
   codes and scales, the output tile, the dequantized-tile staging, and 1 KiB for Mosaic GPU's
   barriers (64 bytes measured). 64 tokens, 4 k blocks a step and split K measured 241,728
-  bytes, this counts 242,688: over ``SMEM_BYTES``, so dispatch takes 2 blocks there."""
+  bytes with an unused 8 KiB staging tile (no longer allocated), this counts 234,496 without
+  it: over ``SMEM_BYTES`` either way, so dispatch takes 2 blocks there."""
   bm, wgs, sub = config.block_m, config.compute_wgs, config.k_sub
   bk, cta_n = BLOCK_K * sub, WG_ROWS * config.compute_wgs
   stage = bm * bk * x_itemsize + cta_n * bk // 2 + sub * cta_n * 2
   out = wgs * WG_ROWS * bm * (4 if config.split_k > 1 else x_itemsize)
-  staged = (wgs * sub if config.a_from_smem else 1) * WG_ROWS * BLOCK_K * x_itemsize
+  staged = (wgs * sub if config.a_from_smem else 0) * WG_ROWS * BLOCK_K * x_itemsize
   return config.max_concurrent_steps * stage + out + staged + 1024
 
 
@@ -117,12 +122,6 @@ def kernel_operands(
   """(w4 int4 [N, K], scales bf16 [K/64, N]) from the 2-D layout of ``jaxtune.nf4``."""
   scales = nf4.dequantize_absmax(absmax, nested_absmax, offset)  # [N, K/64] float32
   return kernel_codes(codes, swap_nibbles=swap_nibbles), scales.T.astype(jnp.bfloat16)
-
-
-def transposed_codes(codes: jax.Array) -> jax.Array:
-  """W^T's codes uint8 [..., K, N/2] from W's [..., N, K/2], in bitsandbytes' packing (element
-  2j in byte j's high nibble): the operand ``Config.transposed`` takes (a pass over them)."""
-  return nf4.pack(nf4.unpack(codes).swapaxes(-1, -2))
 
 
 def kernel_codes(codes: jax.Array, *, swap_nibbles: bool) -> jax.Array:
@@ -356,16 +355,28 @@ def forward(
     # in flight return non-finite sums; decoding's 16-token tiles measured exact in every
     # sweep. The backward, whose operands both come from shared memory, ran exact at 256
     # tokens with wgmmas in flight and the same 128-register accumulator, which points at the
-    # register operand (PTX: its registers must not change before the wait), so the 16-token
-    # case may be the same hazard with a smaller window. Pinning the dequantized tiles into
-    # the next step (an optimization barrier after its wait) did not cure it (tried).
+    # register operand (PTX: its registers must not change before the wait). The 16-token
+    # tiles decoding dispatches were checked for it: 1,920 launches of its configurations
+    # bit-identical to the same ones without wgmmas in flight (check_delay_release.py, H100).
+    # Pinning the dequantized tiles into the next step (an optimization barrier after its
+    # wait) did not cure the wide tiles (tried).
     raise ValueError("nf4 forward kernel: delay_release is measured correct up to 16 tokens")
   out_dtype = x.dtype if splits == 1 else jnp.float32
   hold = config.delay_release
 
-  def body(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem):
-    m0 = lax.axis_index("m") * bm
-    n0 = lax.axis_index("n") * cta_n
+  n_tiles, m_tiles, group = n // cta_n, m // bm, config.group_m
+  if m_tiles % group:
+    raise ValueError(f"nf4 forward kernel: {m_tiles} rows of tiles do not group by {group}")
+
+  def body(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
+    if group == 1:
+      mi, ni = lax.axis_index("m"), lax.axis_index("n")
+    else:  # launch order (n fastest) -> groups of ``group`` tile rows, column by column
+      lin = lax.axis_index("m") * n_tiles + lax.axis_index("n")
+      first, within = lax.div(lin, group * n_tiles) * group, lax.rem(lin, group * n_tiles)
+      mi, ni = first + lax.rem(within, group), lax.div(within, group)
+    m0 = mi * bm
+    n0 = ni * cta_n
     k0 = lax.axis_index("s") * k_part
     wg = lax.axis_index("wg")
     rows = pl.ds(wg * WG_ROWS, WG_ROWS)
@@ -442,13 +453,17 @@ def forward(
         out_dtype,
         transforms=_transforms(WG_ROWS if config.out_rows else bm, out_dtype),
       ),
-      a_smem=plgpu.SMEM(
-        (wgs, sub, WG_ROWS, BLOCK_K) if config.a_from_smem else (1, 1, WG_ROWS, BLOCK_K),
-        x.dtype,
-        transforms=_transforms(BLOCK_K, x.dtype),
+      **(
+        dict(
+          a_smem=plgpu.SMEM(
+            (wgs, sub, WG_ROWS, BLOCK_K), x.dtype, transforms=_transforms(BLOCK_K, x.dtype)
+          )
+        )
+        if config.a_from_smem
+        else {}
       ),
     ),
-    grid=(n // cta_n, m // bm, splits),
+    grid=(n_tiles, m_tiles, splits),
     grid_names=("n", "m", "s"),
     num_threads=wgs + 1,
     thread_name="wg",

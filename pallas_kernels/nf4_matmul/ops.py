@@ -7,9 +7,13 @@ single Hopper GPU; there it measured 1.6-2.4x faster than XLA, which materialise
 weight on every call. Elsewhere XLA's dequantize-then-dot:
 at training sizes XLA dequantizes once per call into a bf16 weight and runs cuBLAS, which
 measured 1.11-1.14x a bf16 matmul on the 8B shapes at 4096 tokens; the kernels measured
-0.97-1.19x (forward) and 1.15-1.47x (input gradient), faster only at 4096 x 4096, and
-trained 0.90x as fast when forced (experiments/sweep_nf4_train.py); under a multi-device
-mesh the kernel would need a shard_map wrapper that is not written yet. ``impl`` forces one:
+0.97-1.19x (forward) and 1.03-1.26x (input gradient, the forward kernel on W^T) with their
+codes permuted and transposed per call, 0.90-1.13x both with those made once for the run
+(``training_operands``): faster at 4096 x 4096, within 1% of XLA on the MLP's shapes
+(experiments/sweep_nf4_train.py). Yet the 8B step did not gain (H100): all layers on the
+kernels with those copies 1.000x XLA's tokens/s, the attention projections alone 1.0035x
+with copies and 0.99x without. Under a multi-device mesh the kernel would need a shard_map
+wrapper that is not written yet. ``impl`` forces one:
 "kernel", "xla", or "interpret" (the kernels under Mosaic GPU's CPU interpreter, with the
 lookup and data path the interpreter supports; what the tests run). kernel.py imports Mosaic
 GPU, so it is loaded the first time "kernel" or "interpret" runs.
@@ -17,11 +21,13 @@ GPU, so it is loaded the first time "kernel" or "interpret" runs.
 The forward kernel's table lookup on the GPU: "word" where the caller passes the codes in its
 order (``word_codes``, made once for many calls: jaxtune's decode loop does where the copy
 fits; 0.61-0.87x the kernel time of "prmt" on an H100); for calls of at least
-``WORD_PER_CALL_MIN_TOKENS`` tokens (training) "word" on codes permuted per call, forward and
-input gradient; else "prmt" (``lookup`` forces one for the forward; the permutation is a pass
-over the codes whatever the tokens, so below that it costs more than the lookup saves).
+``WORD_PER_CALL_MIN_TOKENS`` tokens (training) "word" on codes permuted per call (or made
+once for the run: ``word_codes``/``word_codes_t``), forward and input gradient; else "prmt"
+(``lookup`` forces one for the forward; the permutation is a pass over the codes whatever the
+tokens, so below that it costs more than the lookup saves).
 """
 
+import dataclasses
 import functools
 import math
 
@@ -135,13 +141,34 @@ def _forward_config(m: int, n: int, k: int, interpret: bool):
       sub = s
       break
   # 256-token tiles (training) store y itself, not y^T for XLA to transpose: 8-10% less time
-  # at 4096 tokens (sweep_nf4_train.py, H100, 8B shapes). Wgmmas left in flight: at most 16
-  # tokens (measured faster there; wrong at 256, where the kernel refuses them).
-  return config(k_sub=sub, a_from_smem=interpret, delay_release=int(bm <= 16), out_rows=bm == 256)
+  # at 4096 tokens (sweep_nf4_train.py, H100, 8B shapes), and walk the grid in groups of tile
+  # rows. Wgmmas left in flight: at most 16 tokens (measured faster there; wrong at 256, where
+  # the kernel refuses them).
+  return config(
+    k_sub=sub, a_from_smem=interpret, delay_release=int(bm <= 16), out_rows=bm == 256,
+    group_m=_group_m(m, bm),
+  )  # fmt: skip
+
+
+def _group_m(m: int, bm: int) -> int:
+  """Tile rows the grid walks as a group (``Config.group_m``): 4 for 256-token tiles where
+  they divide (sweep_nf4_train.py, H100, 8B shapes at 4096 tokens: 1-2% less time on every
+  shape, forward and transposed), else row by row."""
+  return 4 if bm == 256 and -(-m // bm) % 4 == 0 else 1
 
 
 def _backward_config(m: int, n: int, k: int):
+  """The Config for dx [m, k] = dy [m, n] @ W [n, k], or None where no kernel applies. From
+  ``WORD_PER_CALL_MIN_TOKENS`` tokens: the forward kernel on W^T's codes (``transposed``,
+  made per call like the word order; sweep_nf4_train.py --bwd-rs, H100, 8B shapes at 4096
+  tokens, the transpose and permutation included: 1.03x / 1.26x / 1.25x cuBLAS bf16 on
+  4096 x 4096 / gate-up / down against the backward kernel's 1.14x / 1.45x / 1.40x; XLA's
+  dequantize-then-dot 1.12x)."""
   kernel = _kernel()
+  if m >= WORD_PER_CALL_MIN_TOKENS and k % (2 * kernel.WG_ROWS) == 0 and n % kernel.BLOCK_K == 0:
+    return kernel.Config(
+      block_m=256, compute_wgs=2, out_rows=True, transposed=True, group_m=_group_m(m, 256)
+    )
   bn = 128 if n % 128 == 0 else 64
   wgs = 2 if k % 128 == 0 else 1
   if n % bn or k % (64 * wgs):
@@ -178,6 +205,19 @@ def word_codes(codes: jax.Array) -> jax.Array:
   (a stack of layers too): made once where one weight serves many calls (decoding), passed as
   ``nf4_matmul(..., word_codes=)``. As many bytes as the codes."""
   return reference.word_bytes(codes)
+
+
+def training_operands(
+  codes: jax.Array, absmax: jax.Array, nested_absmax: jax.Array, offset: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(word_codes, word_codes_t, scales) of a weight or a stack of them, for ``nf4_matmul``'s
+  calls of a training run on the kernels: W's codes and W^T's in word order (as many bytes as
+  the codes each) and the bf16 scales, made once instead of on every call."""
+  return (
+    reference.word_bytes(codes),
+    reference.word_bytes(reference.transposed_codes(codes)),
+    kernel_scales(absmax, nested_absmax, offset),
+  )
 
 
 def prepared_matmul(
@@ -232,7 +272,7 @@ def _fwd_impl(impl, lookup, x2, weights, scales=None, word=None):
   return _forward_kernel(impl, lookup, x2, cfg, scales, codes=codes, word=word)
 
 
-def _bwd_impl(impl, dy2, weights):
+def _bwd_impl(impl, dy2, weights, scales=None, word_t=None):
   m, n = dy2.shape
   k = 2 * weights[0].shape[1]
   cfg = _backward_config(m, n, k) if impl != "xla" and dy2.dtype == jnp.bfloat16 else None
@@ -240,26 +280,40 @@ def _bwd_impl(impl, dy2, weights):
     return reference.dequantize_then_dot_t(dy2, *weights)
   kernel = _kernel()
   kw = _kernel_args(impl, None, m)
-  w4, scales = _codes_for(kw["lookup"], weights[0]), kernel_scales(*weights[1:])
-  return kernel.backward(_pad_rows(dy2, cfg.block_m), w4, scales, config=cfg, **kw)[:m]
+  if scales is None:
+    scales = kernel_scales(*weights[1:])
+  dy2 = _pad_rows(dy2, cfg.block_m)
+  if cfg.transposed:
+    if word_t is None:  # transposed (and permuted for the word lookup) on every call
+      w4 = _codes_for(kw["lookup"], reference.transposed_codes(weights[0]))
+    elif kw["lookup"] == "word":  # made once for the run
+      w4 = kernel.kernel_codes(word_t, swap_nibbles=False)
+    else:  # the interpreter's lookup reads bitsandbytes' order
+      w4 = _codes_for(kw["lookup"], reference.word_bytes(word_t))
+    cfg = dataclasses.replace(cfg, a_from_smem=impl == "interpret")
+    return kernel.forward(dy2, w4, scales, config=cfg, **kw)[:m]
+  return kernel.backward(dy2, _codes_for(kw["lookup"], weights[0]), scales, config=cfg, **kw)[:m]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _nf4_matmul(impl, lookup, x2, codes, absmax, nested_absmax, offset, scales, word):
+def _nf4_matmul(impl, lookup, x2, codes, absmax, nested_absmax, offset, scales, word, word_t):
   return _fwd_impl(impl, lookup, x2, (codes, absmax, nested_absmax, offset), scales, word)
 
 
-def _vjp_fwd(impl, lookup, x2, codes, absmax, nested_absmax, offset, scales, word):
+def _vjp_fwd(impl, lookup, x2, codes, absmax, nested_absmax, offset, scales, word, word_t):
   weights = (codes, absmax, nested_absmax, offset)
   y = _fwd_impl(impl, lookup, x2, weights, scales, word)
-  if word is not None:  # the backward reads bitsandbytes' order (codes may be word order)
+  if word is not None and word_t is None:
+    # The backward reads bitsandbytes' order (codes may be word order: decoding's in place).
+    # With word_t (a training run's operands) the codes are bitsandbytes' own.
     weights = (reference.word_bytes(word), *weights[1:])
-  return y, weights
+  return y, (weights, scales, word_t)
 
 
-def _vjp_bwd(impl, lookup, weights, dy2):
+def _vjp_bwd(impl, lookup, res, dy2):
   del lookup  # the backward kernel keeps its own
-  return (_bwd_impl(impl, dy2, weights), None, None, None, None, None, None)
+  weights, scales, word_t = res
+  return (_bwd_impl(impl, dy2, weights, scales, word_t), *[None] * 7)
 
 
 _nf4_matmul.defvjp(_vjp_fwd, _vjp_bwd)
@@ -276,6 +330,7 @@ def nf4_matmul(
   scales: jax.Array | None = None,
   lookup: str | None = None,
   word_codes: jax.Array | None = None,
+  word_codes_t: jax.Array | None = None,
 ) -> jax.Array:
   """x [..., K] @ dequant(W)^T -> [..., N]; W [N, K] in the 2-D layout of ``jaxtune.nf4``.
 
@@ -293,7 +348,12 @@ def nf4_matmul(
   saves). Every path but the kernel's word lookup (XLA's, the interpreter's, "prmt", the
   backward) reads the codes from ``word_codes`` where they are given, put back in
   bitsandbytes' order, so ``codes`` may be the same word-order array (decoding's in-place
-  order, ``decoding.codes_in_word_order``)."""
+  order, ``decoding.codes_in_word_order``).
+
+  ``word_codes_t``: W^T's codes in word order (``training_operands``, made once for a
+  training run, with ``word_codes`` and ``scales``): the input gradient's kernel (from
+  ``WORD_PER_CALL_MIN_TOKENS`` tokens) reads them instead of transposing the codes on every
+  call; ``codes`` must then be in bitsandbytes' order."""
   lead = x.shape[:-1]
   tokens = math.prod(lead)
   if lookup is not None and (lookup not in LOOKUPS or impl in ("xla", "interpret")):
@@ -308,5 +368,7 @@ def nf4_matmul(
   x2 = x.reshape(-1, x.shape[-1])
   if lookup is None and word_codes is not None:
     lookup = "word"
-  y = _nf4_matmul(impl, lookup, x2, codes, absmax, nested_absmax, offset, scales, word_codes)
+  y = _nf4_matmul(
+    impl, lookup, x2, codes, absmax, nested_absmax, offset, scales, word_codes, word_codes_t
+  )
   return y.reshape(*lead, y.shape[-1])

@@ -71,6 +71,18 @@ def word_bytes(codes: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(out, codes.dtype).reshape(*lead, half)
 
 
+def transposed_codes(codes: jax.Array) -> jax.Array:
+  """W^T's codes uint8 [..., K, N/2] from W's [..., N, K/2], in bitsandbytes' packing (element
+  2j in byte j's high nibble): the operand ``Config.transposed`` takes. One transpose of bytes:
+  rows 2j and 2j + 1 of W (bytes a, b) give W^T's byte j of rows 2i (the high nibbles, a's
+  first) and 2i + 1 (the low ones), so no array of single codes is made."""
+  a, b = codes[..., 0::2, :], codes[..., 1::2, :]  # [..., N/2, K/2]
+  even = (a & 0xF0) | (b >> 4)
+  odd = (a << 4) | (b & 0x0F)
+  pairs = jnp.stack([even, odd], axis=-1)  # [..., N/2, K/2, 2]: byte j of W^T rows 2i, 2i + 1
+  return pairs.reshape(*codes.shape[:-2], codes.shape[-2] // 2, -1).swapaxes(-1, -2)
+
+
 def prepared_weight(word: jax.Array, scales: jax.Array, dtype: DTypeLike) -> jax.Array:
   """W [N, K] from the forward kernel's prepared operands, as the kernel forms it: the NF4
   level (bf16) times the block's bf16 scale, a bf16 product. ``word``: codes [N, K/2] in
