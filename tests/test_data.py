@@ -4,11 +4,11 @@ and `jaxtune.train` from Python. Bad inputs are in test_catalogue.py."""
 
 import copy
 import json
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+from conftest import background_run, run_cli
 
 import jaxtune
 from jaxtune import data, default_model, formats
@@ -341,22 +341,46 @@ def test_stream_resumes_at_the_same_example(tok, tmp_path):
   assert np.any(mapped.batch(0, 4, 1, 0)["labels"] != IGNORE)
 
 
+@background_run("streamed_runs")
+def _streamed_runs(directory, runs):
+  """Command-line runs of streamed data: 4 steps; 2 steps, then resumed to 4. (Their --out
+  directories, the three processes.)"""
+  path = _jsonl(directory / "stream.jsonl", _rows("text", 60))
+  argv = [sys.executable, "-m", "jaxtune.train", "--data", path, "--data-streaming"]
+  argv += ["--export", "none", "--schedule", "constant", "--warmup-steps", "0"]
+  whole, part = directory / "whole", directory / "part"
+  procs = [run_cli([*argv, "--out", str(whole), "--steps", "4"])]
+  procs.append(run_cli([*argv, "--out", str(part), "--steps", "2"]))
+  procs.append(run_cli([*argv, "--out", str(part), "--steps", "4", "--resume"]))
+  return whole, part, procs
+
+
 @pytest.mark.slow
-def test_streamed_run_resumed_matches_an_uninterrupted_one(tmp_path):
-  path = _jsonl(tmp_path / "stream.jsonl", _rows("text", 60))
-  kw = dict(data=path, data_streaming=True, export=None, schedule="constant", warmup_steps=0)
-  whole, _ = jaxtune.train(out=str(tmp_path / "whole"), steps=4, **kw)
-  part, _ = jaxtune.train(out=str(tmp_path / "part"), steps=2, **kw)
-  jaxtune.train(out=str(tmp_path / "part"), steps=4, resume=True, **kw)
+def test_streamed_run_resumed_matches_an_uninterrupted_one(streamed_runs):
+  whole, part, procs = streamed_runs
+  for proc in procs:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "resuming from step 2 of 4" in procs[2].stderr
   loss = lambda d: [json.loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
   assert loss(part)[-2:] == pytest.approx(loss(whole)[-2:], rel=1e-6)
 
 
-def test_reading_and_tokenizing_need_no_torch():
+@background_run("no_torch_children")
+def _no_torch_children(directory, runs):
+  """The two child processes of the tests below, run beside the other tests."""
+  return [run_cli([sys.executable, "-c", code], timeout=300) for code in _NO_TORCH_CODE]
+
+
+def test_reading_and_tokenizing_need_no_torch(no_torch_children):
   """torch is a test dependency only. The run-time code that could reach it is transformers
   (the tokenizer) and datasets: both work where torch cannot be found, as on a machine without
   it. (No module of ours imports torch: test_imports checks every import statement.)"""
-  code = """
+  child = no_torch_children[0]
+  assert child.returncode == 0, child.stderr[-2000:]
+
+
+_NO_TORCH_CODE = [
+  """
 import importlib.util, sys
 _find = importlib.util.find_spec
 importlib.util.find_spec = lambda n, p=None: None if n.split(".")[0] == "torch" else _find(n, p)
@@ -370,9 +394,15 @@ tok = session.load_tokenizer(default_model.ensure_default_checkpoint())
 ds, _, report = data.load(str(default_model.DATASET), tok, seq_len=128, num_proc=2)
 assert ds.examples == 600, report
 assert "torch" not in sys.modules
-"""
-  child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-  assert child.returncode == 0, child.stderr[-2000:]
+""",
+  (
+    "import sys; from jaxtune import default_model, run_log, session; "
+    "session.load_tokenizer(default_model.ensure_default_checkpoint()); "
+    "run_log._summary_writer(); "
+    "assert 'torch' not in sys.modules, 'torch was imported'; "
+    "import torch; torch.zeros(1)"
+  ),
+]
 
 
 def _row(value) -> str:
@@ -489,16 +519,9 @@ def test_the_tokenizer_is_the_one_auto_tokenizer_gives(tok, tmp_path, cls_name, 
   )
 
 
-def test_the_tokenizer_and_tensorboard_import_no_torch():
+def test_the_tokenizer_and_tensorboard_import_no_torch(no_torch_children):
   """Where torch is installed, AutoTokenizer's and tensorboardX's imports load it (seconds of
   every command line's start); a plain tokenizer and the TensorBoard writer come without it,
   and torch stays importable after."""
-  code = (
-    "import sys; from jaxtune import default_model, run_log, session; "
-    "session.load_tokenizer(default_model.ensure_default_checkpoint()); "
-    "run_log._summary_writer(); "
-    "assert 'torch' not in sys.modules, 'torch was imported'; "
-    "import torch; torch.zeros(1)"
-  )
-  child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  child = no_torch_children[1]
   assert child.returncode == 0, child.stderr[-2000:]

@@ -22,7 +22,6 @@ from conftest import background_run, run_cli
 
 from jaxtune import checkpoint
 from jaxtune.run_config import RunConfig
-from jaxtune.session import run_training
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,10 +37,6 @@ def _metrics(out):
 # The run the SIGTERM test interrupts and resumes, and the same run uninterrupted.
 _SIGTERM_FLAGS = ["--steps", "12", "--save-every", "5", "--export", "none", "--lora-dropout", "0.1"]
 _SIGTERM_FLAGS += ["--seq-len", "64", "--lora-rank", "4"]
-# As the command line builds it (no --model: over the built-in default run's own settings).
-_SIGTERM_RUN = RunConfig.from_settings(
-  dict(steps=12, save_every=5, export=None, lora_dropout=0.1, seq_len=64, lora_rank=4)
-)
 
 
 # Runs the command line given after the metrics file as its child and sends it SIGTERM once
@@ -70,24 +65,24 @@ _INTERRUPT_AT_STEP_6 = textwrap.dedent(
 
 @background_run("sigterm_and_resume")
 def _sigterm_and_resume(directory, runs):
-  """The command-line run, sent SIGTERM once step 6 is logged, then again with --resume: (its
-  --out, the stopped process, the checkpoints it left, the resumed process)."""
-  cut = directory / "cut"
-  train = [sys.executable, "-m", "jaxtune.train", "--out", str(cut), *_SIGTERM_FLAGS]
+  """The command-line run, sent SIGTERM once step 6 is logged, then again with --resume, then
+  the same run uninterrupted: (the first's --out, the stopped process, the checkpoints it
+  left, the resumed process, the uninterrupted run's --out and process)."""
+  cut, full = directory / "cut", directory / "full"
+  train = [sys.executable, "-m", "jaxtune.train", *_SIGTERM_FLAGS]
   interrupt = [sys.executable, "-c", _INTERRUPT_AT_STEP_6, str(cut / "metrics.jsonl")]
-  stopped = run_cli([*interrupt, *train], timeout=600, cwd=REPO)
+  stopped = run_cli([*interrupt, *train, "--out", str(cut)], timeout=600, cwd=REPO)
   left = os.listdir(cut / "checkpoints") if (cut / "checkpoints").is_dir() else []
-  return cut, stopped, left, run_cli([*train, "--resume"], timeout=600, cwd=REPO)
+  resumed = run_cli([*train, "--out", str(cut), "--resume"], timeout=600, cwd=REPO)
+  return cut, stopped, left, resumed, full, run_cli([*train, "--out", str(full)], cwd=REPO)
 
 
 @pytest.mark.slow
-def test_sigterm_saves_then_resume_reproduces_the_run(sigterm_and_resume, tmp_path):
+def test_sigterm_saves_then_resume_reproduces_the_run(sigterm_and_resume):
   """Preemption: SIGTERM mid-run saves a checkpoint at the step it reached (not a --save-every
   multiple) and exits; --resume then gives exactly the losses of an uninterrupted run."""
-  # The uninterrupted run, in this process (same 8 fake devices).
-  full = tmp_path / "full"
-  run_training(_SIGTERM_RUN.replace(out=str(full)))
-  cut, proc, checkpoints_after_the_stop, resumed = sigterm_and_resume  # before the resume
+  cut, proc, checkpoints_after_the_stop, resumed, full, whole = sigterm_and_resume
+  assert whole.returncode == 0, whole.stderr[-3000:]
   err = proc.stderr
   assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
   assert "Traceback" not in err

@@ -1,8 +1,8 @@
 """Pipeline (pipe axis), sharded frozen weights and remat policies on 8 fake CPU devices.
 
 Each configuration must compute what one device computes: the loss and the LoRA gradients
-of one batch (tiny NF4 Llama, 8 layers, so pipe = 2, 4 and 8 all divide it), and the losses
-of a few real training steps through trainer.train, which needs no change for a pipeline.
+of one batch (tiny NF4 Llama, 8 layers, so pipe = 2, 4 and 8 all divide it). The losses of
+real training steps through trainer.train under 2x2x2: test_train.py.
 """
 
 import jax
@@ -14,11 +14,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxtune
 from converters.synthetic import write_random_checkpoint
-from jaxtune import data, losses, pipeline, runtime, sharding, trainer
+from jaxtune import data, losses, pipeline, runtime, sharding
 from jaxtune import mesh as meshlib
 from jaxtune.config import ModelConfig
 from jaxtune.models.decoder import REMAT_POLICIES, Decoder
-from jaxtune.run_config import RunConfig
 
 TINY = dict(
   model_type="llama",
@@ -300,34 +299,3 @@ def test_sliding_window_layers_keep_their_windows_across_stages():
   state = jax.device_put(state, sharding.state_shardings(state, mesh))
   got = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, runtime=rt))(state, ids)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-
-
-@pytest.mark.slow
-def test_trainer_trains_pipelined_as_on_one_device(ckpt, tmp_path):
-  """trainer.train, unchanged, under data x tensor x pipe: same losses step by step."""
-  ids = np.random.default_rng(1).integers(0, 256, (8, 16)).astype(np.int32)  # one batch
-  labels = np.roll(ids, -1, axis=1)
-  labels[:, -1] = data.IGNORE
-  dataset = data.Dataset.from_rows(ids, labels)
-  run = RunConfig(
-    steps=3,
-    batch_size=8,
-    grad_accum=2,
-    learning_rate=1e-2,
-    warmup_steps=0,
-    dtype="float32",
-    lora_rank=4,
-    remat="full",
-  )
-  losses = {}
-  for spec in ("1", "2x2x2"):
-    mesh = _mesh(spec)
-    model = jaxtune.from_pretrained(ckpt, quantization="nf4", dtype="float32", mesh=mesh)
-    model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
-    (tmp_path / spec).mkdir()
-    out = run.replace(out=str(tmp_path / spec), mesh=spec)
-    rt = runtime.resolve(out, model.config, devices=mesh.devices.flatten())
-    _, history = trainer.train(model, dataset, out, rt)
-    losses[spec] = [h["loss"] for h in history]
-  assert losses["1"][-1] < losses["1"][0]
-  np.testing.assert_allclose(losses["2x2x2"], losses["1"], rtol=2e-5)

@@ -4,6 +4,7 @@ lines. The real step's plans are checked in test_train (a run under --memory-lim
 
 import os
 import re
+import sys
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,6 +12,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
+from conftest import background_run, run_cli
 
 from jaxtune import plan
 from jaxtune.errors import UserError
@@ -359,24 +361,28 @@ def test_the_command_lines_keep_xla_warnings_off_unless_asked(cli, monkeypatch):
     assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == expected
 
 
-def test_the_command_line_imports_its_libraries_without_pytorch():
+@background_run("cli_import_child")
+def _cli_import_child(directory, runs):
+  """The child process of the test below, run beside the other tests."""
+  root = Path(__file__).resolve().parents[1]
+  return run_cli([sys.executable, "-c", _CLI_IMPORTS], cwd=root, timeout=300)
+
+
+def test_the_command_line_imports_its_libraries_without_pytorch(cli_import_child):
   """The train CLI imports transformers (its tokenizer classes) and datasets with torch hidden,
   and leaves no trace of the hiding: datasets imports torch when it finds "torch" in
   sys.modules at all (its hashing of the tokenizer), so a run would fail."""
-  import subprocess
-  import sys
-
-  child = (
-    "import sys\n"
-    "import importlib\n"
-    "importlib.import_module('jaxtune.train')._start_devices_while_importing()\n"
-    "import transformers\n"
-    "print(repr(sys.modules.get('torch', 'absent')), 'datasets' in sys.modules,\n"
-    "      'transformers.tokenization_utils_fast' in sys.modules\n"
-    "      or 'transformers.tokenization_utils_tokenizers' in sys.modules)\n"
-  )
-  root = Path(__file__).resolve().parents[1]
-  proc = subprocess.run([sys.executable, "-c", child], cwd=root, capture_output=True, text=True,
-                        timeout=300)  # fmt: skip
+  proc = cli_import_child
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.splitlines()[-1] == "'absent' True True", proc.stdout[-500:]
+
+
+_CLI_IMPORTS = (
+  "import sys\n"
+  "import importlib\n"
+  "importlib.import_module('jaxtune.train')._start_devices_while_importing()\n"
+  "import transformers\n"
+  "print(repr(sys.modules.get('torch', 'absent')), 'datasets' in sys.modules,\n"
+  "      'transformers.tokenization_utils_fast' in sys.modules\n"
+  "      or 'transformers.tokenization_utils_tokenizers' in sys.modules)\n"
+)

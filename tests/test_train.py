@@ -106,7 +106,8 @@ def test_mesh_losses_equal_single_device(tiny, single, tmp_path):
   # "data=2,tensor=4" spells the 2x4 mesh: the same Mesh, hence the same program and losses.
   assert meshlib.make_mesh("data=2,tensor=4", jax.devices()) == meshlib.make_mesh("2x4")
   # (tensor=8 does not divide the 4 key/value heads: runtime.resolve refuses 1x8 here.)
-  for spec in ("2x4", "8", "1x4"):
+  # (tensor alone: 2x4 and the pipeline tests split over tensor; 1x4 added 5 s and nothing.)
+  for spec in ("2x4", "8"):
     np.testing.assert_allclose(_losses(tiny, spec, tmp_path), single, rtol=2e-5, err_msg=spec)
 
 
