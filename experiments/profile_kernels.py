@@ -33,7 +33,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -123,6 +122,10 @@ def main():
   ap.add_argument("--seq", type=int, default=2048)
   ap.add_argument("--remat", default="activations")
   ap.add_argument("--attention", default=None, help="xla, fused or pallas (default: the model's)")
+  ap.add_argument(
+    "--nf4-matmul", default="auto",
+    help="auto, kernel or xla; kernel makes its operands once, as a run does (step.place)",
+  )  # fmt: skip
   ap.add_argument("--checkpoint-dir", default=None, help="reuse or keep the checkpoint here")
   ap.add_argument("--results-dir", default=None)
   ap.add_argument("--hlo-out", default=None, help="write the compiled step's HLO text here")
@@ -139,8 +142,10 @@ def main():
   model = jaxtune.apply_lora(model, rank=16, alpha=16)
   cfg = model.config
   attention, _ = runtime.resolve_attention(args.attention, cfg, dtype="bfloat16", packed=False)
-  rt = runtime.Runtime(dtype="bfloat16", remat=args.remat, attention=attention)
-  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  rt = runtime.Runtime(
+    dtype="bfloat16", remat=args.remat, attention=attention, nf4_matmul=args.nf4_matmul
+  )
+  graphdef, lora, frozen = trainer_step.place(model, rt)
   lora = trainer_step.fp32_master(lora)
   rng = np.random.default_rng(0)
   ids = rng.integers(0, cfg.vocab_size, (args.batch, args.seq + 1)).astype(np.int32)
@@ -182,7 +187,8 @@ def main():
   for cat in ("matmul", "attention", "fusion", "copy", "other"):
     rows.append({
       "model": args.shape, "batch": args.batch, "seq": args.seq, "remat": args.remat,
-      "attention": attention, "category": cat, "ms_per_step": by_cat[cat],
+      "attention": attention, "nf4_matmul": args.nf4_matmul, "category": cat,
+      "ms_per_step": by_cat[cat],
       "ms_per_layer": by_cat[cat] / layers, "share": by_cat[cat] / total if total else 0.0,
     })  # fmt: skip
   top = [
@@ -210,7 +216,8 @@ def main():
       f"| {r['category']} | {r['ms_per_step']:.1f} | {r['ms_per_layer']:.2f} | {r['share']:.0%} |"
     )
   scope_rows = [
-    {"model": args.shape, "batch": args.batch, "scope": scope, "pass": phase,
+    {"model": args.shape, "batch": args.batch, "nf4_matmul": args.nf4_matmul, "scope": scope,
+     "pass": phase,
      "ms_per_step": ms, "ms_per_layer": ms / layers, "share": ms / total if total else 0.0}
     for (scope, phase), ms in by_scope.most_common()
   ]  # fmt: skip

@@ -239,27 +239,35 @@ def kernel_operands(model: nnx.Module, runtime: Runtime) -> list[tuple[Linear, t
   """Give every NF4 linear layer the kernels' operands of a training run
   (``nf4_matmul.training_operands``: W's and W^T's codes in the word lookup's order and the
   bf16 scales) where the run forces the kernels (``nf4_matmul`` "kernel", or "interpret" in
-  tests) on one device and the copies, twice the codes' bytes, take at most half the
-  device's free memory. Without them the kernels permute and transpose the codes on every
-  call: at 4096 tokens of the 8B shapes 4-16% of their time (experiments/sweep_nf4_train.py);
-  with them the 8B step ran as fast as XLA's (H100, 13,540 tok/s both), 6.7 GiB more at its
-  peak. Dispatch ("auto") keeps training-size calls on XLA, so none are made there. Returns
-  (layer, its operands before) for each layer given them."""
-  if runtime.nf4_matmul not in ("kernel", "interpret") or runtime.mesh is not None:
+  tests) on one device in bfloat16 (the kernels' dtype) and the copies, twice the codes'
+  bytes and the scales, take at most half the free memory (of ``--memory-limit`` where set).
+  Without them the kernels permute and transpose the codes on every call: at 4096 tokens of
+  the 8B shapes 4-16% of their time (experiments/sweep_nf4_train.py); with them the 8B step
+  ran as fast as XLA's (H100, 13,540 tok/s both), 6.7 GiB more at its peak. Dispatch ("auto")
+  keeps training-size calls on XLA, so none are made there. All are made before any is
+  given, so a failure leaves ``model`` as it was. Returns (layer, its operands before) for
+  each layer given them."""
+  forced = runtime.nf4_matmul in ("kernel", "interpret")
+  if not forced or runtime.mesh is not None or runtime.dtype != "bfloat16":
     return []
   linears = [
     linear
     for _, linear in iter_linears(model)
     if linear.quantized and linear.in_features % 32 == 0 and linear.out_features % 32 == 0
   ]
-  need = 2 * sum(linear.codes[...].nbytes for linear in linears)
+  codes = sum(linear.codes[...].nbytes for linear in linears)
+  need = 2 * codes + codes // 16  # W's and W^T's codes; bf16 scales: 2 bytes per 64 weights
   stats = jax.devices()[0].memory_stats()  # None where the backend keeps none (CPU)
-  if stats is not None and need > (stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)) // 2:
-    return []
+  if stats is not None:
+    limit = stats.get("bytes_limit", 0)
+    if runtime.memory_limit is not None:
+      limit = min(limit, int(runtime.memory_limit * 2**30))
+    if need > (limit - stats.get("bytes_in_use", 0)) // 2:
+      return []
+  operands = [_training_operands(*linear.frozen_arrays()) for linear in linears]
   made = []
-  for linear in linears:
+  for linear, (word, word_t, scales) in zip(linears, operands, strict=True):
     made.append((linear, (linear.kernel_scales, linear.kernel_codes, linear.kernel_codes_t)))
-    word, word_t, scales = _training_operands(*linear.frozen_arrays())
     linear.kernel_codes, linear.kernel_codes_t = nnx.data(word), nnx.data(word_t)
     linear.kernel_scales = nnx.data(scales)
   return made

@@ -68,8 +68,8 @@ def test_forward_matches_reference(lead, k, n):
     ),  # fmt: skip
     # Training tiles store y, not y^T (each warpgroup's tile transposed into shared memory).
     (kernel.Config(block_m=32, compute_wgs=2, out_rows=True, a_from_smem=True), 256),
-    # The grid walked in groups of tile rows: 2 x 2 tiles, visited out of launch order.
-    (kernel.Config(block_m=16, compute_wgs=1, group_m=2, out_rows=True, a_from_smem=True), 256),
+    # The grid walked in groups of tile rows: 4 x 2 tiles in 2 groups, out of launch order.
+    (kernel.Config(block_m=8, compute_wgs=1, group_m=2, out_rows=True, a_from_smem=True), 256),
   ],
   ids=[
     "split-k",
@@ -131,6 +131,27 @@ def test_input_gradient_through_the_forward_kernel_on_transposed_codes():
   )
   ref = np.asarray(dy, np.float32) @ np.asarray(nf4.dequantize_linear(*q, jnp.float32))
   assert got.shape == (m, k) and _rel(got, ref) < 1e-2
+
+
+def test_input_gradient_from_operands_made_for_the_run(monkeypatch):
+  """The op's input gradient on the interpreted transposed kernel reading W^T's codes made
+  once (``training_operands``, word order, put back for the interpreter's lookup), at a
+  training size lowered to 32 tokens: the reference's gradient."""
+  monkeypatch.setattr(ops, "WORD_PER_CALL_MIN_TOKENS", 32)
+  rng = np.random.default_rng(15)
+  n, k = 128, 256
+  q = _weights(rng, n, k)
+  word, word_t, scales = ops.training_operands(*q)
+  x = jnp.asarray(rng.standard_normal((32, k)), jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((32, n)), jnp.bfloat16)
+  call = lambda x: nf4_matmul(  # noqa: E731
+    x, *q, impl="interpret", word_codes=word, word_codes_t=word_t, scales=scales
+  )
+  assert ops._backward_config(32, n, k).transposed
+  _, vjp = jax.vjp(call, x)
+  (dx,) = vjp(dy)
+  ref = np.asarray(dy, np.float32) @ np.asarray(nf4.dequantize_linear(*q, jnp.float32))
+  assert dx.shape == (32, k) and _rel(dx, ref) < 1e-2
 
 
 def test_transposed_codes_are_the_transposed_weights_codes():

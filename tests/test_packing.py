@@ -73,7 +73,7 @@ def _token_losses(model, ids, labels, positions=None, segments=None, rt=runtime.
 def _use_kernels(on: bool) -> runtime.Runtime:
   """Every NF4 layer and the attention on the Mosaic GPU kernels' interpreter, or on XLA."""
   if on:
-    return runtime.Runtime(attention="interpret", nf4_matmul="interpret")
+    return runtime.Runtime(attention="interpret", nf4_matmul="interpret", dtype="bfloat16")
   return runtime.Runtime(attention="xla", nf4_matmul="xla")
 
 

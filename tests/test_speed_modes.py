@@ -148,16 +148,17 @@ def test_offload_lets_the_pinned_host_pool_use_most_of_the_machine():
 
 
 def test_runs_forced_onto_the_kernels_get_their_operands_made_once(tiny_checkpoint):
-  """Under --nf4-matmul kernel (here its interpreter) the frozen state holds the NF4 kernels'
-  operands made once for every layer (W^T's codes in word order among them); under dispatch
-  or xla none; the model keeps none, and a trained model merged from that state is given
-  none back."""
+  """Under --nf4-matmul kernel (here its interpreter) in bfloat16 the frozen state holds the
+  NF4 kernels' operands made once for every layer (W^T's codes in word order among them);
+  under dispatch, xla or float32 none; the model keeps none, and a trained model merged from
+  that state is given none back."""
   from pallas_kernels.nf4_matmul import reference
 
   model = jaxtune.from_pretrained(tiny_checkpoint, quantization="nf4", dtype="bfloat16")
 
-  def made(nf4_matmul):
-    graphdef, lora, frozen = step.place(model, runtime.Runtime(nf4_matmul=nf4_matmul))
+  def made(nf4_matmul, dtype="bfloat16"):
+    rt = runtime.Runtime(nf4_matmul=nf4_matmul, dtype=dtype)
+    graphdef, lora, frozen = step.place(model, rt)
     flat = {p: v for p, v in nnx.to_flat_state(frozen) if p[-1] == "kernel_codes_t"}
     return sorted(p[-2] for p in flat), flat, (graphdef, lora, frozen)
 
@@ -168,6 +169,7 @@ def test_runs_forced_onto_the_kernels_get_their_operands_made_once(tiny_checkpoi
   got = next(v for p, v in flat.items() if p[-2] == "q_proj")
   np.testing.assert_array_equal(np.asarray(got[...]), np.asarray(want))
   assert made("auto")[0] == [] and made("xla")[0] == []
+  assert made("interpret", "float32")[0] == []  # the kernels take bfloat16 only
   assert all(lin.kernel_codes_t is None for _, lin in jaxtune.lora.iter_linears(model))
   trained = nnx.merge(*placed)
   assert trained.layers.self_attn.q_proj.kernel_codes_t is not None
