@@ -66,7 +66,11 @@ def compile_cache_env(env: dict, lane: str) -> dict:
 
 def pytest_collection_modifyitems(config, items):
   """Tests marked ``gpu`` are skipped where JAX sees no GPU (CPU machines, CI; and a GPU machine
-  unless JAX_PLATFORMS lets JAX use it: this file defaults it to cpu)."""
+  unless JAX_PLATFORMS lets JAX use it: this file defaults it to cpu). Tests marked ``late``
+  (they only read a background job's results) run after the others, so their job, queued
+  last (jobs go in the order tests first use them), has the whole session to finish."""
+  late = [item for item in items if item.get_closest_marker("late")]
+  items[:] = [item for item in items if not item.get_closest_marker("late")] + late
   gpu = [item for item in items if item.get_closest_marker("gpu")]
   if gpu and not _has_gpu():
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU; JAX sees none")
