@@ -97,11 +97,8 @@ def main():
             f = jax.jit(functools.partial(ops._bwd_impl, impl))
           _run(rows, which, m, k, n, "op", impl, base, f, a, [(q,) for q in qs], want, args.reps)
     if args.bwd_rs:  # the op's own (--ops) is dispatch's configuration
-
-      def rs_operands(q):
-        return kernel.word_codes(reference.transposed_codes(q[0])), kernel_scales(*q[1:])
-
-      made = [rs_operands(q) for q in qs]
+      made = [ops.training_operands(*q)[1:] for q in qs]  # W^T's word codes, the scales
+      made = [(kernel.kernel_codes(w, swap_nibbles=False), s) for w, s in made]
       for cfg in _forward_grid(args, m):
         cfg = dataclasses.replace(cfg, transposed=True)
         f = jax.jit(functools.partial(kernel.forward, config=cfg, lookup="word"))

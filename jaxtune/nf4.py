@@ -76,7 +76,7 @@ def quantize_4bit_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   scaled = full.reshape(-1)[:n]
   if n % 2:
     scaled = jnp.pad(scaled, (0, 1))  # a zero, code 7, fills the last low nibble
-  return pack(_nf4_level(scaled)), absmax
+  return _pack(_nf4_level(scaled)), absmax
 
 
 def _scale_blocks(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -91,9 +91,8 @@ def _nf4_level(scaled: jax.Array) -> jax.Array:
   return jnp.sum(scaled[..., None] > jnp.asarray(_NF4_BOUNDS), axis=-1).astype(jnp.uint8)
 
 
-def pack(q: jax.Array) -> jax.Array:
-  """[..., 2k] codes -> [..., k] bytes, the even element in the high nibble (``unpack``'s
-  inverse)."""
+def _pack(q: jax.Array) -> jax.Array:
+  """[..., 2k] codes -> [..., k] bytes, the even element in the high nibble."""
   pairs = q.reshape(*q.shape[:-1], q.shape[-1] // 2, 2)
   return (pairs[..., 0] << 4) | pairs[..., 1]
 
@@ -228,7 +227,7 @@ def quantize_linear_4bit(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   out_features, in_features = w.shape
   blocks = w.astype(jnp.float32).reshape(out_features, in_features // BLOCKSIZE, BLOCKSIZE)
   scaled, absmax = _scale_blocks(blocks)  # absmax [out, in / 64]
-  codes = pack(_nf4_level(scaled))  # [out, in / 64, 32]
+  codes = _pack(_nf4_level(scaled))  # [out, in / 64, 32]
   return codes.reshape(out_features, in_features // 2), absmax
 
 

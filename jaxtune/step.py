@@ -273,8 +273,7 @@ def kernel_operands(model: nnx.Module, runtime: Runtime) -> list[tuple[Linear, t
   return made
 
 
-# One program per weight shape: its temporaries are one layer stack's, not every step's eager
-# intermediates (the eager ops peaked 3.4 GiB above the plan on the 8B model, H100).
+# One program per weight shape: its temporaries are one layer stack's, not each eager op's.
 _training_operands = jax.jit(training_operands)
 
 

@@ -27,7 +27,6 @@ once for the run: ``word_codes``/``word_codes_t``), forward and input gradient; 
 tokens, so below that it costs more than the lookup saves).
 """
 
-import dataclasses
 import functools
 import math
 
@@ -157,18 +156,20 @@ def _group_m(m: int, bm: int) -> int:
   return 4 if bm == 256 and -(-m // bm) % 4 == 0 else 1
 
 
-def _backward_config(m: int, n: int, k: int):
+def _backward_config(m: int, n: int, k: int, interpret: bool = False):
   """The Config for dx [m, k] = dy [m, n] @ W [n, k], or None where no kernel applies. From
-  ``WORD_PER_CALL_MIN_TOKENS`` tokens: the forward kernel on W^T's codes (``transposed``,
-  made per call like the word order; sweep_nf4_train.py --bwd-rs, H100, 8B shapes at 4096
-  tokens, the transpose and permutation included: 1.03x / 1.26x / 1.25x cuBLAS bf16 on
-  4096 x 4096 / gate-up / down against the backward kernel's 1.14x / 1.45x / 1.40x; XLA's
-  dequantize-then-dot 1.12x)."""
+  ``WORD_PER_CALL_MIN_TOKENS`` tokens: the forward kernel on W^T's codes (``transposed``;
+  transposed per call, or made once for the run: ``training_operands``; sweep_nf4_train.py,
+  H100, 8B shapes at 4096 tokens, the per-call transpose and permutation included: 1.03x /
+  1.26x / 1.25x cuBLAS bf16 on 4096 x 4096 / gate-up / down against the backward kernel's
+  1.14x / 1.45x / 1.40x; XLA's dequantize-then-dot 1.12x). The interpreter stages the
+  dequantized tiles in shared memory (``a_from_smem``), as for the forward."""
   kernel = _kernel()
   if m >= WORD_PER_CALL_MIN_TOKENS and k % (2 * kernel.WG_ROWS) == 0 and n % kernel.BLOCK_K == 0:
     return kernel.Config(
-      block_m=256, compute_wgs=2, out_rows=True, transposed=True, group_m=_group_m(m, 256)
-    )
+      block_m=256, compute_wgs=2, out_rows=True, transposed=True, group_m=_group_m(m, 256),
+      a_from_smem=interpret,
+    )  # fmt: skip
   bn = 128 if n % 128 == 0 else 64
   wgs = 2 if k % 128 == 0 else 1
   if n % bn or k % (64 * wgs):
@@ -275,7 +276,8 @@ def _fwd_impl(impl, lookup, x2, weights, scales=None, word=None):
 def _bwd_impl(impl, dy2, weights, scales=None, word_t=None):
   m, n = dy2.shape
   k = 2 * weights[0].shape[1]
-  cfg = _backward_config(m, n, k) if impl != "xla" and dy2.dtype == jnp.bfloat16 else None
+  use = impl != "xla" and dy2.dtype == jnp.bfloat16
+  cfg = _backward_config(m, n, k, impl == "interpret") if use else None
   if cfg is None:
     return reference.dequantize_then_dot_t(dy2, *weights)
   kernel = _kernel()
@@ -290,7 +292,6 @@ def _bwd_impl(impl, dy2, weights, scales=None, word_t=None):
       w4 = kernel.kernel_codes(word_t, swap_nibbles=False)
     else:  # the interpreter's lookup reads bitsandbytes' order
       w4 = _codes_for(kw["lookup"], reference.word_bytes(word_t))
-    cfg = dataclasses.replace(cfg, a_from_smem=impl == "interpret")
     return kernel.forward(dy2, w4, scales, config=cfg, **kw)[:m]
   return kernel.backward(dy2, _codes_for(kw["lookup"], weights[0]), scales, config=cfg, **kw)[:m]
 
