@@ -16,8 +16,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import glob
+import hashlib
 import math
 import os
+import pickle
+import platform
 import re
 import sys
 import time
@@ -56,6 +59,11 @@ class Plan:
   rejected: tuple[tuple[str, int, bool], ...]
   compile_s: float
   cache_hits: int  # programs read from the persistent compilation cache while compiling
+  stored: bool = False  # the whole step read back from the step store (no tracing, no lowering)
+
+  @property
+  def from_cache(self) -> bool:
+    return self.stored or self.cache_hits > 0
 
   def note(self) -> str:
     """What the start line says of the choice, after the remat setting it names."""
@@ -144,6 +152,7 @@ def choose(
   budget: tuple[int, str],
   logits_bytes: int = 0,
   floor: Callable[[Runtime], int] | None = None,
+  identity: str | None = None,
 ) -> tuple[Any, Plan]:
   """(compiled step, plan): the first of ``runtime.candidates`` whose compiled plan fits
   ``budget``; ``build(runtime)`` returns the jitted step, lowered and compiled here with
@@ -157,8 +166,30 @@ def choose(
   against host memory (a CPU backend without --memory-limit): there the first candidate nearly
   always fits, and the trace cost a second per run (CPU tests: ~40 runs).
 
+  ``identity``: what decides the program ``build`` makes besides ``args``' shapes and
+  placement, ``runtime`` and ``budget`` (the model's graphdef, the run's optimizer settings,
+  the objective), as text: with it, and the step store on (``use_compile_cache``), the chosen
+  step is kept whole, and a later process with the same key reads it back without tracing,
+  lowering or choosing (``_StepStore``).
+
   Raises a ``UserError`` naming the leanest plan and the levers when none fits.
   """
+  t0 = time.perf_counter()
+  store = _StepStore.open(identity, args, runtime, budget, logits_bytes)
+  if store is not None:
+    found = store.load(args)
+    if found is not None:
+      compiled, (remat, loss_chunk, planned, limit, source, rejected) = found
+      rt = runtime.replace(remat=remat, loss_chunk=loss_chunk, candidates=())
+      took = time.perf_counter() - t0
+      return compiled, Plan(rt, planned, limit, source, rejected, took, 0, stored=True)
+  compiled, chosen = _choose(build, args, runtime, budget, logits_bytes, floor)
+  if store is not None:
+    store.save(compiled, chosen)
+  return compiled, chosen
+
+
+def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Plan]:
   candidates = runtime.candidates or ((runtime.remat, runtime.loss_chunk),)
   choosing = len(candidates) > 1
   limit, source = budget
@@ -212,6 +243,156 @@ def choose(
 
 def _setting(rt: Runtime) -> str:
   return f"remat {rt.remat}" + (f", loss chunk {rt.loss_chunk}" if rt.loss_chunk else "")
+
+
+STORE_NAME = "jaxtune-steps"  # the step store's directory, inside the compilation cache's
+STORE_VAR = "JAXTUNE_STEP_STORE"  # "0": the command lines keep no whole steps (the cache only)
+STORE_ENTRIES = 8  # whole steps the store keeps; the least recently used go first
+_store_dir: Path | None = None  # set by use_compile_cache: the command lines' store
+
+
+class _StepStore:
+  """Whole training steps kept on disk, so that a later run of the same step (a second run,
+  a resume) skips tracing, lowering and choosing, which JAX's compilation cache does not:
+  its key is the lowered program, so every run traces and lowers the step (an 8B step: ~7 s
+  on an H100, half of it the Mosaic kernels' lowering) before it can look.
+
+  An entry's key is a digest of everything the program depends on: ``identity`` (the
+  trainer's: graphdef, model config, the run's settings that reach the step, objective),
+  the arguments' tree, shapes, dtypes, placements and devices, the runtime, the budget, the
+  source of this package, the library versions, the backend and JAX's settings (XLA_FLAGS
+  among them). A key that differs in anything compiles anew. An entry is written whole or not
+  at all (a temporary file renamed), holds a digest of the program that is checked when it is
+  read, and one that cannot be read is removed with one line; the program is compiled then.
+  Programs with host callbacks (interpreted Pallas kernels) are not kept."""
+
+  def __init__(self, path: Path):
+    self.path = path
+
+  @classmethod
+  def open(cls, identity, args, runtime, budget, logits_bytes) -> _StepStore | None:
+    if identity is None or _store_dir is None or jax.process_count() > 1:
+      return None
+    h = hashlib.sha256()
+    for part in (identity, repr(runtime), repr(budget), str(logits_bytes), _environment()):
+      h.update(part.encode() + b"\0")
+    h.update(str(jax.tree.structure(args)).encode())
+    for leaf in jax.tree.leaves(args):
+      sharding = getattr(leaf, "sharding", None)
+      mesh = getattr(sharding, "mesh", None)
+      ids = getattr(mesh, "device_ids", None)
+      ids = ids.tolist() if ids is not None else sorted(d.id for d in sharding.device_set)
+      h.update(f"{leaf.shape} {leaf.dtype} {sharding!r} {ids}\0".encode())
+    return cls(_store_dir / f"{h.hexdigest()}.step")
+
+  def load(self, args) -> tuple[Any, tuple] | None:
+    """(compiled step, its plan's fields), or None where no entry is kept."""
+    from jax.experimental import serialize_executable
+
+    if not self.path.exists():
+      return None
+    try:
+      entry = pickle.loads(self.path.read_bytes())
+      if hashlib.sha256(entry["program"]).hexdigest() != entry["digest"]:
+        raise ValueError("its digest does not match")
+      in_tree = entry["in_tree"]
+      if in_tree != jax.tree.structure((tuple(args), {})):
+        raise ValueError("its arguments' tree differs")
+      devices = {d.id: d for d in jax.devices()}
+      compiled = serialize_executable.deserialize_and_load(
+        entry["program"],
+        in_tree,
+        entry["out_tree"],
+        execution_devices=[devices[i] for i in entry["devices"]],
+      )
+    except Exception as e:  # noqa: BLE001 (a damaged or foreign file: compiled anew, removed)
+      self.path.unlink(missing_ok=True)
+      print(
+        f"jaxtune: the step store held an entry that could not be read ({self.path.name}: "
+        f"{type(e).__name__}: {e}); compiled anew and removed it.",
+        file=sys.stderr,
+        flush=True,
+      )
+      return None
+    os.utime(self.path)  # recently used
+    return compiled, entry["plan"]
+
+  def save(self, compiled: Any, chosen: Plan) -> None:
+    """Keep ``compiled`` (best effort: a program that cannot be serialized is not kept)."""
+    from jax.experimental import serialize_executable
+
+    unloaded = getattr(compiled._executable, "_unloaded_executable", None)
+    if unloaded is None or unloaded.host_callbacks or unloaded.keepalive:
+      return
+    try:
+      program, in_tree, out_tree = serialize_executable.serialize(compiled)
+      rt = chosen.runtime
+      fields = (rt.remat, rt.loss_chunk, chosen.planned, chosen.budget, chosen.budget_source,
+                chosen.rejected)  # fmt: skip
+      entry = pickle.dumps(
+        {
+          "program": program,
+          "digest": hashlib.sha256(program).hexdigest(),
+          "in_tree": in_tree,
+          "out_tree": out_tree,
+          "devices": [d.id for d in unloaded.device_list],
+          "plan": fields,
+        },
+        protocol=pickle.HIGHEST_PROTOCOL,
+      )
+    except (ValueError, NotImplementedError, TypeError, pickle.PicklingError, AttributeError):
+      return  # not serializable here (constants, callbacks): the compilation cache still helps
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    part = self.path.with_name(f"{self.path.name}.{os.getpid()}.part")
+    try:
+      part.write_bytes(entry)
+      os.replace(part, self.path)
+    except OSError:
+      part.unlink(missing_ok=True)  # a full or read-only disk: the run goes on without it
+      return
+    kept = sorted(self.path.parent.glob("*.step"), key=_mtime, reverse=True)
+    for old in kept[STORE_ENTRIES:]:
+      old.unlink(missing_ok=True)
+
+
+def _mtime(path: Path) -> float:
+  try:
+    return path.stat().st_mtime
+  except OSError:
+    return 0.0
+
+
+@functools.cache
+def _environment() -> str:
+  """What, besides the step's own inputs, decides the program XLA makes: this package's
+  source, the versions, the backend and devices, JAX's settings and XLA's flags."""
+  import flax
+  import jaxlib
+  import optax
+
+  source = hashlib.sha256()
+  for path in sorted(Path(__file__).parent.rglob("*.py")):
+    source.update(path.read_bytes())
+  device = jax.devices()[0]
+  flags = sorted(
+    (k, v) for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_", "NVIDIA_", "CUDA_"))
+  )
+  settings = sorted((k, repr(v)) for k, v in jax.config.values.items() if "cache" not in k)
+  return repr(
+    (
+      source.hexdigest(),
+      platform.python_version(),
+      jax.__version__,
+      jaxlib.__version__,
+      flax.__version__,
+      optax.__version__,
+      device.platform,
+      device.client.platform_version,
+      [d.device_kind for d in jax.devices()],
+      flags,
+      settings,
+    )
+  )
 
 
 class _DamagedCacheEntries:
@@ -279,8 +460,11 @@ def use_compile_cache(enabled: bool = True) -> Path | None:
   entries under a file lock, where without one it writes in place, unguarded. An entry cut
   short (a run killed while writing it) is skipped with a warning and compiled anew.
   ``enabled=False`` (``--no-compile-cache``) or an empty ``$JAXTUNE_COMPILE_CACHE`` leave the
-  cache off.
+  cache off. With the cache on, the training step chosen is also kept whole in its directory
+  ``jaxtune-steps`` (``_StepStore``; ``JAXTUNE_STEP_STORE=0`` keeps the cache only).
   """
+  global _store_dir
+  _store_dir = None
   place = os.environ.get(CACHE_VAR)
   if not enabled or place == "":
     return None
@@ -294,6 +478,8 @@ def use_compile_cache(enabled: bool = True) -> Path | None:
   except OSError:
     return None  # a read-only home: compile as without the cache
   jax.config.update("jax_compilation_cache_dir", place)
+  if os.environ.get(STORE_VAR, "1") != "0":
+    _store_dir = Path(place) / STORE_NAME
   if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
     jax.config.update("jax_compilation_cache_max_size", CACHE_GIB * GIB)
   # Every program, not only those of a second or more (JAX's default): the small ones (LoRA

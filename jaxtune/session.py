@@ -478,7 +478,7 @@ def _run_locked(
     if chosen is None:
       say(f"{shape}; {rt.describe()}; loaded in {load_s:.1f}s")
       return
-    cached = " (from the compilation cache)" if chosen.cache_hits else ""
+    cached = " (from the compilation cache)" if chosen.from_cache else ""
     say(
       f"{shape}; {chosen.runtime.describe(chosen.note())}; loaded in {load_s:.1f}s, "
       f"compiled in {chosen.compile_s:.1f}s{cached}"

@@ -203,6 +203,7 @@ def train(
       plan.device_budget(runtime.memory_limit),
       logits_bytes=_logits_bytes(model, first, runtime),
       floor=lambda rt: _floor(graphdef, lora, opt_state, frozen, first, key, rt, objective),
+      identity=_step_identity(graphdef, model, run, objective, loss_scale, out_shardings),
     )
     runtime = chosen.runtime
     if announce is not None:
@@ -319,6 +320,33 @@ def _floor(graphdef, lora, opt_state, frozen, batch, key, runtime: Runtime, obje
   micro = jax.tree.map(lambda x: x[0], batch)
   loss = lambda p: objective(graphdef, p, frozen, micro, key, runtime)[0]  # noqa: E731
   return plan.floor_bytes(loss, lora, (lora, opt_state, frozen, batch))
+
+
+# Run settings that never reach the step's program (where data comes from, what is kept and
+# reported); every other one is part of the step store's key (plan.choose's identity).
+_NOT_IN_STEP = frozenset(
+  "out data data_config data_split data_format data_columns data_streaming long_examples "
+  "eval_data eval_data_split eval_every eval_prompts log_every report_to save_every "
+  "keep_checkpoints export gguf_type push_to_hub hub_private".split()
+)
+
+
+def _step_identity(
+  graphdef, model, run: RunConfig, objective, loss_scale, out_shardings
+) -> str | None:
+  """What decides the training step's program besides its arguments and runtime, as text:
+  the step store's key (plan.choose). An objective is named by its fields (a dataclass) or,
+  for a function of this package (whose source is in the key), its name; None (the step is
+  not stored) for a function from elsewhere, whose code the key would not see."""
+  settings = {k: v for k, v in dataclasses.asdict(run).items() if k not in _NOT_IN_STEP}
+  if dataclasses.is_dataclass(objective):
+    what = repr(objective)
+  elif getattr(objective, "__module__", "").startswith("jaxtune."):
+    what = f"{objective.__module__}.{objective.__qualname__}"
+  else:
+    return None
+  text = repr((graphdef, model.config, settings, what, loss_scale, out_shardings))
+  return None if " at 0x" in text else text  # an object named by its address: no stable key
 
 
 def _logits_bytes(model: nnx.Module, batch: dict, runtime: Runtime) -> int:

@@ -284,6 +284,16 @@ class _Runs:
 _SUMMARY: list[str] = []
 
 
+@pytest.fixture(autouse=True)
+def _no_step_store_in_this_process(monkeypatch):
+  """The command lines' step store (plan.py) stays off in this process even after a test
+  ran a command line's main() here: tests monkeypatch what a step computes, which the
+  store's key cannot see. Tests of the store turn it on themselves."""
+  from jaxtune import plan
+
+  monkeypatch.setattr(plan, "_store_dir", None)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _background_runs(request, tmp_path_factory):
   first_use = {}

@@ -199,13 +199,19 @@ def test_the_command_lines_compile_cache_follows_its_settings(tmp_path, monkeypa
     monkeypatch.delenv("JAX_COMPILATION_CACHE_MAX_SIZE", raising=False)
     monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    monkeypatch.delenv(plan.STORE_VAR, raising=False)
     assert plan.use_compile_cache(True) == tmp_path / "cache"
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "cache")
+    assert plan._store_dir == tmp_path / "cache" / plan.STORE_NAME  # whole steps beside it
+    monkeypatch.setenv(plan.STORE_VAR, "0")
+    assert plan.use_compile_cache(True) == tmp_path / "cache" and plan._store_dir is None
+    monkeypatch.delenv(plan.STORE_VAR)
     # A size limit: jax then takes a file lock around every read and write of the cache.
     assert jax.config.jax_compilation_cache_max_size == plan.CACHE_GIB * 2**30
     assert jax.config.jax_persistent_cache_min_compile_time_secs == 0  # small programs too
     jax.config.update("jax_compilation_cache_dir", None)
     assert plan.use_compile_cache(False) is None  # --no-compile-cache
+    assert plan._store_dir is None
     monkeypatch.setenv(plan.CACHE_VAR, "")
     assert plan.use_compile_cache(True) is None
     assert jax.config.jax_compilation_cache_dir is None
@@ -386,3 +392,112 @@ _CLI_IMPORTS = (
   "      'transformers.tokenization_utils_fast' in sys.modules\n"
   "      or 'transformers.tokenization_utils_tokenizers' in sys.modules)\n"
 )
+
+
+def _store_step(rt: Runtime, built: list):
+  """A real jitted step whose program depends on the setting (its loss chunk enters it)."""
+  built.append((rt.remat, rt.loss_chunk))
+
+  def step(w, x):
+    return w + 0.5, {"loss": ((x @ w) ** 2).sum() + rt.loss_chunk}
+
+  return jax.jit(step, donate_argnums=0)
+
+
+def _store_args(devices, n=8):
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  mesh = jax.make_mesh((len(devices),), ("data",), devices=devices)
+  w = np.arange(16.0, dtype=np.float32).reshape(4, 4)
+  w = jax.device_put(w, NamedSharding(mesh, PartitionSpec()))
+  x = np.linspace(-1, 1, n * 4, dtype=np.float32).reshape(n, 4)
+  return w, jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))
+
+
+def test_the_step_store_reads_a_chosen_step_back_without_tracing_or_choosing(
+  tmp_path, monkeypatch, capsys
+):
+  """A command line's chosen step is kept whole (plan._StepStore): the next process with the
+  same key gets the same program and plan without building, tracing or choosing; any part
+  of the key that differs compiles anew; a damaged entry is removed with one line."""
+  store = tmp_path / "steps"
+  monkeypatch.setattr(plan, "_store_dir", store)
+  devices = [jax.devices()[5], jax.devices()[3]]  # a device order of its own: kept exactly
+  budget = (GIB, "test")
+  # The fastest setting refused by its floor: the plan keeps what was refused and why.
+  floor = lambda rt: 2 * GIB if rt.remat == "activations" else 0  # noqa: E731
+  built: list = []
+
+  def choose(identity="step", args=None, runtime=AUTO, budget=budget, floor=floor):
+    args = _store_args(devices) if args is None else args
+    return plan.choose(lambda rt: _store_step(rt, built), args, runtime, budget, 0, floor,
+                       identity)  # fmt: skip
+
+  first, first_plan = choose()
+  assert built == [("full", 0)] and not first_plan.stored
+  assert len(list(store.glob("*.step"))) == 1
+
+  def refuse(rt):
+    raise AssertionError("the stored step was built again")
+
+  second, second_plan = choose(floor=refuse)
+  assert built == [("full", 0)] and second_plan.stored and second_plan.from_cache
+  assert second_plan.runtime == first_plan.runtime and second_plan.runtime.candidates == ()
+  assert (second_plan.planned, second_plan.budget) == (first_plan.planned, GIB)
+  assert second_plan.rejected == first_plan.rejected
+  assert first_plan.rejected[0] == ("remat activations", 2 * GIB, False)
+  assert second_plan.note() == first_plan.note()
+  args = _store_args(devices)
+  want_w, want = first(*_store_args(devices))
+  got_w, got = second(*args)
+  assert args[0].is_deleted()  # the donation is part of the program
+  np.testing.assert_array_equal(np.asarray(got_w), np.asarray(want_w))
+  assert float(got["loss"]) == float(want["loss"])
+  assert got_w.sharding == want_w.sharding
+
+  # Anything of the key that differs: a step built, and kept beside the first.
+  choose(identity="another step")
+  choose(budget=(2 * GIB, "test"))
+  choose(args=_store_args(devices, n=16))
+  choose(args=_store_args(devices[::-1]))
+  choose(runtime=Runtime(remat="full"))
+  assert len(built) == 6 and len(list(store.glob("*.step"))) == 6
+  choose(identity=None)  # no identity: not kept
+  assert len(built) == 7 and len(list(store.glob("*.step"))) == 6
+
+  # A damaged entry: one line, removed, compiled anew and kept again.
+  entry = max(store.glob("*.step"), key=lambda p: p.stat().st_mtime_ns)  # remat full's
+  data = bytearray(entry.read_bytes())
+  data[len(data) // 2] ^= 0xFF
+  entry.write_bytes(bytes(data))
+  capsys.readouterr()
+  choose(runtime=Runtime(remat="full"))
+  assert len(built) == 8 and entry.exists()  # kept again, whole
+  err = capsys.readouterr().err
+  assert re.fullmatch(
+    rf"jaxtune: the step store held an entry that could not be read \({entry.name}: "
+    r"[^\n]+\); compiled anew and removed it\.\n",
+    err,
+  ), err
+  choose(runtime=Runtime(remat="full"))
+  assert len(built) == 8
+
+  # At most STORE_ENTRIES, the least recently used removed first.
+  monkeypatch.setattr(plan, "STORE_ENTRIES", 2)
+  os.utime(entry, (1, 1))
+  choose(identity="a third step")
+  kept = list(store.glob("*.step"))
+  assert len(kept) == 2 and entry not in kept
+
+
+def test_the_step_store_keeps_no_program_with_host_callbacks(tmp_path, monkeypatch):
+  """A program calling back into this process (an interpreted Pallas kernel does) cannot be
+  read back by another: it is not kept."""
+  monkeypatch.setattr(plan, "_store_dir", tmp_path)
+
+  def build(rt):
+    return jax.jit(lambda x: jax.pure_callback(np.sin, jax.ShapeDtypeStruct((3,), np.float32), x))
+
+  x = jax.numpy.ones(3)
+  plan.choose(build, (x,), Runtime(remat="full"), (GIB, "test"), identity="callback")
+  assert list(tmp_path.iterdir()) == []
