@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import glob
 import hashlib
+import importlib
 import math
 import os
 import pickle
@@ -299,6 +300,11 @@ class _StepStore:
       if in_tree != jax.tree.structure((tuple(args), {})):
         raise ValueError("its arguments' tree differs")
       devices = {d.id: d for d in jax.devices()}
+      if jax.devices()[0].platform == "gpu":
+        # A Mosaic GPU kernel in the program is compiled when the program loads, by a handler
+        # that finds its runtime library through the variables this import sets (without it:
+        # "Failed to lookup host symbol ... body_mosaic_gpu"). Tracing imports it otherwise.
+        importlib.import_module("jax.experimental.mosaic.gpu")
       compiled = serialize_executable.deserialize_and_load(
         entry["program"],
         in_tree,
