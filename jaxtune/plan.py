@@ -301,9 +301,11 @@ class _StepStore:
         raise ValueError("its arguments' tree differs")
       devices = {d.id: d for d in jax.devices()}
       if jax.devices()[0].platform == "gpu":
-        # A Mosaic GPU kernel in the program is compiled when the program loads, by a handler
-        # that finds its runtime library through the variables this import sets (without it:
-        # "Failed to lookup host symbol ... body_mosaic_gpu"). Tracing imports it otherwise.
+        # A Mosaic GPU kernel in the program is compiled from its MLIR when the program
+        # loads. In the train CLI that failed without this import ("Failed to lookup host
+        # symbol ... body_mosaic_gpu", H100, 2 of 2 loads) and worked with it; it sets the
+        # runtime library's path for that compiler. (A bare process loaded without it:
+        # experiments/check_step_store.py.) Tracing the step imports it otherwise.
         importlib.import_module("jax.experimental.mosaic.gpu")
       compiled = serialize_executable.deserialize_and_load(
         entry["program"],
