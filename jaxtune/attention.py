@@ -124,17 +124,22 @@ def masked_attention(
   mask: jax.Array,
   scale: float,
   softcap: float | None = None,
+  heads_first: bool = False,
 ) -> jax.Array:
-  """Attention under an explicit boolean ``mask`` [B, 1, 1, T, S] (the KV-cache path)."""
+  """Attention under an explicit boolean ``mask`` [B, 1, 1, T, S] (the KV-cache path).
+
+  k, v [B, S, K, H], or [B, K, S, H] with ``heads_first`` (the KV cache's layout: the two
+  products then read the keys and values as they lie, with no transposed copy of them)."""
   b, t, n, h = q.shape
-  kv = k.shape[2]
+  kv = k.shape[1 if heads_first else 2]
+  keys = "bksh" if heads_first else "bskh"
   q = q.reshape(b, t, kv, n // kv, h)  # [B, T, K, G, H]
-  scores = jnp.einsum("btkgh,bskh->bkgts", q, k).astype(jnp.float32) * scale
+  scores = jnp.einsum(f"btkgh,{keys}->bkgts", q, k).astype(jnp.float32) * scale
   if softcap is not None:
     scores = softcap * jnp.tanh(scores / softcap)
   scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+  out = jnp.einsum(f"bkgts,{keys}->btkgh", probs, v)
   return out.reshape(b, t, n, h)
 
 

@@ -36,9 +36,12 @@ BUCKET = 64
 def init_cache(model: Decoder, batch: int, length: int) -> dict:
   """An empty KV cache for ``length`` slots.
 
-  Full-attention layers keep every slot: {"global": (k, v)} of [Lg, B, length, K, H].
+  Full-attention layers keep every slot: {"global": (k, v)} of [Lg, B, K, length, H].
   Sliding-window layers keep only their window, as a ring: {"local": (k, v)} of
-  [Ll, B, min(window, length), K, H]; slot a lives at ring index a % window.
+  [Ll, B, K, min(window, length), H]; slot a lives at ring index a % window. Heads before
+  slots: the attention products read a layer's keys and values as they lie (slots before
+  heads cost a transposed copy of both per layer and token step: ~0.36 ms of an 8B step at
+  batch 16, experiments/RESULTS.md).
   """
   cfg = model.config
   window, _ = model.per_layer()
@@ -47,7 +50,7 @@ def init_cache(model: Decoder, batch: int, length: int) -> dict:
   ring = min(cfg.sliding_window or length, length)
 
   def zeros(n, slots):
-    shape = (n, batch, slots, cfg.num_kv_heads, cfg.head_dim)
+    shape = (n, batch, cfg.num_kv_heads, slots, cfg.head_dim)
     return (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype)) if n else None
 
   return {"global": zeros(n_global, length), "local": zeros(n_local, ring)}
@@ -78,31 +81,38 @@ def forward_cached(
   def attend_global(cache, i, q, k, v, scale, softcap):
     ks, vs = cache["global"]
     # Only the new slots are written, into the whole stack (in place in the loop's carry).
-    at = (i, 0, start, 0, 0)
-    ks = jax.lax.dynamic_update_slice(ks, k.astype(ks.dtype)[None], at)
-    vs = jax.lax.dynamic_update_slice(vs, v.astype(vs.dtype)[None], at)
-    k_all, v_all = ks[i], vs[i]
-    slots = jnp.arange(k_all.shape[1])
+    at = (i, 0, 0, start, 0)
+    ks = jax.lax.dynamic_update_slice(ks, k.astype(ks.dtype).swapaxes(1, 2)[None], at)
+    vs = jax.lax.dynamic_update_slice(vs, v.astype(vs.dtype).swapaxes(1, 2)[None], at)
+    slots = jnp.arange(ks.shape[3])
     mask = key_valid[:, None, :] & (slots[None, None, :] <= q_slot[None, :, None])
-    out = attention.masked_attention(q, k_all, v_all, mask[:, None, None], scale, softcap)
+    if t == 1 and q.shape[0] == 1:  # a token step of one row
+      out = _one_token_attention(q, ks, vs, i, mask[:, 0], scale, softcap)
+    else:
+      out = attention.masked_attention(
+        q, ks[i], vs[i], mask[:, None, None], scale, softcap, heads_first=True
+      )
     return out, {**cache, "global": (ks, vs)}
 
   def attend_local(cache, i, q, k, v, scale, softcap):
     ks, vs = cache["local"]
-    ring = ks.shape[2]
+    ring = ks.shape[3]
     # Slot held by each ring entry before this chunk (negative: never written).
     held = start - 1 - jnp.mod(start - 1 - jnp.arange(ring), ring)
     slots = jnp.concatenate([held, q_slot])  # [ring + T]
-    k_all = jnp.concatenate([ks[i], k.astype(ks.dtype)], axis=1)
-    v_all = jnp.concatenate([vs[i], v.astype(vs.dtype)], axis=1)
+    k_all = jnp.concatenate([ks[i], k.astype(ks.dtype).swapaxes(1, 2)], axis=2)
+    v_all = jnp.concatenate([vs[i], v.astype(vs.dtype).swapaxes(1, 2)], axis=2)
     valid = (slots >= 0)[None, :] & jnp.take(key_valid, jnp.maximum(slots, 0), axis=1)
     distance = q_slot[:, None] - slots[None, :]
     mask = valid[:, None, :] & ((distance >= 0) & (distance < ring))[None]
-    out = attention.masked_attention(q, k_all, v_all, mask[:, None, None], scale, softcap)
+    out = attention.masked_attention(
+      q, k_all, v_all, mask[:, None, None], scale, softcap, heads_first=True
+    )
     keep = min(t, ring)  # only the newest `ring` keys survive
     where = jnp.mod(start + t - keep + jnp.arange(keep), ring)
-    ks = ks.at[i, :, where].set(k[:, t - keep :].astype(ks.dtype).swapaxes(0, 1))
-    vs = vs.at[i, :, where].set(v[:, t - keep :].astype(vs.dtype).swapaxes(0, 1))
+    # (i and where index around two slices: the indexed dims come first, [keep, B, K, H].)
+    ks = ks.at[i, :, :, where].set(k[:, t - keep :].astype(ks.dtype).swapaxes(0, 1))
+    vs = vs.at[i, :, :, where].set(v[:, t - keep :].astype(vs.dtype).swapaxes(0, 1))
     return out, {**cache, "local": (ks, vs)}
 
   graphdef, state = nnx.split(model.layers)
@@ -131,6 +141,26 @@ def forward_cached(
   )
   logits = model.logits_from_hidden(model.norm(x[:, -1:]))
   return logits[:, -1].astype(jnp.float32), cache
+
+
+def _one_token_attention(q, ks, vs, i, mask, scale, softcap):
+  """Attention of one new token a row, q [B, 1, N, H], over layer ``i`` of the stacked cache
+  ks/vs [L, B, K, S, H] (mask [B, S]), in float32. Written as multiplies and sums rather than
+  dots, so that XLA reads part of layer i's keys and values in place where a dot's operand is
+  a copy of the layer's slice. Faster at one row only (H100, 8B, experiments/RESULTS.md: 280
+  against 272 tok/s at batch 1; at batch 16 2,870 against 3,415, its sum over the slots
+  costing 1.2 ms a token step), so taken there only."""
+  b, _, n, h = q.shape
+  kv = ks.shape[2]
+  q = q.reshape(b, kv, n // kv, 1, h).astype(jnp.float32)  # [B, K, G, 1, H]
+  keys = ks[i][:, :, None].astype(jnp.float32)  # [B, K, 1, S, H]
+  scores = jnp.sum(q * keys, axis=-1) * scale  # [B, K, G, S]
+  if softcap is not None:
+    scores = softcap * jnp.tanh(scores / softcap)
+  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1)[..., None]  # [B, K, G, S, 1]
+  out = jnp.sum(probs * vs[i][:, :, None].astype(jnp.float32), axis=-2)  # [B, K, G, H]
+  return out.reshape(b, 1, n, h).astype(ks.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p"))
@@ -283,8 +313,7 @@ def word_codes_fit(model: nnx.Module, tokens: int, fuse: bool = True) -> bool:
   return need <= free // 2
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9, 14, 15))
-def _decode(
+def _decode_loop(
   graphdef,
   state,
   logits,
@@ -327,6 +356,18 @@ def _decode(
   init = (0, logits, cache, key, jnp.zeros((b, room), jnp.int32), jnp.zeros((b,), jnp.bool_))
   steps, *_, tokens, _ = jax.lax.while_loop(cond, body, init)
   return tokens, steps
+
+
+_STATIC = (0, 6, 7, 8, 9, 14, 15)
+_decode = jax.jit(_decode_loop, static_argnums=_STATIC)
+# From WIDE_ROWS rows on a GPU the loop is compiled with XLA's dynamic-slice fusion (a
+# cuBLAS product reads a slice of its operand in place: the KV cache's layer) and cuBLAS for
+# every product (Triton's fused products copy that slice first): H100, 8B, experiments/
+# RESULTS.md: 3,716 against 3,576 tok/s at batch 16; at batch 1 268 against 271, so not there.
+WIDE_ROWS = 16
+WIDE_PLATFORMS = ("gpu",)
+_WIDE_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False}
+_decode_wide = jax.jit(_decode_loop, static_argnums=_STATIC, compiler_options=_WIDE_OPTIONS)
 
 
 def generate_ids(
@@ -377,8 +418,10 @@ def generate_ids(
       if stack.enter_context(codes_in_word_order(model, b)):
         word = "inplace"
         graphdef, state = nnx.split(model)
+    wide = b >= WIDE_ROWS and jax.devices()[0].platform in WIDE_PLATFORMS
+    loop = _decode_wide if wide else _decode
     new, steps = jax.block_until_ready(  # the loop ends before in-place codes are put back
-      _decode(
+      loop(
         graphdef, state, logits, cache, key_valid, p_len, room, float(temperature),
         int(top_k), float(top_p), jnp.asarray(p_len - pad, jnp.int32), eos,
         jax.random.key(seed), jnp.int32(max_new_tokens), word, fuse and word is True,

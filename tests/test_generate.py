@@ -82,7 +82,9 @@ def test_sliding_window_model_past_its_window(tmp_path):
   model = jaxtune.from_pretrained(tmp_path / "g2", quantization=None, dtype="float32")
   # Sliding layers keep a ring of `window` slots; full layers keep every slot.
   cache = init_cache(model, 2, 40)
-  assert cache["local"][0].shape[:3] == (2, 2, 6) and cache["global"][0].shape[:3] == (2, 2, 40)
+  # [layers, rows, kv heads, slots, head_dim]: heads before slots (decoding.init_cache).
+  assert cache["local"][0].shape[:4] == (2, 2, 2, 6)
+  assert cache["global"][0].shape[:4] == (2, 2, 2, 40)
   prompt = [3, 1, 4, 1, 5]
   ours = generate_ids(model, [prompt], max_new_tokens=12)  # 17 tokens, window 6
   assert ours[0] == _hf_greedy(hf, prompt, 12)
@@ -99,6 +101,23 @@ def test_batched_left_padding_equals_one_by_one(hf_llama_dir):
   prompts = [[5, 6, 7, 8, 9, 10, 11], [100, 3], [42, 42, 17, 1]]
   batched = generate_ids(model, prompts, max_new_tokens=8)
   assert batched == [generate_ids(model, [p], max_new_tokens=8)[0] for p in prompts]
+
+
+def test_the_wide_batch_loop_generates_the_same_tokens(hf_llama_dir, monkeypatch):
+  """From decoding.WIDE_ROWS rows (GPUs) the loop is compiled with other XLA options (its
+  products through cuBLAS, reading the cache's layer in place): the same tokens; here on
+  the CPU, from two rows."""
+  from jaxtune import decoding
+
+  path, _ = hf_llama_dir(seed=35)
+  model = jaxtune.from_pretrained(path, quantization=None, dtype="float32")
+  prompts = [[5, 6, 7, 8, 9, 10, 11], [100, 3]]
+  narrow = generate_ids(model, prompts, max_new_tokens=6)
+  monkeypatch.setattr(decoding, "WIDE_ROWS", 2)
+  monkeypatch.setattr(decoding, "WIDE_PLATFORMS", (jax.devices()[0].platform,))
+  compiled = decoding._decode_wide._cache_size()
+  assert generate_ids(model, prompts, max_new_tokens=6) == narrow
+  assert decoding._decode_wide._cache_size() == compiled + 1
 
 
 def test_prompts_of_one_bucket_share_the_compiled_programs(hf_llama_dir):
