@@ -363,7 +363,9 @@ _decode = jax.jit(_decode_loop, static_argnums=_STATIC)
 # From WIDE_ROWS rows on a GPU the loop is compiled with XLA's dynamic-slice fusion (a
 # cuBLAS product reads a slice of its operand in place: the KV cache's layer) and cuBLAS for
 # every product (Triton's fused products copy that slice first): H100, 8B, experiments/
-# RESULTS.md: 3,716 against 3,576 tok/s at batch 16; at batch 1 268 against 271, so not there.
+# RESULTS.md: 3,716 against 3,576 tok/s at batch 16; with this session's KV layout 1.065x
+# the previous tree at batch 16 and 1.28x at batch 64 (GRPO rollouts); at batch 1 268
+# against 271, so not there.
 WIDE_ROWS = 16
 WIDE_PLATFORMS = ("gpu",)
 _WIDE_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False}

@@ -18,6 +18,7 @@ import functools
 import glob
 import hashlib
 import importlib
+import importlib.util
 import math
 import os
 import pickle
@@ -370,6 +371,10 @@ def _mtime(path: Path) -> float:
     return 0.0
 
 
+# The packages whose code a training step runs: their source is part of the step store's key.
+SOURCE_PACKAGES = ("jaxtune", "pallas_kernels", "converters")
+
+
 @functools.cache
 def _environment() -> str:
   """What, besides the step's own inputs, decides the program XLA makes: this package's
@@ -379,8 +384,11 @@ def _environment() -> str:
   import optax
 
   source = hashlib.sha256()
-  for path in sorted(Path(__file__).parent.rglob("*.py")):
-    source.update(path.read_bytes())
+  for package in SOURCE_PACKAGES:
+    spec = importlib.util.find_spec(package)
+    for place in spec.submodule_search_locations if spec is not None else ():
+      for path in sorted(Path(place).rglob("*.py")):
+        source.update(path.relative_to(place).as_posix().encode() + b"\0" + path.read_bytes())
   device = jax.devices()[0]
   flags = sorted(
     (k, v) for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_", "NVIDIA_", "CUDA_"))

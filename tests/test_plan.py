@@ -501,3 +501,22 @@ def test_the_step_store_keeps_no_program_with_host_callbacks(tmp_path, monkeypat
   x = jax.numpy.ones(3)
   plan.choose(build, (x,), Runtime(remat="full"), (GIB, "test"), identity="callback")
   assert list(tmp_path.iterdir()) == []
+
+
+def test_the_step_store_key_follows_the_source_of_every_package_a_step_runs(tmp_path, monkeypatch):
+  """A change to the code a step runs (jaxtune, its kernels in pallas_kernels, converters)
+  changes the store's key: a stale program is never read back."""
+  assert set(plan.SOURCE_PACKAGES) >= {"jaxtune", "pallas_kernels"}
+  package = tmp_path / "storekeyprobe"
+  package.mkdir()
+  (package / "__init__.py").write_text("")
+  (package / "kernel.py").write_text("BLOCK = 64\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setattr(plan, "SOURCE_PACKAGES", (*plan.SOURCE_PACKAGES, "storekeyprobe"))
+  keys = []
+  for text in ("BLOCK = 64\n", "BLOCK = 128\n", "BLOCK = 64\n"):
+    (package / "kernel.py").write_text(text)
+    plan._environment.cache_clear()
+    keys.append(plan._environment())
+  plan._environment.cache_clear()
+  assert keys[0] != keys[1] and keys[0] == keys[2]
