@@ -13,6 +13,7 @@ given, else what the device can allocate (``memory_stats()["bytes_limit"]``, whi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -315,7 +316,7 @@ class _StepStore:
         execution_devices=[devices[i] for i in entry["devices"]],
       )
     except Exception as e:  # noqa: BLE001 (a damaged or foreign file: compiled anew, removed)
-      self.path.unlink(missing_ok=True)
+      _remove(self.path)
       print(
         f"jaxtune: the step store held an entry that could not be read ({self.path.name}: "
         f"{type(e).__name__}: {e}); compiled anew and removed it.",
@@ -323,7 +324,8 @@ class _StepStore:
         flush=True,
       )
       return None
-    os.utime(self.path)  # recently used
+    with contextlib.suppress(OSError):  # removed meanwhile, or a store this user cannot write
+      os.utime(self.path)  # recently used
     return compiled, entry["plan"]
 
   def save(self, compiled: Any, chosen: Plan) -> None:
@@ -349,19 +351,28 @@ class _StepStore:
         },
         protocol=pickle.HIGHEST_PROTOCOL,
       )
-    except (ValueError, NotImplementedError, TypeError, pickle.PicklingError, AttributeError):
-      return  # not serializable here (constants, callbacks): the compilation cache still helps
-    self.path.parent.mkdir(parents=True, exist_ok=True)
+    except Exception:  # noqa: BLE001 (not serializable here: the compilation cache still helps)
+      return
     part = self.path.with_name(f"{self.path.name}.{os.getpid()}.part")
     try:
+      self.path.parent.mkdir(parents=True, exist_ok=True)
       part.write_bytes(entry)
       os.replace(part, self.path)
-    except OSError:
-      part.unlink(missing_ok=True)  # a full or read-only disk: the run goes on without it
+    except OSError:  # a full or read-only disk: the run goes on without the entry
+      _remove(part)
       return
     kept = sorted(self.path.parent.glob("*.step"), key=_mtime, reverse=True)
     for old in kept[STORE_ENTRIES:]:
-      old.unlink(missing_ok=True)
+      _remove(old)
+    # What a writer killed mid-write left (an hour old: not a running writer's).
+    for left in self.path.parent.glob("*.part"):
+      if _mtime(left) < time.time() - 3600:
+        _remove(left)
+
+
+def _remove(path: Path) -> None:
+  with contextlib.suppress(OSError):
+    path.unlink(missing_ok=True)
 
 
 def _mtime(path: Path) -> float:

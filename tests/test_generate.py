@@ -81,10 +81,10 @@ def test_sliding_window_model_past_its_window(tmp_path):
   hf.save_pretrained(tmp_path / "g2")
   model = jaxtune.from_pretrained(tmp_path / "g2", quantization=None, dtype="float32")
   # Sliding layers keep a ring of `window` slots; full layers keep every slot.
-  cache = init_cache(model, 2, 40)
+  cache = init_cache(model, 3, 40)
   # [layers, rows, kv heads, slots, head_dim]: heads before slots (decoding.init_cache).
-  assert cache["local"][0].shape[:4] == (2, 2, 2, 6)
-  assert cache["global"][0].shape[:4] == (2, 2, 2, 40)
+  assert cache["local"][0].shape[:4] == (2, 3, 2, 6)
+  assert cache["global"][0].shape[:4] == (2, 3, 2, 40)
   prompt = [3, 1, 4, 1, 5]
   ours = generate_ids(model, [prompt], max_new_tokens=12)  # 17 tokens, window 6
   assert ours[0] == _hf_greedy(hf, prompt, 12)
@@ -115,9 +115,26 @@ def test_the_wide_batch_loop_generates_the_same_tokens(hf_llama_dir, monkeypatch
   narrow = generate_ids(model, prompts, max_new_tokens=6)
   monkeypatch.setattr(decoding, "WIDE_ROWS", 2)
   monkeypatch.setattr(decoding, "WIDE_PLATFORMS", (jax.devices()[0].platform,))
-  compiled = decoding._decode_wide._cache_size()
+  decoding._decode_wide.clear_cache()
   assert generate_ids(model, prompts, max_new_tokens=6) == narrow
-  assert decoding._decode_wide._cache_size() == compiled + 1
+  assert decoding._decode_wide._cache_size() == 1  # the wide loop ran
+
+
+@pytest.mark.gpu
+def test_the_wide_batch_loop_generates_the_same_tokens_on_a_gpu(hf_llama_dir, monkeypatch):
+  """On a GPU the wide loop's options take effect (dynamic-slice fusion, cuBLAS products):
+  16 rows of a float32 model give the tokens of the loop compiled without them."""
+  from jaxtune import decoding
+
+  path, _ = hf_llama_dir(seed=36)
+  model = jaxtune.from_pretrained(path, quantization=None, dtype="float32")
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(1, 200, rng.integers(3, 40)).tolist() for _ in range(16)]
+  decoding._decode_wide.clear_cache()
+  wide = generate_ids(model, prompts, max_new_tokens=24)
+  assert decoding._decode_wide._cache_size() == 1
+  monkeypatch.setattr(decoding, "WIDE_ROWS", 10**9)
+  assert generate_ids(model, prompts, max_new_tokens=24) == wide
 
 
 def test_prompts_of_one_bucket_share_the_compiled_programs(hf_llama_dir):

@@ -520,3 +520,30 @@ def test_the_step_store_key_follows_the_source_of_every_package_a_step_runs(tmp_
     keys.append(plan._environment())
   plan._environment.cache_clear()
   assert keys[0] != keys[1] and keys[0] == keys[2]
+
+
+def test_the_step_identity_names_every_setting_that_reaches_the_step():
+  """trainer._step_identity (the store's key besides arguments and runtime): the optimizer's
+  settings, the objective's fields and the loss scale change it; where the run writes and
+  how often it saves do not; a function from outside jaxtune gives no identity at all."""
+  from jaxtune import preference, step, trainer
+  from jaxtune.config import ModelConfig
+
+  config = ModelConfig("llama", 64, 16, 32, 2, 2, 1, 8)
+  model = SimpleNamespace(config=config)
+  run = RunConfig(out="a")
+
+  def identity(run=run, objective=step.sft_objective, scale=None):
+    return trainer._step_identity("graphdef", model, run, objective, scale, None)
+
+  base = identity()
+  assert base is not None
+  assert identity(run.replace(out="b", save_every=7, report_to="none")) == base
+  for changed in (dict(learning_rate=1e-3), dict(steps=99), dict(max_grad_norm=0.5),
+                  dict(lora_alpha=32.0), dict(grad_accum=2)):  # fmt: skip
+    assert identity(run.replace(**changed)) != base, changed
+  dpo = preference.Preference("dpo", beta=0.1)
+  assert identity(objective=dpo) != base
+  assert identity(objective=dpo) != identity(objective=preference.Preference("dpo", beta=0.2))
+  assert identity(scale=step.LossScale()) != identity(scale=step.LossScale(period=10))
+  assert identity(objective=lambda *a: None) is None
