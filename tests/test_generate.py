@@ -124,8 +124,8 @@ def test_the_wide_batch_loop_generates_the_same_tokens(hf_llama_dir, monkeypatch
 def test_the_wide_batch_loop_generates_the_same_tokens_on_a_gpu(hf_llama_dir, monkeypatch):
   """On a GPU the wide loop's options take effect (dynamic-slice fusion, cuBLAS products):
   16 rows of a float32 model give the tokens of the loop compiled without them. At full
-  float32 precision: at the GPU's default one (TF32 in one path and not the other) a near tie
-  of two logits flipped one of 384 greedy tokens (H100)."""
+  float32 precision: at the GPU's default one the two paths' products round differently, and
+  a near tie of two logits flipped one of 384 greedy tokens (H100)."""
   from jaxtune import decoding
 
   path, _ = hf_llama_dir(seed=36)
