@@ -95,10 +95,7 @@ def main():
         decoding.prepare_kernel_operands(prepared, b, decoding.word_codes_fit(prepared, b))
         pgraph, pstate = nnx.split(prepared)
 
-        # Compiled with the options the decode loop takes for this many rows on a GPU.
-        wide = decoding._WIDE_OPTIONS if b >= decoding.WIDE_ROWS else None
-
-        @functools.partial(jax.jit, donate_argnums=(2,), compiler_options=wide)
+        @functools.partial(jax.jit, donate_argnums=(2,))
         def token_step(state, ids, cache, pos, graph=pgraph, valid=key_valid):
           m = nnx.merge(graph, state)
           return decoding.forward_cached(m, ids, pos, cache, args.prompt_len, valid)
