@@ -263,10 +263,11 @@ class _StepStore:
   An entry's key is a digest of everything the program depends on: ``identity`` (the
   trainer's: graphdef, model config, the run's settings that reach the step, objective),
   the arguments' tree, shapes, dtypes, placements and devices, the runtime, the budget, the
-  source of this package, the library versions, the backend and JAX's settings (XLA_FLAGS
-  among them). A key that differs in anything compiles anew. An entry is written whole or not
-  at all (a temporary file renamed), holds a digest of the program that is checked when it is
-  read, and one that cannot be read is removed with one line; the program is compiled then.
+  source of the packages a step runs (SOURCE_PACKAGES), the library versions, the backend
+  and JAX's settings (XLA_FLAGS among them). A key that differs in anything compiles anew.
+  An entry is written whole or not at all (a temporary file renamed), holds a digest of the
+  program that is checked when it is read, and one that cannot be read is removed with one
+  line; the program is compiled then.
   Programs with host callbacks (interpreted Pallas kernels) are not kept."""
 
   def __init__(self, path: Path):
@@ -284,7 +285,10 @@ class _StepStore:
       sharding = getattr(leaf, "sharding", None)
       mesh = getattr(sharding, "mesh", None)
       ids = getattr(mesh, "device_ids", None)
-      ids = ids.tolist() if ids is not None else sorted(d.id for d in sharding.device_set)
+      if ids is not None:
+        ids = ids.tolist()
+      elif sharding is not None:
+        ids = sorted(d.id for d in sharding.device_set)
       h.update(f"{leaf.shape} {leaf.dtype} {sharding!r} {ids}\0".encode())
     return cls(_store_dir / f"{h.hexdigest()}.step")
 
