@@ -470,13 +470,7 @@ def forward(
     interpret=interpret,
   )
   out = kernel(x, w4, scales)
-  if splits > 1:
-    # The partial products added one by one, not as a reduction over their axis: elementwise
-    # adds, which XLA may fuse with the transpose and what reads the product next.
-    out = [out[s] for s in range(splits)]
-    out = functools.reduce(jnp.add, out).astype(x.dtype)
-  else:
-    out = out[0]
+  out = out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
   return out if config.out_rows else out.T
 
 
