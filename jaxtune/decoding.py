@@ -25,7 +25,7 @@ from jaxtune.errors import UserError
 from jaxtune.layers import Fused
 from jaxtune.lora import iter_linears
 from jaxtune.models.decoder import MLP, Attention, Decoder
-from jaxtune.runtime import DEFAULT
+from jaxtune.runtime import DEFAULT, free_device_bytes
 from pallas_kernels.nf4_matmul import kernel_scales, uses_kernel, word_codes
 
 # Prompt lengths and new-token counts are rounded up to multiples of this (compiled once per
@@ -308,9 +308,8 @@ def word_codes_fit(model: nnx.Module, tokens: int, fuse: bool = True) -> bool:
   need = sum(lin.codes[...].nbytes for lin in linears)
   if not need:
     return False
-  stats = jax.devices()[0].memory_stats() or {}
-  free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-  return need <= free // 2
+  free = free_device_bytes()
+  return free is not None and need <= free // 2
 
 
 def _decode_loop(
@@ -363,9 +362,9 @@ _decode = jax.jit(_decode_loop, static_argnums=_STATIC)
 # From WIDE_ROWS rows on a GPU the loop is compiled with XLA's dynamic-slice fusion (a
 # cuBLAS product reads a slice of its operand in place: the KV cache's layer) and cuBLAS for
 # every product (Triton's fused products copy that slice first): H100, 8B, experiments/
-# RESULTS.md: 3,716 against 3,576 tok/s at batch 16; with this session's KV layout 1.065x
-# the previous tree at batch 16 and 1.28x at batch 64 (GRPO rollouts); at batch 1 268
-# against 271, so not there.
+# RESULTS.md, the same options as XLA_FLAGS: 3,716 against 3,576 tok/s at batch 16; with
+# the heads-first KV cache 1.065x the previous tree at batch 16 and 1.28x at batch 64 (GRPO
+# rollouts); at batch 1 268 against 271, so not there.
 WIDE_ROWS = 16
 WIDE_PLATFORMS = ("gpu",)
 _WIDE_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False}

@@ -206,6 +206,18 @@ def compute_dtype(requested: str, devices: Sequence) -> tuple[str, str | None]:
   return requested, None
 
 
+def free_device_bytes(limit_gib: float | None = None) -> int | None:
+  """Bytes the first device can still allocate (its limit, or ``limit_gib`` where lower, less
+  what is in use); None where the backend keeps no memory statistics (CPU)."""
+  stats = jax.devices()[0].memory_stats()
+  if stats is None:
+    return None
+  limit = stats.get("bytes_limit", 0)
+  if limit_gib is not None:
+    limit = min(limit, int(limit_gib * 2**30))
+  return limit - stats.get("bytes_in_use", 0)
+
+
 def _on_hopper(device) -> bool:
   return device.platform == "gpu" and str(getattr(device, "compute_capability", "")) == "9.0"
 

@@ -26,7 +26,7 @@ from jaxtune.layers import Linear
 from jaxtune.lora import iter_linears
 from jaxtune.losses import loss_sums
 from jaxtune.run_config import RunConfig
-from jaxtune.runtime import DEFAULT, Runtime
+from jaxtune.runtime import DEFAULT, Runtime, free_device_bytes
 from pallas_kernels.nf4_matmul import training_operands
 
 
@@ -257,13 +257,9 @@ def kernel_operands(model: nnx.Module, runtime: Runtime) -> list[tuple[Linear, t
   ]
   codes = sum(linear.codes[...].nbytes for linear in linears)
   need = 2 * codes + codes // 16  # W's and W^T's codes; bf16 scales: 2 bytes per 64 weights
-  stats = jax.devices()[0].memory_stats()  # None where the backend keeps none (CPU)
-  if stats is not None:
-    limit = stats.get("bytes_limit", 0)
-    if runtime.memory_limit is not None:
-      limit = min(limit, int(runtime.memory_limit * 2**30))
-    if need > (limit - stats.get("bytes_in_use", 0)) // 2:
-      return []
+  free = free_device_bytes(runtime.memory_limit)  # None: no statistics (CPU)
+  if free is not None and need > free // 2:
+    return []
   operands = [_training_operands(*linear.frozen_arrays()) for linear in linears]
   made = []
   for linear, (word, word_t, scales) in zip(linears, operands, strict=True):
