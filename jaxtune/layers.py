@@ -114,11 +114,14 @@ class Linear(nnx.Module):
     dropout_key: jax.Array | None = None,
     nf4_impl: str = "auto",
     frozen_out: jax.Array | None = None,
+    dequantize_again: bool = False,
   ) -> jax.Array:
     """``nf4_impl``: "kernel" or "xla" for an NF4 weight, "auto" to let
     pallas_kernels.nf4_matmul choose per shape and device (``Runtime.nf4_matmul``).
     ``frozen_out``: x W^T computed already (decoding runs several weights of one input in
-    one kernel launch, ``Fused``); the bias and LoRA are added here."""
+    one kernel launch, ``Fused``); the bias and LoRA are added here.
+    ``dequantize_again``: the input gradient dequantizes an NF4 weight anew
+    (``Runtime.dequantize_again``, nf4_matmul's argument)."""
     if frozen_out is not None:
       y = frozen_out
     elif self.quantized:
@@ -128,7 +131,15 @@ class Linear(nnx.Module):
       word_t = None if self.kernel_codes_t is None else self.kernel_codes_t[...]
       impl = None if nf4_impl == "auto" else nf4_impl
       with jax.named_scope("nf4_matmul"):
-        y = nf4_matmul(x, *parts, impl=impl, scales=scales, word_codes=word, word_codes_t=word_t)
+        y = nf4_matmul(
+          x,
+          *parts,
+          impl=impl,
+          scales=scales,
+          word_codes=word,
+          word_codes_t=word_t,
+          dequantize_again=dequantize_again,
+        )
     else:
       y = jnp.einsum("...i,oi->...o", x, self.dense_weight(x.dtype))
     if self.bias is not None:

@@ -10,9 +10,9 @@ import yaml
 from jaxtune.errors import RunConfigError
 
 # Activation checkpointing per layer (models/decoder.py REMAT_POLICIES holds what each keeps).
-REMAT = ("none", "full", "activations", "dots", "dots_no_batch", "offload")
+REMAT = ("none", "full", "lean", "activations", "dots", "dots_no_batch", "offload")
 # --remat auto tries these, fastest first (plan.py keeps the first whose memory plan fits).
-AUTO_REMAT = ("activations", "dots_no_batch", "full", "offload")
+AUTO_REMAT = ("activations", "dots_no_batch", "full", "lean", "offload")
 # The loss chunk --loss-chunk unset falls back to where the whole logits do not fit.
 AUTO_LOSS_CHUNK = 1024
 # What --attention may ask for; None lets runtime.resolve pick the fastest exact one.

@@ -103,10 +103,12 @@ _HELP = {
   "skip_nonfinite": "skip steps whose loss is NaN, inf or exactly 0 (counted in metrics) "
   "instead of stopping the run",
   "remat": "activation checkpointing per layer: auto (the fastest of activations, "
-  "dots_no_batch, full and offload whose compiled memory plan fits the device: the start line "
-  "names the choice), activations (fastest: keeps what each layer's backward reads, "
-  "recomputes only norms, rope and the activation), full (least memory on the device), none, "
-  "dots, dots_no_batch, offload (layer inputs kept in host memory)",
+  "dots_no_batch, full, lean and offload whose compiled memory plan fits the device: the "
+  "start line names the choice), activations (fastest: keeps what each layer's backward reads, "
+  "recomputes only norms, rope and the activation), full (keeps only each layer's input), "
+  "lean (full, and each NF4 weight dequantized again for its backward product: less "
+  "memory, ~3% slower than full), none, dots, dots_no_batch, offload (full, with layer "
+  "inputs kept in host memory)",
   "microbatches": "pipeline micro-batches per step when the mesh has pipe > 1 (0: one per "
   "sequence of a data shard)",
   "shard_frozen": "also split the frozen NF4 weights over the data axis, gathered per layer "

@@ -178,6 +178,34 @@ def test_gradient_matches_reference():
   assert _rel(got, np.asarray(ref)) < 1e-2
 
 
+def test_dequantizing_again_in_the_backward_keeps_no_weight_from_the_recomputed_forward():
+  """Under full remat XLA would share each dequantized weight between the recomputed forward
+  product and the input gradient, so all of a block's weights wait together; with
+  dequantize_again each is made after its dy, and the compiled plan holds at least one
+  dequantized weight less (on XLA:CPU 1.75). The gradients are the same values."""
+  rng = np.random.default_rng(7)
+  d, f, tokens = 256, 1024, 256
+  ws = [_weights(rng, f, d), _weights(rng, f, d), _weights(rng, d, f)]  # gate, up, down
+  x = jnp.asarray(rng.standard_normal((tokens, d)), jnp.bfloat16)
+
+  def grad_fn(again):
+    def block(x):
+      mm = lambda x, w: nf4_matmul(x, *w, impl="xla", dequantize_again=again)  # noqa: E731
+      return mm(jax.nn.silu(mm(x, ws[0])) * mm(x, ws[1]), ws[2])
+
+    block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
+    return jax.jit(jax.grad(lambda x: jnp.sum(block(block(x)).astype(jnp.float32))))
+
+  plans, grads = {}, {}
+  for again in (False, True):
+    fn = grad_fn(again)
+    plans[again] = fn.lower(x).compile().memory_analysis().temp_size_in_bytes
+    grads[again] = np.asarray(fn(x).astype(jnp.float32))
+  weight_bytes = f * d * 2  # one dequantized bf16 weight
+  assert plans[False] - plans[True] >= weight_bytes, plans
+  np.testing.assert_array_equal(grads[True], grads[False])
+
+
 def test_xla_fallback_is_exact_dequantize_then_dot_and_default_off_gpu():
   rng = np.random.default_rng(6)
   q = _weights(rng, 64, 128)

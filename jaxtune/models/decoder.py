@@ -67,6 +67,9 @@ def _cudnn_attention_outputs(prim, *_, **__) -> bool:
 REMAT_POLICIES = {
   "none": None,
   "full": jax.checkpoint_policies.nothing_saveable,
+  # As "full"; the NF4 products' input gradients also dequantize their weights anew
+  # (Runtime.dequantize_again).
+  "lean": jax.checkpoint_policies.nothing_saveable,
   "activations": jax.checkpoint_policies.save_from_both_policies(
     jax.checkpoint_policies.save_only_these_names(*SAVED_ACTIVATIONS), _cudnn_attention_outputs
   ),
@@ -135,13 +138,13 @@ class Attention(nnx.Module):
     this chunk's keys and attends over the cached ones, returns (out, new cache).
     ``positions`` [B, T]: what ring attention masks by (a ``context`` axis)."""
     b, t, _ = x.shape
-    mm = runtime.nf4_matmul
+    mm, again = runtime.nf4_matmul, runtime.dequantize_again
     fq = fk = fv = None
     if self.qkv_fused is not None:
       fq, fk, fv = self.qkv_fused(x, mm)
-    q = self.q_proj(x, keys[0], mm, fq).reshape(b, t, self.num_heads, self.head_dim)
-    k = self.k_proj(x, keys[1], mm, fk).reshape(b, t, self.num_kv_heads, self.head_dim)
-    v = self.v_proj(x, keys[2], mm, fv).reshape(b, t, self.num_kv_heads, self.head_dim)
+    q = self.q_proj(x, keys[0], mm, fq, again).reshape(b, t, self.num_heads, self.head_dim)
+    k = self.k_proj(x, keys[1], mm, fk, again).reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(x, keys[2], mm, fv, again).reshape(b, t, self.num_kv_heads, self.head_dim)
     if self.q_norm is not None:  # its backward reads the projections (remat="activations")
       q, k = checkpoint_name(q, "query_projected"), checkpoint_name(k, "key_projected")
       q, k = self.q_norm(q), self.k_norm(k)
@@ -162,7 +165,7 @@ class Attention(nnx.Module):
       out = checkpoint_name(out, "attention_out")
     else:  # the decoder decides where keys are kept and which it attends to
       out, cache = cache(q, k, v, self.scale, self.softcap)
-    out = self.o_proj(out.reshape(b, t, -1), keys[3], mm)
+    out = self.o_proj(out.reshape(b, t, -1), keys[3], mm, dequantize_again=again)
     return out if cache is None else (out, cache)
 
 
@@ -183,15 +186,15 @@ class MLP(nnx.Module):
     from its own key, so with dropout the masks (not their distribution) differ from the
     unchunked run's."""
     b, t, d = x.shape
-    c, mm = runtime.mlp_chunk, runtime.nf4_matmul
+    c = runtime.mlp_chunk
     if not c or t <= c:
-      return self._mlp(x, keys, mm)
+      return self._mlp(x, keys, runtime)
     n = -(-t // c)
 
     def piece(_, xs):
       x_c, i = xs
       keys_c = [None if k is None else jax.random.fold_in(k, i) for k in keys]
-      return None, self._mlp(x_c, keys_c, mm)
+      return None, self._mlp(x_c, keys_c, runtime)
 
     padded = jnp.pad(x, ((0, 0), (0, n * c - t), (0, 0)))
     pieces = padded.reshape(b, n, c, d).swapaxes(0, 1)
@@ -199,15 +202,16 @@ class MLP(nnx.Module):
     _, ys = jax.lax.scan(step, None, (pieces, jnp.arange(n)))
     return ys.swapaxes(0, 1).reshape(b, n * c, -1)[:, :t]
 
-  def _mlp(self, x, keys, nf4_matmul: str):
+  def _mlp(self, x, keys, runtime: Runtime):
+    mm, again = runtime.nf4_matmul, runtime.dequantize_again
     fg = fu = None
     if self.gate_up_fused is not None:
-      fg, fu = self.gate_up_fused(x, nf4_matmul)
-    gate = checkpoint_name(self.gate_proj(x, keys[4], nf4_matmul, fg), "mlp_gate")
-    up = checkpoint_name(self.up_proj(x, keys[5], nf4_matmul, fu), "mlp_up")
+      fg, fu = self.gate_up_fused(x, mm)
+    gate = checkpoint_name(self.gate_proj(x, keys[4], mm, fg, again), "mlp_gate")
+    up = checkpoint_name(self.up_proj(x, keys[5], mm, fu, again), "mlp_up")
     with jax.named_scope("mlp_activation"):
       h = _ACTIVATIONS[self.activation](gate) * up
-    return self.down_proj(h, keys[6], nf4_matmul)
+    return self.down_proj(h, keys[6], mm, dequantize_again=again)
 
 
 class Block(nnx.Module):
