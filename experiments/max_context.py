@@ -32,6 +32,7 @@ attention, zigzag layout, as ``--mesh context=C`` trains); peak_gib is the busie
 """
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -62,7 +63,6 @@ def random_nf4_model(cfg, seed: int = 0):
   gets random 4-bit codes and absmax codes, with scales near those of a normal weight of
   std in_features**-0.5 (block absmax about 2.4 std), so the numbers stay finite.
   """
-  import jax
   import jax.numpy as jnp
   from flax import nnx
 
@@ -70,18 +70,35 @@ def random_nf4_model(cfg, seed: int = 0):
   from jaxtune.models.decoder import Decoder
 
   model = Decoder(cfg, quantized=True, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
-  key = jax.random.key(seed)
   for i, (_, linear) in enumerate(iter_linears(model)):
     if not linear.quantized:
       continue
-    k_codes, k_absmax = jax.random.split(jax.random.fold_in(key, i))
     absmax = 2.4 * linear.in_features**-0.5
-    linear.codes.set_value(jax.random.bits(k_codes, linear.codes.shape, jnp.uint8))
-    linear.absmax.set_value(jax.random.bits(k_absmax, linear.absmax.shape, jnp.uint8))
+    linear.codes.set_value(_random_bytes(linear.codes[...], 2 * i + seed))
+    linear.absmax.set_value(_random_bytes(linear.absmax[...], 2 * i + 1 + seed))
     # absmax = dynamic map value in [-1, 1] * nested + offset, within [0.5, 1.5] * absmax.
     linear.nested_absmax.set_value(jnp.full(linear.nested_absmax.shape, absmax / 2, jnp.float32))
     linear.offset.set_value(jnp.full(linear.offset.shape, absmax, jnp.float32))
   return model
+
+
+def _random_bytes(old, seed: int):
+  """Pseudo-random uint8 in place of ``old`` (donated, so no second copy of a 70B model's
+  9.4 GB code arrays exists): an integer hash of each element's index and ``seed``, computed
+  in one elementwise kernel (jax.random.bits in uint8 makes 32-bit values first)."""
+  import jax
+  import jax.numpy as jnp
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def fill(old, seed):
+    h = jnp.zeros(old.shape, jnp.uint32) + seed.astype(jnp.uint32) * jnp.uint32(0x9E3779B9)
+    for axis in range(old.ndim):
+      h = (h + jax.lax.broadcasted_iota(jnp.uint32, old.shape, axis)) * jnp.uint32(0x85EBCA77)
+      h = h ^ (h >> 13)
+    h = (h ^ (h >> 16)) * jnp.uint32(0xC2B2AE3D)
+    return (h >> 24).astype(jnp.uint8)
+
+  return fill(old, jnp.uint32(seed))
 
 
 def _peak_gib(devices: int) -> float:
@@ -128,7 +145,7 @@ def run_trial(args) -> None:
       chunks = (0, 0)  # pieces of the loss or MLP would gather the sequence (a run refuses them)
     rt = runtime.Runtime(
       mesh=mesh, dtype="bfloat16", remat=args.remat, attention=impl, ring_blocks=blocks,
-      loss_chunk=chunks[0], mlp_chunk=chunks[1],
+      loss_chunk=chunks[0], mlp_chunk=chunks[1], remat_group=args.remat_group,
     )  # fmt: skip
     graphdef, lora, frozen = trainer.place(model, rt)
     del model
@@ -180,7 +197,7 @@ def launch(args, seq: int, remat: str, timeout: float) -> dict:
     str(Path(__file__).resolve()),
     *("--trial-seq", str(seq), "--remat", remat, "--shape", args.shape),
     *("--loss-chunk", str(args.loss_chunk), "--attention", args.attention),
-    *("--mlp-chunk", str(args.mlp_chunk)),
+    *("--mlp-chunk", str(args.mlp_chunk), "--remat-group", str(args.remat_group)),
     *("--steps", str(args.steps), "--context", str(args.context)),
   ]
   env = dict(os.environ)
@@ -226,10 +243,12 @@ def trial_row(args, seq: int, remat: str, fields: dict) -> dict:
     "remat": remat,
     "loss_chunk": args.loss_chunk,
     "mlp_chunk": args.mlp_chunk,
+    "remat_group": args.remat_group,
     "attention": fields.get("attention", args.attention),
     "status": fields["status"],
     "step_s": step_s,
     "tokens_per_s": seq / step_s if step_s else None,
+    "loss": fields.get("loss"),
     "peak_gib": fields.get("peak_gib"),
     "step_gib": fields.get("step_gib"),
     "device_memory_gib": fields.get("device_memory_gib"),
@@ -275,6 +294,9 @@ def main():
   ap.add_argument("--remat", default="offload,full", help="comma-separated remat policies")
   ap.add_argument("--loss-chunk", type=int, default=1024, help="tokens per loss piece (0: off)")
   ap.add_argument("--mlp-chunk", type=int, default=0, help="tokens per MLP piece (0: off)")
+  ap.add_argument(
+    "--remat-group", type=int, default=1, help="layers per kept input (--remat-group)"
+  )
   ap.add_argument(
     "--attention", default="default", help="default (the model's choice), xla, fused, pallas"
   )
@@ -351,6 +373,7 @@ def main():
         "remat": remat,
         "loss_chunk": args.loss_chunk,
         "mlp_chunk": args.mlp_chunk,
+        "remat_group": args.remat_group,
         "attention": next((r["attention"] for r in trials if r["remat"] == remat), None),
         "max_seq": lo,
         "first_failed_seq": hi,

@@ -62,6 +62,7 @@ MINIMUM = {
   "loss_chunk": 0,
   "memory_limit": 0.0,  # exclusive
   "mlp_chunk": 0,
+  "remat_group": 1,
   "microbatches": 0,
   "eval_every": 0,
   "lora_rank": 1,
@@ -179,6 +180,9 @@ class RunConfig:
   skip_nonfinite: bool = False  # skip (count) steps with NaN/inf/zero loss instead of stopping
   # REMAT (what each keeps: models/decoder.py), or "auto": the fastest whose memory plan fits
   remat: str = "auto"
+  # > 1: full, lean and offload keep only the input of every group of this many layers; a
+  # group's backward recomputes its layers (long contexts, where layer inputs fill memory)
+  remat_group: int = 1
   microbatches: int = 0  # pipeline micro-batches per step (mesh pipe > 1); 0: automatic
   shard_frozen: bool = False  # also split the frozen NF4 weights over data (FSDP-style)
   sequence_parallel: bool = False  # residual stream's tokens split over tensor between matmuls

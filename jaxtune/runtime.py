@@ -41,6 +41,7 @@ ATTENTION = ("xla", "cudnn", "mosaic", "interpret", "flash_xla", "ring")
 NF4_MATMUL = ("auto", "kernel", "xla", "interpret")  # interpret: the kernel on CPU (tests)
 FLASH = ("mosaic", "interpret", "flash_xla")  # run per shard through the flash op
 LEAN_REMAT = ("lean",)  # Runtime.dequantize_again
+GROUPED_REMAT = ("full", "lean", "offload")  # those --remat-group applies to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,9 @@ class Runtime:
   nf4_matmul: str = "auto"  # "auto": the kernel for few tokens on one Hopper GPU (nf4_matmul)
   loss_chunk: int = 0  # > 0: float32 logits for this many tokens per row at a time
   mlp_chunk: int = 0  # > 0: the MLP runs this many tokens per row at a time
+  # > 1: remat keeps the input of every group of this many layers only (models/decoder.py
+  # GROUP_POLICIES: full, lean, offload)
+  remat_group: int = 1
   microbatches: int = 1  # pipeline micro-batches per step (1 without a pipe axis)
   sequence_parallel: bool = False  # the residual stream's tokens split over tensor
   shard_frozen: bool = False  # NF4 storage also split over data, gathered per layer
@@ -81,6 +85,8 @@ class Runtime:
       raise ValueError(f"ring_blocks must be xla or one of {FLASH}, got {self.ring_blocks!r}")
     if self.nf4_matmul not in NF4_MATMUL:
       raise ValueError(f"nf4_matmul must be one of {NF4_MATMUL}, got {self.nf4_matmul!r}")
+    if self.remat_group > 1 and self.remat not in GROUPED_REMAT:
+      raise ValueError(f"remat_group > 1 needs remat in {GROUPED_REMAT}, got {self.remat!r}")
 
   def replace(self, **changes: Any) -> Runtime:
     return dataclasses.replace(self, **changes)
@@ -157,6 +163,8 @@ class Runtime:
     remat = "auto" if self.candidates else self.remat
     if self.loss_chunk and not self.candidates:
       remat += f", loss chunk {self.loss_chunk}"
+    if self.remat_group > 1:
+      remat += f", groups of {self.remat_group} layers"
     remat += f" ({remat_note})" if remat_note else ""
     attention = self.attention
     if attention == "ring":
@@ -350,6 +358,8 @@ def resolve(
   cp = mesh.shape[context.AXIS]
   if cp > 1:
     _check_context(run, cp, pp, seq_len)
+  if run.remat_group > 1:
+    _check_remat_group(run, cfg.num_layers, pp)
   candidates = remat_candidates(run, pipelined=pp > 1, whole_logits=cp > 1)
   if run.embeddings == "host":
     _check_host_embeddings(run, cfg)
@@ -375,12 +385,36 @@ def resolve(
     candidates=candidates if len(candidates) > 1 else (),
     memory_limit=run.memory_limit,
     mlp_chunk=run.mlp_chunk,
+    remat_group=run.remat_group,
     microbatches=microbatches,
     sequence_parallel=run.sequence_parallel,
     shard_frozen=run.shard_frozen,
     host_embeddings=run.embeddings == "host",
     notes=tuple(n for n in (dtype_note, attention_note) if n),
   )
+
+
+def _check_remat_group(run: RunConfig, layers: int, pp: int) -> None:
+  """--remat-group N > 1: a setting that keeps only layer inputs, N dividing the layers, no
+  pipe axis."""
+  n = run.remat_group
+  if run.remat not in ("auto", *GROUPED_REMAT):
+    raise UserError(
+      f"--remat-group {n} keeps only the input of every group of {n} layers, but --remat "
+      f"{run.remat} keeps more of each layer; use --remat {', '.join(GROUPED_REMAT)} or auto, "
+      "or drop --remat-group."
+    )
+  if layers % n:
+    fits = [d for d in range(2, layers + 1) if layers % d == 0]
+    raise UserError(
+      f"--remat-group {n} does not divide the model's {layers} layers; use one of "
+      f"{', '.join(map(str, fits))}."
+    )
+  if pp > 1:
+    raise MeshError(
+      f"--remat-group {n} with a pipe axis in --mesh {run.mesh}: the stages run their layers "
+      "one at a time; drop --remat-group or the pipe axis."
+    )
 
 
 def _check_context(run: RunConfig, cp: int, pp: int, seq_len: int) -> None:
@@ -429,6 +463,8 @@ def remat_candidates(
   whole, then in chunks of AUTO_LOSS_CHUNK, where ``--loss-chunk`` is unset (whole only with
   ``whole_logits``: a context axis, whose pieces would gather the sequence)."""
   remats = [r for r in AUTO_REMAT if not (pipelined and r == "offload")]
+  if run.remat_group > 1:  # the settings that keep only layer inputs
+    remats = [r for r in remats if r in GROUPED_REMAT]
   remats = remats if run.remat == "auto" else [run.remat]
   chunks = [0, AUTO_LOSS_CHUNK] if run.loss_chunk is None else [run.loss_chunk]
   if whole_logits:

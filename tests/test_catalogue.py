@@ -701,6 +701,11 @@ CASES = [
     r"tensor=1",
   ),
   Case(
+    "remat-group-not-dividing-layers",
+    lambda w: w.train_args("--remat-group", "3"),
+    r"--remat-group 3 does not divide the model's 2 layers; use one of 2\.",
+  ),
+  Case(
     "mesh-context-with-pipe",
     lambda w: w.train_args("--mesh", "1x1x2x4"),
     r"--mesh 1x1x2x4 splits each sequence over context=4, which does not run with a pipe axis",

@@ -5,12 +5,24 @@ sequence is longer than the sliding window; query_pre_attn_scalar differs from h
 softcaps are small enough to bite.
 """
 
+import json
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import GEMMA3_TYPES, copy_dequantized_into, family_config, max_rel_err, torch_logits
+from conftest import (
+  GEMMA3_TYPES,
+  background_run,
+  copy_dequantized_into,
+  family_config,
+  max_rel_err,
+  run_cli,
+  torch_logits,
+)
 
 import jaxtune
 from jaxtune import runtime, trainer
@@ -20,23 +32,25 @@ from jaxtune.run_config import RunConfig
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"]
 
 
+def _write_family(directory: Path, family: str, seed: int = 0):
+  """(checkpoint directory, the transformers model saved there): a tiny random ``family``."""
+  from transformers import AutoModelForCausalLM
+
+  torch.manual_seed(seed)
+  cfg = family_config(family)
+  model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight") or name.endswith(".bias"):
+        p.add_(0.3 * torch.randn_like(p))
+  out = directory / f"{family}_{seed}"
+  model.save_pretrained(out)
+  return out, model
+
+
 @pytest.fixture
 def family_dir(tmp_path):
-  def make(family, seed=0):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = family_config(family)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
-    with torch.no_grad():
-      for name, p in model.named_parameters():
-        if name.endswith("norm.weight") or name.endswith(".bias"):
-          p.add_(0.3 * torch.randn_like(p))
-    out = tmp_path / f"{family}_{seed}"
-    model.save_pretrained(out)
-    return out, model
-
-  return make
+  return lambda family, seed=0: _write_family(tmp_path, family, seed)
 
 
 def _ids(seed=0, length=24):
@@ -75,12 +89,12 @@ def test_nf4_matches_transformers_on_dequantized_weights(family_dir, family):
   assert max_rel_err(model(jnp.asarray(ids)), torch_logits(hf, ids)) <= 1e-5
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
-def test_lora_training_and_merged_export(family_dir, family, tmp_path):
+def _train_and_export(directory: Path, family: str) -> dict:
+  """Three LoRA steps on an NF4 ``family`` model, exported merged in float32 and read back by
+  transformers: the losses, and the relative error of its logits against the trained model's."""
   from transformers import AutoModelForCausalLM
 
-  path, _ = family_dir(family, seed=2)
+  path, _ = _write_family(directory, family, seed=2)
   model = jaxtune.apply_lora(
     jaxtune.from_pretrained(path, quantization="nf4", dtype="float32"), rank=4, alpha=8
   )
@@ -88,7 +102,7 @@ def test_lora_training_and_merged_export(family_dir, family, tmp_path):
   ids = rng.integers(0, 256, (8, 24)).astype(np.int32)
   data = Dataset.from_rows(ids, np.roll(ids, -1, axis=1))
   run = RunConfig(
-    out=str(tmp_path),
+    out=str(directory),
     steps=3,
     batch_size=4,
     learning_rate=1e-2,
@@ -98,10 +112,39 @@ def test_lora_training_and_merged_export(family_dir, family, tmp_path):
   )
   one = runtime.resolve(run, model.config, devices=jax.devices()[:1])
   model, history = trainer.train(model, data, run, one)
-  assert history[-1]["loss"] < history[0]["loss"]
-  out = jaxtune.export_merged(model, tmp_path / "merged", dtype="float32")
+  out = jaxtune.export_merged(model, directory / "merged", dtype="float32")
   hf = AutoModelForCausalLM.from_pretrained(
     out, torch_dtype=torch.float32, attn_implementation="eager"
   ).eval()
   test_ids = _ids(2)
-  assert max_rel_err(torch_logits(hf, test_ids), model(jnp.asarray(test_ids))) <= 1e-5
+  err = max_rel_err(torch_logits(hf, test_ids), model(jnp.asarray(test_ids)))
+  return {"losses": [float(h["loss"]) for h in history], "rel_err": float(err)}
+
+
+def _write_exports(directory: str, path: str) -> None:
+  results = {}
+  for family in FAMILIES:
+    (Path(directory) / family).mkdir()
+    results[family] = _train_and_export(Path(directory) / family, family)
+  Path(path).write_text(json.dumps(results))
+
+
+@background_run("family_exports")
+def _family_exports(directory, runs):
+  """Every family's training and export in a process of its own, beside the other tests
+  (~14 s a family): {family: _train_and_export(...)}."""
+  out = directory / "exports.json"
+  code = "import sys, test_families as t; t._write_exports(sys.argv[1], sys.argv[2])"
+  argv = [sys.executable, "-c", code, str(directory), str(out)]
+  proc = run_cli(argv, timeout=900, cwd=Path(__file__).parent)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.late
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_training_and_merged_export(family, family_exports):
+  result = family_exports[family]
+  assert result["losses"][-1] < result["losses"][0], result
+  assert result["rel_err"] <= 1e-5, result

@@ -5,6 +5,8 @@ of one batch (tiny NF4 Llama, 8 layers, so pipe = 2, 4 and 8 all divide it). The
 real training steps through trainer.train under 2x2x2: test_train.py.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,9 @@ from converters.synthetic import write_random_checkpoint
 from jaxtune import data, losses, pipeline, runtime, sharding
 from jaxtune import mesh as meshlib
 from jaxtune.config import ModelConfig
+from jaxtune.errors import MeshError, UserError
 from jaxtune.models.decoder import REMAT_POLICIES, Decoder
+from jaxtune.run_config import RunConfig
 
 TINY = dict(
   model_type="llama",
@@ -67,7 +71,14 @@ def _mesh(spec):
 
 
 def loss_and_grads(
-  model_parts, spec, *, remat="full", shard_frozen=False, microbatches=0, attention="xla"
+  model_parts,
+  spec,
+  *,
+  remat="full",
+  shard_frozen=False,
+  microbatches=0,
+  attention="xla",
+  remat_group=1,
 ):
   """(loss, LoRA gradients as numpy, frozen state as placed) of one batch under ``spec``."""
   graphdef, lora, frozen = model_parts
@@ -80,7 +91,7 @@ def loss_and_grads(
     m = pipeline.num_microbatches(len(batch["input_ids"]) // mesh.shape["data"], microbatches)
   rt = runtime.Runtime(
     mesh=mesh if multi else None, remat=remat, shard_frozen=shard_frozen, microbatches=m,
-    attention=attention,
+    attention=attention, remat_group=remat_group,
   )  # fmt: skip
   graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
   if multi:
@@ -133,6 +144,53 @@ def test_shard_frozen_equals_single_device(host_model, single, spec):
 @pytest.mark.parametrize("policy", sorted(REMAT_POLICIES))
 def test_remat_policies_give_the_same_loss(host_model, single, policy):
   _assert_same(loss_and_grads(host_model, "1", remat=policy), single, policy)
+
+
+@pytest.mark.parametrize("remat, group", [("offload", 4), ("lean", 2)])
+def test_remat_groups_give_the_same_loss(host_model, single, remat, group):
+  got = loss_and_grads(host_model, "1", remat=remat, remat_group=group)
+  _assert_same(got, single, f"{remat} in groups of {group}")
+
+
+def test_remat_groups_keep_only_each_groups_input(host_model):
+  """--remat-group 4 over 8 layers: offload puts 2 group inputs on the host, not 8 layer
+  inputs; full's compiled plan holds fewer layer inputs (2 kept + 4 in a group's backward,
+  against 8) and no copy of a group's weights."""
+  graphdef, lora, frozen = host_model
+  batch = _batch(t=64)
+
+  def grad_fn(rt):
+    return jax.grad(lambda lo: losses.loss_sums(graphdef, lo, frozen, batch, None, rt)[0])
+
+  jaxpr = str(jax.make_jaxpr(grad_fn(runtime.Runtime(remat="offload", remat_group=4)))(lora))
+  on_host = set(re.findall(r"f32<host>\[[0-9,]+\]", jaxpr))
+  assert "f32<host>[2,8,64,128]" in on_host and "f32<host>[8,8,64,128]" not in on_host, on_host
+
+  def temp(group):
+    rt = runtime.Runtime(remat="full", remat_group=group)
+    return jax.jit(grad_fn(rt)).lower(lora).compile().memory_analysis().temp_size_in_bytes
+
+  layer_input = 8 * 64 * 128 * 4  # [B, T, D] float32
+  assert temp(1) - temp(4) >= layer_input, (temp(1), temp(4))
+
+
+def test_remat_groups_are_chosen_among_the_settings_that_take_them_or_refused():
+  cfg, one = ModelConfig.from_hf(TINY), jax.devices()[:1]
+  rt = runtime.resolve(RunConfig(remat_group=4), cfg, devices=one)  # --remat auto
+  assert rt.remat_group == 4 and rt.remat == "full"
+  assert [r for r, _ in rt.candidates] == ["full", "full", "lean", "lean", "offload"]
+  assert "remat auto, groups of 4 layers" in rt.describe()
+  with pytest.raises(UserError, match=r"^--remat-group 4 keeps only the input of every group "
+                     r"of 4 layers, but --remat activations keeps more"):  # fmt: skip
+    runtime.resolve(RunConfig(remat="activations", remat_group=4), cfg, devices=one)
+  with pytest.raises(
+    UserError, match=r"does not divide the model's 8 layers; use one of 2, 4, 8\.$"
+  ):
+    runtime.resolve(RunConfig(remat="full", remat_group=3), cfg, devices=one)
+  with pytest.raises(MeshError, match=r"^--remat-group 2 with a pipe axis in --mesh 1x1x2"):
+    runtime.resolve(
+      RunConfig(remat="full", remat_group=2, mesh="1x1x2"), cfg, devices=jax.devices()[:2]
+    )
 
 
 @pytest.mark.slow

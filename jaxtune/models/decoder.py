@@ -85,6 +85,21 @@ REMAT_POLICIES = {
   ),
 }
 
+# --remat-group N (Runtime.remat_group > 1): the remat settings that take it, and what each
+# keeps of a group of N layers (its input; on the host under offload). Inside a group each
+# layer keeps nothing but its input, which the group's backward recomputes.
+GROUP_POLICIES = {
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "lean": jax.checkpoint_policies.nothing_saveable,
+  "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[],
+    names_which_can_be_offloaded=["group_input"],
+    offload_src="device",
+    offload_dst="pinned_host",
+  ),
+}
+_IN_GROUP = jax.checkpoint_policies.nothing_saveable
+
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
@@ -361,15 +376,40 @@ class Decoder(nnx.Module):
       s = jnp.where(is_local, sin_l, sin_g)
       return nnx.merge(graphdef, layer_state)(x, c, s, seg, w, key, runtime, positions=pos)
 
-    if runtime.remat != "none":
-      step = jax.checkpoint(step, policy=REMAT_POLICIES[runtime.remat], prevent_cse=False)
-
-    def run(x, xs, side):
+    def scan(body, x, xs):
+      """x through body(x, xs[i]) for each i, under scan or (scan_layers off) a loop."""
       if runtime.scan_layers:
-        return jax.lax.scan(lambda x, xs: (step(x, xs, side), None), x, xs)[0]
+        return jax.lax.scan(lambda x, xs: (body(x, xs), None), x, xs)[0]
       for i in range(jax.tree.leaves(xs)[0].shape[0]):
-        x = step(x, jax.tree.map(lambda a, i=i: a[i], xs), side)
+        x = body(x, jax.tree.map(lambda a, i=i: a[i], xs))
       return x
+
+    group = runtime.remat_group
+    if group == 1:
+      if runtime.remat != "none":
+        step = jax.checkpoint(step, policy=REMAT_POLICIES[runtime.remat], prevent_cse=False)
+
+      def run(x, xs, side):
+        return scan(lambda x, xs: step(x, xs, side), x, xs)
+    else:
+      # Layers in groups of ``group``: only each group's input is kept (on the host under
+      # offload); a group's backward recomputes its layers from it, keeping their inputs.
+      # Every layer indexes the whole stack (as the plain scan does), so no group's weights
+      # are sliced out into a copy.
+      def group_layer(x, layer, xs, side):
+        return step(x, jax.tree.map(lambda a: a[layer], xs), side)
+
+      group_layer = jax.checkpoint(group_layer, policy=_IN_GROUP, prevent_cse=False)
+
+      def one_group(x, first, xs, side):
+        x = checkpoint_name(x, "group_input")
+        return scan(lambda x, i: group_layer(x, first + i, xs, side), x, jnp.arange(group))
+
+      one_group = jax.checkpoint(one_group, policy=GROUP_POLICIES[runtime.remat], prevent_cse=False)
+
+      def run(x, xs, side):
+        firsts = jnp.arange(0, jax.tree.leaves(xs)[0].shape[0], group)
+        return scan(lambda x, first: one_group(x, first, xs, side), x, firsts)
 
     xs = (state, layer_keys, jnp.asarray(window), jnp.asarray(local))
     side = (rope_global, rope_local, segment_ids, positions)
