@@ -64,6 +64,16 @@ def _cudnn_attention_outputs(prim, *_, **__) -> bool:
   return prim.name.startswith("dot_product_attention_fwd")
 
 
+def _offload_only(name: str):
+  """The remat policy that keeps only the values named ``name``, in pinned host memory."""
+  return jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[],
+    names_which_can_be_offloaded=[name],
+    offload_src="device",
+    offload_dst="pinned_host",
+  )
+
+
 REMAT_POLICIES = {
   "none": None,
   "full": jax.checkpoint_policies.nothing_saveable,
@@ -77,12 +87,7 @@ REMAT_POLICIES = {
   "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
   # As "full", but each layer's input (the residual stream the backward pass restarts from)
   # waits in pinned host memory instead of on the device.
-  "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
-    names_which_can_be_saved=[],
-    names_which_can_be_offloaded=["layer_input"],
-    offload_src="device",
-    offload_dst="pinned_host",
-  ),
+  "offload": _offload_only("layer_input"),
 }
 
 # --remat-group N (Runtime.remat_group > 1): the remat settings that take it, and what each
@@ -91,12 +96,7 @@ REMAT_POLICIES = {
 GROUP_POLICIES = {
   "full": jax.checkpoint_policies.nothing_saveable,
   "lean": jax.checkpoint_policies.nothing_saveable,
-  "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
-    names_which_can_be_saved=[],
-    names_which_can_be_offloaded=["group_input"],
-    offload_src="device",
-    offload_dst="pinned_host",
-  ),
+  "offload": _offload_only("group_input"),
 }
 _IN_GROUP = jax.checkpoint_policies.nothing_saveable
 
