@@ -245,7 +245,8 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
 
 
 def _setting(rt: Runtime) -> str:
-  return f"remat {rt.remat}" + (f", loss chunk {rt.loss_chunk}" if rt.loss_chunk else "")
+  group = f", groups of {rt.remat_group} layers" if rt.remat_group > 1 else ""
+  return f"remat {rt.remat}" + (f", loss chunk {rt.loss_chunk}" if rt.loss_chunk else "") + group
 
 
 STORE_NAME = "jaxtune-steps"  # the step store's directory, inside the compilation cache's

@@ -85,8 +85,12 @@ class Runtime:
       raise ValueError(f"ring_blocks must be xla or one of {FLASH}, got {self.ring_blocks!r}")
     if self.nf4_matmul not in NF4_MATMUL:
       raise ValueError(f"nf4_matmul must be one of {NF4_MATMUL}, got {self.nf4_matmul!r}")
+    if self.remat_group < 1:
+      raise ValueError(f"remat_group must be at least 1, got {self.remat_group}")
     if self.remat_group > 1 and self.remat not in GROUPED_REMAT:
       raise ValueError(f"remat_group > 1 needs remat in {GROUPED_REMAT}, got {self.remat!r}")
+    if self.remat_group > 1 and self.pipelined:
+      raise ValueError("remat_group > 1 does not run inside a pipeline (a pipe axis)")
 
   def replace(self, **changes: Any) -> Runtime:
     return dataclasses.replace(self, **changes)
@@ -395,9 +399,14 @@ def resolve(
 
 
 def _check_remat_group(run: RunConfig, layers: int, pp: int) -> None:
-  """--remat-group N > 1: a setting that keeps only layer inputs, N dividing the layers, no
-  pipe axis."""
+  """--remat-group N > 1: no pipe axis, a setting that keeps only layer inputs, N dividing
+  the layers."""
   n = run.remat_group
+  if pp > 1:
+    raise MeshError(
+      f"--remat-group does not run inside a pipeline (the pipe axis of --mesh {run.mesh}) "
+      "yet; drop --remat-group or the pipe axis."
+    )
   if run.remat not in ("auto", *GROUPED_REMAT):
     raise UserError(
       f"--remat-group {n} keeps only the input of every group of {n} layers, but --remat "
@@ -405,15 +414,11 @@ def _check_remat_group(run: RunConfig, layers: int, pp: int) -> None:
       "or drop --remat-group."
     )
   if layers % n:
-    fits = [d for d in range(2, layers + 1) if layers % d == 0]
+    fits = [str(d) for d in range(2, layers + 1) if layers % d == 0]
+    use = f"use {fits[0]}" if len(fits) == 1 else f"use one of {', '.join(fits)}"
     raise UserError(
-      f"--remat-group {n} does not divide the model's {layers} layers; use one of "
-      f"{', '.join(map(str, fits))}."
-    )
-  if pp > 1:
-    raise MeshError(
-      f"--remat-group {n} with a pipe axis in --mesh {run.mesh}: the stages run their layers "
-      "one at a time; drop --remat-group or the pipe axis."
+      f"--remat-group {n} does not divide the model's {layers} layers; {use}, or drop "
+      "--remat-group."
     )
 
 
@@ -471,7 +476,8 @@ def remat_candidates(
     chunks = [0]
   out = []
   for remat in remats:
-    # Offloading is for the leanest memory: with the logits in pieces only.
-    for chunk in chunks[-1:] if remat == "offload" and run.remat == "auto" else chunks:
+    # Lean and offload are for the leanest memory: with the logits in pieces only (lean saves
+    # less than the pieces do, so where full in pieces did not fit, lean whole would not).
+    for chunk in chunks[-1:] if remat in ("lean", "offload") and run.remat == "auto" else chunks:
       out.append((remat, chunk))
   return tuple(out)

@@ -703,7 +703,7 @@ CASES = [
   Case(
     "remat-group-not-dividing-layers",
     lambda w: w.train_args("--remat-group", "3"),
-    r"--remat-group 3 does not divide the model's 2 layers; use one of 2\.",
+    r"--remat-group 3 does not divide the model's 2 layers; use 2, or drop --remat-group\.",
   ),
   Case(
     "mesh-context-with-pipe",

@@ -7,6 +7,7 @@ softcaps are small enough to bite.
 
 import json
 import sys
+import traceback
 from pathlib import Path
 
 import jax
@@ -122,11 +123,16 @@ def _train_and_export(directory: Path, family: str) -> dict:
 
 
 def _write_exports(directory: str, path: str) -> None:
+  """Each family's result, or the traceback that stopped it (so each test reports its
+  own), written after every family."""
   results = {}
   for family in FAMILIES:
     (Path(directory) / family).mkdir()
-    results[family] = _train_and_export(Path(directory) / family, family)
-  Path(path).write_text(json.dumps(results))
+    try:
+      results[family] = _train_and_export(Path(directory) / family, family)
+    except Exception:
+      results[family] = {"error": traceback.format_exc()}
+    Path(path).write_text(json.dumps(results))
 
 
 @background_run("family_exports")
@@ -146,5 +152,6 @@ def _family_exports(directory, runs):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lora_training_and_merged_export(family, family_exports):
   result = family_exports[family]
+  assert "error" not in result, result["error"]
   assert result["losses"][-1] < result["losses"][0], result
   assert result["rel_err"] <= 1e-5, result

@@ -20,7 +20,7 @@ from jaxtune import data, losses, pipeline, runtime, sharding
 from jaxtune import mesh as meshlib
 from jaxtune.config import ModelConfig
 from jaxtune.errors import MeshError, UserError
-from jaxtune.models.decoder import REMAT_POLICIES, Decoder
+from jaxtune.models.decoder import GROUP_POLICIES, REMAT_POLICIES, Decoder
 from jaxtune.run_config import RunConfig
 
 TINY = dict(
@@ -171,23 +171,25 @@ def test_remat_groups_keep_only_each_groups_input(host_model):
     return jax.jit(grad_fn(rt)).lower(lora).compile().memory_analysis().temp_size_in_bytes
 
   layer_input = 8 * 64 * 128 * 4  # [B, T, D] float32
-  assert temp(1) - temp(4) >= layer_input, (temp(1), temp(4))
+  every, grouped = temp(1), temp(4)
+  assert every - grouped >= layer_input, (every, grouped)
 
 
 def test_remat_groups_are_chosen_among_the_settings_that_take_them_or_refused():
   cfg, one = ModelConfig.from_hf(TINY), jax.devices()[:1]
   rt = runtime.resolve(RunConfig(remat_group=4), cfg, devices=one)  # --remat auto
   assert rt.remat_group == 4 and rt.remat == "full"
-  assert [r for r, _ in rt.candidates] == ["full", "full", "lean", "lean", "offload"]
+  assert [r for r, _ in rt.candidates] == ["full", "full", "lean", "offload"]
+  assert set(GROUP_POLICIES) == set(runtime.GROUPED_REMAT)
   assert "remat auto, groups of 4 layers" in rt.describe()
   with pytest.raises(UserError, match=r"^--remat-group 4 keeps only the input of every group "
                      r"of 4 layers, but --remat activations keeps more"):  # fmt: skip
     runtime.resolve(RunConfig(remat="activations", remat_group=4), cfg, devices=one)
-  with pytest.raises(
-    UserError, match=r"does not divide the model's 8 layers; use one of 2, 4, 8\.$"
-  ):
+  with pytest.raises(UserError, match=r"does not divide the model's 8 layers; use one of 2, 4, "
+                     r"8, or drop --remat-group\.$"):  # fmt: skip
     runtime.resolve(RunConfig(remat="full", remat_group=3), cfg, devices=one)
-  with pytest.raises(MeshError, match=r"^--remat-group 2 with a pipe axis in --mesh 1x1x2"):
+  with pytest.raises(MeshError, match=r"^--remat-group does not run inside a pipeline \(the "
+                     r"pipe axis of --mesh 1x1x2\)"):  # fmt: skip
     runtime.resolve(
       RunConfig(remat="full", remat_group=2, mesh="1x1x2"), cfg, devices=jax.devices()[:2]
     )

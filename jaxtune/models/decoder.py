@@ -408,7 +408,10 @@ class Decoder(nnx.Module):
       one_group = jax.checkpoint(one_group, policy=GROUP_POLICIES[runtime.remat], prevent_cse=False)
 
       def run(x, xs, side):
-        firsts = jnp.arange(0, jax.tree.leaves(xs)[0].shape[0], group)
+        layers = jax.tree.leaves(xs)[0].shape[0]
+        if layers % group:  # a[first + i] past the end would clamp: the last layer again
+          raise ValueError(f"remat_group {group} does not divide the {layers} layers")
+        firsts = jnp.arange(0, layers, group)
         return scan(lambda x, first: one_group(x, first, xs, side), x, firsts)
 
     xs = (state, layer_keys, jnp.asarray(window), jnp.asarray(local))
