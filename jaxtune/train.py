@@ -112,7 +112,8 @@ _HELP = {
   "remat_group": "with --remat full, lean or offload (or auto, then among those): keep only "
   "the input of every group of N layers (in host memory under offload), recomputing a group's "
   "layers in its backward pass: N times fewer kept inputs, for each layer's forward once more "
-  "(long contexts, where the kept inputs fill device or host memory); 1: every layer's",
+  "(8B at 2,048 tokens, N=2: 0.75x the speed; for long contexts, where the kept inputs fill "
+  "device or host memory); 1: every layer's",
   "microbatches": "pipeline micro-batches per step when the mesh has pipe > 1 (0: one per "
   "sequence of a data shard)",
   "shard_frozen": "also split the frozen NF4 weights over the data axis, gathered per layer "
