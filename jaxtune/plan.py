@@ -234,11 +234,14 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
       if not loss_chunk:
         whole[remat] = planned
   name, size, compiled = min(reversed(rejected), key=lambda r: r[1])  # ties: the later
-  offload = "" if any(r == "offload" for r, _ in candidates) else "use --remat offload, "
+  levers = [] if any(r == "offload" for r, _ in candidates) else ["--remat offload"]
+  if runtime.remat_group == 1:  # fewer kept layer inputs (long rows)
+    levers.append("--remat-group 2 (with full, lean or offload)")
+  use = f"use {' or '.join(levers)}, " if levers else ""
   plans = "plans" if compiled else "needs at least"
   raise UserError(
     f"the training step does not fit the {size_text(limit)} of device memory ({source}): the "
-    f"leanest setting tried, {name}, {plans} {size_text(size)} per device; {offload}lower "
+    f"leanest setting tried, {name}, {plans} {size_text(size)} per device; {use}lower "
     "--batch-size (with --grad-accum to keep the batch) or --seq-len, or split the model over "
     "more devices with --mesh."
   )

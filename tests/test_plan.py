@@ -150,7 +150,7 @@ def test_a_setting_whose_floor_misses_the_budget_is_not_compiled():
     "auto: planned 50 MiB of 80 MiB (test), remat activations, loss chunk 1024 would need 95 MiB+"
   )
   with pytest.raises(UserError, match=r"the leanest setting tried, remat offload, loss chunk "
-                     r"1024, needs at least 20 MiB per device; lower"):  # fmt: skip
+                     r"1024, needs at least 20 MiB per device; use --remat-group 2"):  # fmt: skip
     plan.choose(fake.build, (), AUTO, (12 * MIB, "test"), floor=lambda rt: 20 * MIB)
 
 
@@ -161,14 +161,19 @@ def test_nothing_fits_is_one_sentence_naming_the_leanest_and_the_levers():
   message = str(e.value)
   assert re.fullmatch(
     r"the training step does not fit the 20 MiB of device memory \(H100\): the leanest "
-    r"setting tried, remat offload, loss chunk 1024, plans 30 MiB per device; lower "
-    r"--batch-size .* or --seq-len, or split the model over more devices with --mesh\.",
+    r"setting tried, remat offload, loss chunk 1024, plans 30 MiB per device; use "
+    r"--remat-group 2 \(with full, lean or offload\), lower --batch-size .* or --seq-len, or "
+    r"split the model over more devices with --mesh\.",
     message,
   ), message
   forced = Runtime(remat="full", candidates=(("full", 0), ("full", AUTO_LOSS_CHUNK)))
   with pytest.raises(UserError, match=r"remat full, loss chunk 1024, plans 40 MiB per device; "
-                     r"use --remat offload, lower --batch-size"):  # fmt: skip
+                     r"use --remat offload or --remat-group 2 \(with full, lean or offload\), "
+                     r"lower --batch-size"):  # fmt: skip
     plan.choose(FakeStep(SIZES).build, (), forced, (20 * MIB, "H100"))
+  grouped = forced.replace(remat_group=2)  # already in groups: not suggested again
+  with pytest.raises(UserError, match=r"plans 40 MiB per device; use --remat offload, lower"):
+    plan.choose(FakeStep(SIZES).build, (), grouped, (20 * MIB, "H100"))
 
 
 def test_a_single_setting_is_compiled_without_a_budget_check():
