@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 ATTENTION = ("xla", "cudnn", "mosaic", "interpret", "flash_xla", "ring")
 NF4_MATMUL = ("auto", "kernel", "xla", "interpret")  # interpret: the kernel on CPU (tests)
 FLASH = ("mosaic", "interpret", "flash_xla")  # run per shard through the flash op
-LEAN_REMAT = ("lean",)  # Runtime.dequantize_again
 GROUPED_REMAT = ("full", "lean", "offload")  # those --remat-group applies to
 
 
@@ -123,7 +122,7 @@ class Runtime:
     "lean", which spends one more dequantization per weight and step for less memory
     (pallas_kernels.nf4_matmul's ``dequantize_again``). Not under "offload": on an H100
     (8B, batch 2) it planned 0.2 GiB less there but peaked no lower, 3% slower."""
-    return self.remat in LEAN_REMAT
+    return self.remat == "lean"
 
   @property
   def context(self) -> int:
