@@ -94,11 +94,6 @@ class Config:
   # group after another, instead of one row of tiles at a time: the cells in flight then share
   # fewer distinct operand tiles (L2 reuse). 1: row by row.
   group_m: int = 1
-  # Forward with split_k > 1: the cells of one output tile run as a thread-block cluster and
-  # add their float32 partial products in the kernel (block 0 of the cluster reads the others'
-  # from their shared memory), storing y [M, N] in x's dtype: no partials for XLA to sum and
-  # transpose after the call.
-  cluster_sum: bool = False
 
 
 def forward_smem_bytes(config: Config, x_itemsize: int = 2) -> int:
@@ -112,8 +107,6 @@ def forward_smem_bytes(config: Config, x_itemsize: int = 2) -> int:
   bk, cta_n = BLOCK_K * sub, WG_ROWS * config.compute_wgs
   stage = bm * bk * x_itemsize + cta_n * bk // 2 + sub * cta_n * 2
   out = wgs * WG_ROWS * bm * (4 if config.split_k > 1 else x_itemsize)
-  if config.split_k > 1 and config.cluster_sum:  # the sum's tile besides the float32 partial
-    out += wgs * WG_ROWS * bm * x_itemsize
   staged = (wgs * sub if config.a_from_smem else 0) * WG_ROWS * BLOCK_K * x_itemsize
   return config.max_concurrent_steps * stage + out + staged + 1024
 
@@ -368,18 +361,14 @@ def forward(
     # Pinning the dequantized tiles into the next step (an optimization barrier after its
     # wait) did not cure the wide tiles (tried).
     raise ValueError("nf4 forward kernel: delay_release is measured correct up to 16 tokens")
-  summed = config.cluster_sum and splits > 1  # partials added in the kernel (a cluster)
-  out_dtype = x.dtype if splits == 1 or summed else jnp.float32
-  rows_out = config.out_rows or summed  # y [M, N] stored, not y^T
+  out_dtype = x.dtype if splits == 1 else jnp.float32
   hold = config.delay_release
 
   n_tiles, m_tiles, group = n // cta_n, m // bm, config.group_m
   if m_tiles % group:
     raise ValueError(f"nf4 forward kernel: {m_tiles} rows of tiles do not group by {group}")
 
-  def body(x_gmem, w_gmem, s_gmem, o_gmem, *outs, o_smem, a_smem=None, part_smem=None, **sync):
-    parts = outs[0] if outs else None  # the interpreter's partial tiles (a second output)
-    ready, done = sync.get("ready"), sync.get("done")
+  def body(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
     if group == 1:
       mi, ni = lax.axis_index("m"), lax.axis_index("n")
     else:  # launch order (n fastest) -> groups of ``group`` tile rows, column by column
@@ -391,7 +380,7 @@ def forward(
     k0 = lax.axis_index("s") * k_part
     wg = lax.axis_index("wg")
     rows = pl.ds(wg * WG_ROWS, WG_ROWS)
-    o_part = None if summed else o_gmem.at[lax.axis_index("s")]
+    o_part = o_gmem.at[lax.axis_index("s")]
     along = int(config.transposed)
 
     def compute_context(run_pipeline):
@@ -399,11 +388,8 @@ def forward(
       def _(acc):
         run_pipeline(acc)
         plgpu.wgmma_wait(0)  # the last step's wgmmas (left in flight with delay_release)
-        if summed:
-          _sum_cluster(acc)
-          return
         tile = acc[...].astype(o_smem.dtype)  # [64, bm]: a tile of y^T
-        if rows_out:
+        if config.out_rows:
           o_smem.at[wg].T[...] = tile
           out = o_part.at[pl.ds(m0, bm), pl.ds(n0 + wg * WG_ROWS, WG_ROWS)]
         else:
@@ -412,46 +398,6 @@ def forward(
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[wg], out)
         plgpu.wait_smem_to_gmem(0)
-
-    def _sum_cluster(acc):
-      """Block 0 of the cluster adds the other blocks' float32 partial tiles to its own and
-      stores the tile of y. On the GPU it reads them from their shared memory (the others wait
-      until it has); the interpreter, which cannot map a peer's shared memory, passes them
-      through global memory (``parts``) instead."""
-      s = lax.axis_index("s")
-      tile = (pl.ds(n0 + wg * WG_ROWS, WG_ROWS), pl.ds(m0, bm))
-      if parts is None:
-        part_smem.at[wg][...] = acc[...]
-        plgpu.commit_smem()  # the whole warpgroup's stores, before it signals them
-      else:
-
-        @pl.when(s != 0)
-        def _():
-          parts.at[s - 1, *tile][...] = acc[...]
-
-      _cluster_fence(interpret)
-      plgpu.barrier_arrive(ready)
-
-      @pl.when(s == 0)
-      def _():
-        plgpu.barrier_wait(ready)
-        _cluster_fence(interpret)
-        total = acc[...]
-        for j in range(1, splits):
-          if parts is None:
-            total = total + _peer_tile(part_smem.at[wg], j)
-          else:
-            total = total + plgpu.load(parts.at[j - 1, *tile], (), layout=plgpu.Layout.WGMMA)
-        o_smem.at[wg].T[...] = total.astype(o_smem.dtype)
-        plgpu.commit_smem()
-        out = o_gmem.at[pl.ds(m0, bm), pl.ds(n0 + wg * WG_ROWS, WG_ROWS)]
-        plgpu.copy_smem_to_gmem(o_smem.at[wg], out)
-        plgpu.wait_smem_to_gmem(0)
-
-      if parts is None:  # the peers' shared memory must outlive block 0's reading of it
-        _cluster_fence(interpret)
-        plgpu.barrier_arrive(done)
-        plgpu.barrier_wait(done)
 
     def step(_, x_smem, w_smem, s_smem, acc):
       for j in range(sub):
@@ -498,33 +444,15 @@ def forward(
         else s_gmem.at[pl.ds(k0 // BLOCK_K, k_part // BLOCK_K), pl.ds(n0, cta_n)],
       )
 
-  if summed:
-    out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
-    cluster = dict(grid=(n_tiles, m_tiles), grid_names=("n", "m"))
-    cluster.update(cluster=(splits,), cluster_names=("s",))
-    barrier = functools.partial(plgpu.ClusterBarrier, collective_axes=("s",), num_arrivals=wgs)
-    if interpret is None:
-      sums = dict(
-        part_smem=plgpu.SMEM((wgs, WG_ROWS, bm), jnp.float32), ready=barrier(), done=barrier()
-      )
-    else:  # the partial tiles of blocks 1.. through global memory: a second output, dropped
-      out_type = (out_type, jax.ShapeDtypeStruct((splits - 1, n, m), jnp.float32))
-      sums = dict(ready=barrier())
-  else:
-    lead = (splits, m, n) if config.out_rows else (splits, n, m)
-    out_type = jax.ShapeDtypeStruct(lead, out_dtype)
-    cluster = dict(grid=(n_tiles, m_tiles, splits), grid_names=("n", "m", "s"))
-    sums = {}
   kernel = plgpu.kernel(
     body,
-    out_type=out_type,
+    out_type=jax.ShapeDtypeStruct((splits, m, n) if config.out_rows else (splits, n, m), out_dtype),
     scratch_types=dict(
       o_smem=plgpu.SMEM(
-        (wgs, bm, WG_ROWS) if rows_out else (wgs, WG_ROWS, bm),
+        (wgs, bm, WG_ROWS) if config.out_rows else (wgs, WG_ROWS, bm),
         out_dtype,
-        transforms=_transforms(WG_ROWS if rows_out else bm, out_dtype),
+        transforms=_transforms(WG_ROWS if config.out_rows else bm, out_dtype),
       ),
-      **sums,
       **(
         dict(
           a_smem=plgpu.SMEM(
@@ -535,56 +463,15 @@ def forward(
         else {}
       ),
     ),
-    **cluster,
+    grid=(n_tiles, m_tiles, splits),
+    grid_names=("n", "m", "s"),
     num_threads=wgs + 1,
     thread_name="wg",
     interpret=interpret,
   )
   out = kernel(x, w4, scales)
-  if summed:
-    return out if interpret is None else out[0]
   out = out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
   return out if config.out_rows else out.T
-
-
-def _peer_tile(ref, block: int):
-  """The float32 [64, bm] tile in ``ref`` (untiled shared memory) of block ``block`` of the
-  cluster, in the WGMMA layout. Mosaic GPU reads it with ld.shared::cluster; through Pallas'
-  cluster_ref the load fails to lower (jax 0.11.2: the mapped ref's type loses its dynamic
-  offset), so the mapping is done here. The "s" cluster axis is the launch's x dimension."""
-  from jax._src.lib.mlir import ir  # noqa: PLC0415
-  from jax._src.lib.mlir.dialects import gpu  # noqa: PLC0415
-  from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
-
-  @plgpu.inline_mgpu(
-    arg_types=(plgpu.RefType(),),
-    return_type=plgpu.ShapeDtypeStruct(ref.shape, jnp.float32, layout=plgpu.Layout.WGMMA),
-  )
-  def load(ctx, local):
-    del ctx
-    index = mgpu.utils.c(block, ir.IndexType.get())
-    peer = mgpu.utils.get_cluster_ref(local, gpu.Dimension.x, index, generic=False)
-    return mgpu.FragmentedArray.load_untiled(peer, layout=mgpu.WGMMA_LAYOUT, optimized=False)
-
-  return load(ref)
-
-
-def _cluster_fence(interpret) -> None:
-  """fence.acq_rel.cluster on the GPU: a block's shared-memory stores are seen by the other
-  blocks of its cluster that synchronise with it (the interpreter runs in order)."""
-  if interpret is not None:
-    return
-  from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only exists where Mosaic GPU lowers)
-  from jax._src.lib.mlir.dialects import llvm  # noqa: PLC0415
-
-  @plgpu.inline_mgpu()
-  def fence(ctx):
-    del ctx
-    llvm.inline_asm(
-      ir.Type.parse("!llvm.void"), [], "fence.acq_rel.cluster;", "", has_side_effects=True
-    )
-
-  fence()
 
 
 def backward(

@@ -143,11 +143,9 @@ def _forward_config(m: int, n: int, k: int, interpret: bool):
   # at 4096 tokens (sweep_nf4_train.py, H100, 8B shapes), and walk the grid in groups of tile
   # rows. Wgmmas left in flight: at most 16 tokens (measured faster there; wrong at 256, where
   # the kernel refuses them).
-  # Decoding tiles with K split add their partial products in the kernel (a cluster of the
-  # split's cells) and store y, instead of float32 partials for XLA to sum and transpose.
   return config(
     k_sub=sub, a_from_smem=interpret, delay_release=int(bm <= 16), out_rows=bm == 256,
-    group_m=_group_m(m, bm), cluster_sum=split > 1 and bm <= 16,
+    group_m=_group_m(m, bm),
   )  # fmt: skip
 
 
