@@ -35,11 +35,15 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--ms", default="1,16")
   ap.add_argument("--reps", type=int, default=10)
-  ap.add_argument("--lookup", default="word", choices=("word", "prmt"))
+  ap.add_argument("--lookup", default="word", choices=("word", "prmt", "lut"))
   ap.add_argument("--wgs", default="2", help="compute warpgroups per cell, comma-separated")
   ap.add_argument("--split-factors", default="1,0.5,2")
   ap.add_argument("--subs", default="1,2,4")
   ap.add_argument("--delays", default="0", help="delay_release values: 0, 1 or both")
+  ap.add_argument("--stages", default="4", help="pipeline stages (max_concurrent_steps)")
+  ap.add_argument(
+    "--block-ms", default=None, help="token tiles to try (default: dispatch's for each M)"
+  )
   ap.add_argument(
     "--shapes", default=None,
     help="KxN,... (default the 8B projections; decoding's launches: 4096x6144,4096x4096,"
@@ -60,24 +64,27 @@ def main():
       ref = np.asarray(reference.nf4_matmul_reference(x, *qs[0]))
       bf16 = time_per_call(jax.jit(lambda a, w: a @ w.T), x, dense, args.reps)
       base = ops._forward_config(m, n, k, False)
-      codes = kernel.word_codes if args.lookup == "word" else kernel.kernel_codes
-      kw = {} if args.lookup == "word" else {"swap_nibbles": False}
+      word_order = args.lookup in ("word", "lut")
+      codes = kernel.word_codes if word_order else kernel.kernel_codes
+      kw = {} if word_order else {"swap_nibbles": False}
       prepared = [(codes(q[0], **kw), kernel_scales(*q[1:])) for q in qs]
       found, seen = [], set()
+      block_ms = _ints(args.block_ms) if args.block_ms else [base.block_m]
       grid = itertools.product(
-        _ints(args.wgs), _floats(args.split_factors), _ints(args.subs), _ints(args.delays), (4,)
-      )
-      for wgs, split_f, sub, delay, stages in grid:
-        if n % (kernel.WG_ROWS * wgs):
+        _ints(args.wgs), _floats(args.split_factors), _ints(args.subs), _ints(args.delays),
+        _ints(args.stages), block_ms,
+      )  # fmt: skip
+      for wgs, split_f, sub, delay, stages, bm in grid:
+        if n % (kernel.WG_ROWS * wgs) or bm < m or (delay and bm > 16):
           continue
         split = max(1, int(base.split_k * split_f * wgs / base.compute_wgs))
         if k % (64 * sub * split) or k // split < 64 * sub:
           continue
         cfg = kernel.Config(
-          block_m=base.block_m, compute_wgs=wgs, split_k=split, k_sub=sub,
+          block_m=bm, compute_wgs=wgs, split_k=split, k_sub=sub,
           max_concurrent_steps=stages, delay_release=delay,
         )  # fmt: skip
-        if kernel.forward_smem_bytes(cfg) > kernel.SMEM_BYTES or cfg in seen:
+        if kernel.forward_smem_bytes(cfg, lookup=args.lookup) > kernel.SMEM_BYTES or cfg in seen:
           continue  # (split factors that round to the same split: timed once)
         seen.add(cfg)
         xp = ops._pad_rows(x, cfg.block_m)
@@ -93,13 +100,15 @@ def main():
         now = cfg == base  # dispatch's own configuration
         row = {
           "M": m, "K": k, "N": n, "lookup": args.lookup, "wgs": wgs, "split_k": split,
-          "k_sub": sub, "delay_release": delay, "stages": stages, "dispatch": now, "err": err,
+          "k_sub": sub, "delay_release": delay, "stages": stages, "block_m": bm, "dispatch": now,
+          "err": err,
           "kernel_ms": ms, "bf16_ms": bf16, "kernel_vs_bf16": ms / bf16,
         }  # fmt: skip
         rows.append(row)
         found.append(row)
         print(
-          f"M={m} K={k} N={n} wgs={wgs} split={split} k_sub={sub} delay={delay}: "
+          f"M={m} K={k} N={n} bm={bm} wgs={wgs} split={split} k_sub={sub} delay={delay} "
+          f"stages={stages}: "
           f"{ms * 1e3:.1f} us = {ms / bf16:.3f}x bf16, err {err:.1e}"
           + (" (dispatch)" if now else ""),
           flush=True,
@@ -117,12 +126,16 @@ def main():
     "configuration ops._forward_config picks today.",
     out_dir=args.results_dir,
   )
-  print("\n|    M     K     N | dispatch / bf16 | best / bf16 | best (wgs, split, k_sub, delay) |")
+  print(
+    "\n|    M     K     N | dispatch / bf16 | best / bf16 | best (bm, wgs, split, k_sub, delay,"
+    " stages) |"
+  )
   for m, k, n, top, now in best:
     cur = f"{now['kernel_vs_bf16']:.3f}" if now else "-"
     print(
       f"| {m:>4} {k:>5} {n:>5} | {cur:>15} | {top['kernel_vs_bf16']:>11.3f} | "
-      f"({top['wgs']}, {top['split_k']}, {top['k_sub']}, {top['delay_release']}) |"
+      f"({top['block_m']}, {top['wgs']}, {top['split_k']}, {top['k_sub']}, "
+      f"{top['delay_release']}, {top['stages']}) |"
     )
 
 

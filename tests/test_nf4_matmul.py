@@ -416,14 +416,28 @@ def _prmt_words(a, b, c):
   return out
 
 
-def _run_ptx(asm: str, inputs: dict, outputs: int):
+def _lop3(a, b, c, lut):
+  """PTX lop3.b32: bit i of the result is bit (4 a_i + 2 b_i + c_i) of ``lut``."""
+  out = np.zeros(np.broadcast(a, b, c).shape, np.uint64)
+  for i in range(32):
+    index = ((a >> i) & 1) * 4 + ((b >> i) & 1) * 2 + ((c >> i) & 1)
+    out |= ((np.uint64(lut) >> index) & 1) << np.uint64(i)
+  return out
+
+
+def _run_ptx(asm: str, inputs: dict, outputs: int, shared=None, loads=None):
   """Runs the inline PTX text ``asm`` over uint32 arrays: only the instructions the lookups use
-  (another one fails the test); ``inputs`` maps operands like "$4" to arrays."""
+  (another one fails the test); ``inputs`` maps operands like "$4" to arrays. ``shared``:
+  (address, uint32 words) of shared memory for ld.shared, which must read whole words inside
+  it; the word index of every load is appended to ``loads``."""
   regs = {k: np.asarray(v, np.uint64) for k, v in inputs.items()}
   ops = {
     "and.b32": lambda a, b: a & b,
     "or.b32": lambda a, b: a | b,
     "shr.u32": lambda a, b: a >> b,
+    "shl.b32": lambda a, b: a << b,
+    "add.u32": lambda a, b: a + b,
+    "lop3.b32": _lop3,
     "prmt.b32": _prmt_words,
   }
   for line in asm.splitlines():
@@ -432,6 +446,13 @@ def _run_ptx(asm: str, inputs: dict, outputs: int):
       continue
     op, args = re.fullmatch(r"(\S+)\s+(.*);", line).groups()
     dst, *srcs = [t.strip() for t in args.split(",")]
+    if op == "ld.shared.b32":
+      base, words = shared
+      offset = regs[re.fullmatch(r"\[(\S+)\]", srcs[0]).group(1)].astype(np.int64) - base
+      assert (offset % 4 == 0).all() and (offset >= 0).all() and (offset < 4 * words.size).all()
+      loads.append(offset // 4)
+      regs[dst] = words.reshape(-1)[offset // 4].astype(np.uint64)
+      continue
     vals = [regs[t] if t in regs else np.uint64(int(t, 0)) for t in srcs]
     regs[dst] = ops[op](*vals) & 0xFFFFFFFF
   return [regs[f"${i}"] for i in range(outputs)]
@@ -530,11 +551,29 @@ def test_layout_emulation_matches_mosaic_and_ptx(layout):
     assert set(map(tuple, held[t].tolist())) == set(itertools.product(rows, cols)), t
 
 
-def _dequant_word_tiles(w4: np.ndarray) -> np.ndarray:
+_LUT_BASE = 0x2A000  # a shared-memory address for the "lut" table in the emulations
+
+
+def _run_lut(words: np.ndarray, lanes: np.ndarray):
+  """The "lut" program over code words, each run by a lane of ``lanes`` (same shape), the
+  table at ``_LUT_BASE``: its 4 pairs, and whether every load read the lane's own bank."""
+  loads = []
+  outs = _run_ptx(
+    kernel.lut_asm(),
+    {"$4": words, "$5": lanes.astype(np.uint64) * 4, "$6": np.uint64(_LUT_BASE)},
+    outputs=4,
+    shared=(_LUT_BASE, kernel.lut_table()),
+    loads=loads,
+  )
+  own_bank = all(np.array_equal(index % 32, lanes) for index in loads) and len(loads) == 4
+  return outs, own_bank
+
+
+def _dequant_word_tiles(w4: np.ndarray, program: str = "word") -> np.ndarray:
   """bf16 bits [N, K] the "word" path makes of w4 int4 [N, K], emulated tile by tile: each
   thread's WGMMA_UPCAST_4X registers read from the stored tile (vector element v in bits 4v),
-  the word program, its pairs placed by ``kernel.word_register`` at their WGMMA_LAYOUT
-  positions."""
+  the word program (or with ``program`` "lut", the lut program, each thread as its lane), its
+  pairs placed by ``kernel.word_register`` at their WGMMA_LAYOUT positions."""
   nib = np.asarray(jnp.asarray(w4).astype(jnp.int8)).astype(np.int64) & 15
   src, dst = _layout_elements(_UPCAST_4X, (64, 64)), _layout_elements(_WGMMA, (64, 64))
   out = np.full(nib.shape, -1, np.int64)
@@ -543,7 +582,14 @@ def _dequant_word_tiles(w4: np.ndarray) -> np.ndarray:
     words = np.zeros(src.shape[:-2], np.uint64)
     for v in range(src.shape[-2]):
       words |= tile[src[..., v, 0], src[..., v, 1]].astype(np.uint64) << np.uint64(4 * v)
-    pairs = _run_ptx(kernel.word_asm(), {"$4": words}, outputs=4)
+    if program == "lut":
+      lanes = np.broadcast_to(
+        (np.arange(128) % 32).reshape(-1, *[1] * (words.ndim - 1)), words.shape
+      )
+      pairs, own_bank = _run_lut(words, lanes)
+      assert own_bank
+    else:
+      pairs = _run_ptx(kernel.word_asm(), {"$4": words}, outputs=4)
     got = np.full((64, 64), -1, np.int64)
     for thread in range(128):
       for idx in np.ndindex(*words.shape[1:]):
@@ -568,6 +614,52 @@ def test_word_path_dequantizes_a_tile():
   codes = np.random.default_rng(10).integers(0, 256, (64, 32), dtype=np.uint8)
   got = _dequant_word_tiles(kernel.word_codes(jnp.asarray(codes)))
   np.testing.assert_array_equal(got, _BF16_NF4[_logical_codes(codes)])
+
+
+def test_lut_program_on_every_half_word_reads_its_lanes_bank():
+  """The lut program (its PTX text, run over the kernel's table in emulated shared memory)
+  gives for each byte of a word the same bf16 pair as the word program, every 16-bit value in
+  both halves of some word, each load in the bank of the lane that makes it (no conflicts)."""
+  halves = np.arange(2**16, dtype=np.uint64)
+  words = (halves << 16) | np.random.default_rng(16).permutation(halves)
+  words = np.concatenate([words, np.asarray([0, 0xFFFFFFFF, 0x88888888, 0x77777777], np.uint64)])
+  lanes = np.arange(words.size) % 32
+  outs, own_bank = _run_lut(words, lanes)
+  assert own_bank
+  for b, pair in enumerate(outs):
+    even, odd = (words >> (8 * b + 4)) & 15, (words >> (8 * b)) & 15
+    np.testing.assert_array_equal(pair & 0xFFFF, _BF16_NF4[even], err_msg=f"byte {b}")
+    np.testing.assert_array_equal(pair >> 16, _BF16_NF4[odd], err_msg=f"byte {b}")
+
+
+def test_lut_path_dequantizes_a_tile():
+  """A [64, 64] tile through the lut path (the word order in memory, loaded, each byte's pair
+  read from the table, placed in wgmma's registers) is the logical tile's NF4 levels."""
+  codes = np.random.default_rng(17).integers(0, 256, (64, 32), dtype=np.uint8)
+  got = _dequant_word_tiles(kernel.word_codes(jnp.asarray(codes)), program="lut")
+  np.testing.assert_array_equal(got, _BF16_NF4[_logical_codes(codes)])
+
+
+def test_lut_kernel_lowers_with_its_table_and_refuses_what_does_not_fit():
+  """Decoding's dispatched configurations lower for the GPU with the lut lookup (Mosaic GPU's
+  lowering runs on the CPU), the table a kernel input; a configuration whose shared memory
+  cannot also hold the table is refused with its reason."""
+  for m, k, n in ((1, 4096, 28672), (16, 14336, 4096), (16, 4096, 6144)):
+    cfg = ops._forward_config(m, n, k, False)
+    assert kernel.forward_smem_bytes(cfg, lookup="lut") <= kernel.SMEM_BYTES
+    args = (
+      jax.ShapeDtypeStruct((cfg.block_m, k), jnp.bfloat16),
+      jax.ShapeDtypeStruct((n, k), jnp.int4),
+      jax.ShapeDtypeStruct((k // 64, n), jnp.bfloat16),
+    )
+    f = jax.jit(lambda x, w, s, cfg=cfg: kernel.forward(x, w, s, config=cfg, lookup="lut"))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "ld.shared.b32" in text, (m, k, n)
+  wide = kernel.Config(block_m=64, compute_wgs=2, split_k=2, k_sub=4)
+  x = jnp.zeros((64, 1024), jnp.bfloat16)
+  w4 = jnp.zeros((128, 1024), jnp.int4)
+  with pytest.raises(ValueError, match="table does not fit"):
+    kernel.forward(x, w4, jnp.zeros((16, 128), jnp.bfloat16), config=wide, lookup="lut")
 
 
 def test_word_bytes_transpose_every_16_bytes_as_4_by_4():
@@ -614,13 +706,19 @@ def test_kernel_word_lookup_gets_operands_that_multiply_right(monkeypatch):
   got = np.asarray(x, np.float32) @ np.asarray(w).T
   assert _rel(got, np.asarray(nf4_matmul_reference(x, *q))) < 1e-2
   # Codes prepared once (decoding: ops.word_codes, uint8 so a layer stack slices cheaply)
-  # reach the kernel as the same int4 tile, with the word lookup chosen for them.
+  # reach the kernel as the same int4 tile, with decoding's lookup for them ("lut", whose
+  # emulated path makes the same levels of them).
   word_at_call = seen.pop("w4")
   prepared = ops.word_codes(jnp.stack([q[0], q[0][::-1]]))  # [L, N, K/2], a layer stack
   assert prepared.dtype == jnp.uint8 and prepared.shape == (2, *q[0].shape)
   jax.block_until_ready(nf4_matmul(x, *q, impl="kernel", word_codes=prepared[0]))
-  assert seen["lookup"] == "word"
+  assert seen["lookup"] == ops.PREPARED_LOOKUP == "lut"
   np.testing.assert_array_equal(np.asarray(seen["w4"]), np.asarray(word_at_call))
+  lut_levels = _dequant_word_tiles(seen["w4"], program="lut").astype(np.uint16)
+  np.testing.assert_array_equal(lut_levels, levels.view(np.uint16))
+  # Wider tiles keep the word lookup (the table is measured and sized for decoding's tiles).
+  jax.block_until_ready(nf4_matmul(jnp.tile(x, (40, 1)), *q, impl="kernel", word_codes=prepared[0]))
+  assert seen["config"].block_m == 128 and seen["lookup"] == "word"
   for impl in ("interpret", "xla"):
     with pytest.raises(ValueError, match="lookup must be one of"):
       nf4_matmul(x, *q, impl=impl, lookup="word")

@@ -96,7 +96,7 @@ class Config:
   group_m: int = 1
 
 
-def forward_smem_bytes(config: Config, x_itemsize: int = 2) -> int:
+def forward_smem_bytes(config: Config, x_itemsize: int = 2, lookup: str = "word") -> int:
   """Shared memory the forward kernel asks for with ``config``, at most (a pipeline of fewer
   steps than ``max_concurrent_steps`` has fewer stages): the pipeline's stages of x,
   codes and scales, the output tile, the dequantized-tile staging, and 1 KiB for Mosaic GPU's
@@ -108,7 +108,8 @@ def forward_smem_bytes(config: Config, x_itemsize: int = 2) -> int:
   stage = bm * bk * x_itemsize + cta_n * bk // 2 + sub * cta_n * 2
   out = wgs * WG_ROWS * bm * (4 if config.split_k > 1 else x_itemsize)
   staged = (wgs * sub if config.a_from_smem else 0) * WG_ROWS * BLOCK_K * x_itemsize
-  return config.max_concurrent_steps * stage + out + staged + 1024
+  table = 256 * LUT_COPIES * 4 if lookup == "lut" else 0
+  return config.max_concurrent_steps * stage + out + staged + table + 1024
 
 
 def kernel_operands(
@@ -297,12 +298,86 @@ def _lookup_word(w):
   return lookup(w)
 
 
-def _dequant_tile(w_smem, s_smem, lookup: str, along: int = 0):
+LUT_COPIES = 32  # one copy of the table per lane of a warp: every load hits its own bank
+LUT_SHIFTS = (-7, 1, 9, 17)  # byte b of a word, times 128 (a table row), by one shift
+LUT_AND_OR = (0xF0 & 0xCC) | 0xAA  # lop3's truth table of (a & b) | c
+
+
+@functools.cache
+def lut_table() -> np.ndarray:
+  """The "lut" lookup's table, uint32 [256, LUT_COPIES]: row e holds the bf16 pair of byte e
+  (the high nibble's level in the low half: bitsandbytes' even element first), once per lane,
+  so lane l reads word e * 32 + l, which is in bank l whatever e is."""
+  bits = _bf16_bits(NF4_CODE).astype(np.uint32)
+  e = np.arange(256)
+  pairs = bits[e >> 4] | (bits[e & 15] << 16)
+  return np.repeat(pairs[:, None], LUT_COPIES, axis=1).astype(np.uint32)
+
+
+def lut_asm() -> str:
+  """The "lut" lookup as PTX: $4 = 8 codes (a register of ``word_codes``' bytes, as for the
+  "word" lookup), $5 = this lane's byte offset (4 x lane), $6 = the table's shared-memory
+  address; $0..$3 = the bf16 pairs of bytes 0..3, each one load from the table (row = the
+  byte). Per byte a shift, one lop3 and a load (ptxas folds the add of the table's address,
+  uniform, into the load): 12 instructions per 8 values against the word program's 21 and the
+  copies of its table constants that ptxas adds (8.4 per word)."""
+  lines = []
+  for b, shift in enumerate(LUT_SHIFTS):
+    move = f"shl.b32 t{b}, $4, {-shift};" if shift < 0 else f"shr.u32 t{b}, $4, {shift};"
+    lines += [
+      move,
+      f"lop3.b32 t{b}, t{b}, 0x7f80, $5, {LUT_AND_OR:#x};",  # (byte x 128) | lane x 4
+      f"add.u32 t{b}, t{b}, $6;",
+      f"ld.shared.b32 ${b}, [t{b}];",
+    ]
+  body = "\n  ".join(lines)
+  return f"{{\n  .reg .b32 t0, t1, t2, t3;\n  {body}\n}}"
+
+
+def _lookup_lut(w, table):
+  """int4 codes of ``word_codes`` in WGMMA_LAYOUT_UPCAST_4X -> bfloat16 NF4 levels in
+  WGMMA_LAYOUT (as ``_lookup_word``), each byte's pair loaded from ``table`` (shared memory,
+  ``lut_table``)."""
+  from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only exists where Mosaic GPU lowers)
+  from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
+  from jax.experimental import mosaic as _  # noqa: F401, PLC0415
+  from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
+
+  asm = lut_asm()
+
+  @plgpu.inline_mgpu(
+    arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA_UPCAST_4X),
+    return_type=plgpu.ShapeDtypeStruct(w.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+  )
+  def lookup(ctx, table_ref, codes):
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    pair = ir.VectorType.get((2,), ir.BF16Type.get())
+    base = llvm.ptrtoint(i32, mgpu.utils.memref_ptr(table_ref))
+    lane4 = arith.shli(
+      arith.andi(mgpu.utils.thread_idx(), mgpu.utils.c(31, i32)), mgpu.utils.c(2, i32)
+    )
+    layout = plgpu.Layout.WGMMA.to_mgpu()
+    regs = np.empty(layout.registers_shape(codes.shape), dtype=object)
+    for idx, reg in np.ndenumerate(codes.registers):
+      word = mgpu.utils.bitcast(reg, i32)
+      outs = mgpu.utils.inline_ptx(asm, word, lane4, base, result_types=[i32] * 4)
+      for p, out in enumerate(outs):
+        regs[word_register(idx, p)] = mgpu.utils.bitcast(out, pair)
+    assert all(r is not None for r in regs.flat)
+    return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+  return lookup(table, w)
+
+
+def _dequant_tile(w_smem, s_smem, lookup: str, along: int = 0, table=None):
   """[64, 64] codes in SMEM and their [64] scales in SMEM, one per row (``along`` 0) or per
   column (1) -> bf16 tile in the WGMMA layout."""
   w = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
   if lookup == "word":
     w = _lookup_word(w)
+  elif lookup == "lut":
+    w = _lookup_lut(w, table)
   else:
     w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
     w = _lookup_prmt(w) if lookup == "prmt" else _lookup_select(w)
@@ -361,6 +436,11 @@ def forward(
     # Pinning the dequantized tiles into the next step (an optimization barrier after its
     # wait) did not cure the wide tiles (tried).
     raise ValueError("nf4 forward kernel: delay_release is measured correct up to 16 tokens")
+  if lookup == "lut" and forward_smem_bytes(config, x.dtype.itemsize, lookup) > SMEM_BYTES:
+    raise ValueError(
+      "nf4 forward kernel: the lut lookup's table does not fit in shared memory beside "
+      f"{config}; take fewer stages or k blocks a step, or another lookup"
+    )
   out_dtype = x.dtype if splits == 1 else jnp.float32
   hold = config.delay_release
 
@@ -368,7 +448,10 @@ def forward(
   if m_tiles % group:
     raise ValueError(f"nf4 forward kernel: {m_tiles} rows of tiles do not group by {group}")
 
-  def body(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
+  lut = lookup == "lut"
+
+  def body(x_gmem, w_gmem, s_gmem, *refs, o_smem, a_smem=None, lut_smem=None, lut_bar=None):
+    lut_gmem, o_gmem = refs if lut else (None, *refs)
     if group == 1:
       mi, ni = lax.axis_index("m"), lax.axis_index("n")
     else:  # launch order (n fastest) -> groups of ``group`` tile rows, column by column
@@ -386,6 +469,13 @@ def forward(
     def compute_context(run_pipeline):
       @functools.partial(pl.run_scoped, acc=plgpu.ACC((WG_ROWS, bm), jnp.float32))
       def _(acc):
+        if lut:  # the table into shared memory once, by the first compute warpgroup's copy
+
+          @pl.when(wg == 0)
+          def _():
+            plgpu.copy_gmem_to_smem(lut_gmem, lut_smem, lut_bar)
+
+          plgpu.barrier_wait(lut_bar)
         run_pipeline(acc)
         plgpu.wgmma_wait(0)  # the last step's wgmmas (left in flight with delay_release)
         tile = acc[...].astype(o_smem.dtype)  # [64, bm]: a tile of y^T
@@ -403,7 +493,7 @@ def forward(
       for j in range(sub):
         cols = pl.ds(j * BLOCK_K, BLOCK_K)
         scale = s_smem.at[wg, cols] if along else s_smem.at[j, rows]
-        w = _dequant_tile(w_smem.at[rows, cols], scale, lookup, along)
+        w = _dequant_tile(w_smem.at[rows, cols], scale, lookup, along, lut_smem)
         if config.a_from_smem:
           a_smem.at[wg, j][...] = w
           plgpu.commit_smem()
@@ -462,6 +552,14 @@ def forward(
         if config.a_from_smem
         else {}
       ),
+      **(
+        dict(
+          lut_smem=plgpu.SMEM((256, LUT_COPIES), jnp.uint32),
+          lut_bar=plgpu.Barrier(num_arrivals=1),
+        )
+        if lut
+        else {}
+      ),
     ),
     grid=(n_tiles, m_tiles, splits),
     grid_names=("n", "m", "s"),
@@ -469,7 +567,7 @@ def forward(
     thread_name="wg",
     interpret=interpret,
   )
-  out = kernel(x, w4, scales)
+  out = kernel(x, w4, scales, *([jnp.asarray(lut_table())] if lut else []))
   out = out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
   return out if config.out_rows else out.T
 

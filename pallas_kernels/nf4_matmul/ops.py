@@ -38,7 +38,27 @@ from pallas_kernels import _gpu
 from pallas_kernels.nf4_matmul import reference
 
 IMPLS = ("kernel", "xla", "interpret")
-LOOKUPS = ("prmt", "word")  # the forward kernel's on the GPU
+LOOKUPS = ("prmt", "word", "lut")  # the forward kernel's on the GPU
+# The lookup for codes given in word order (decoding's, made once for many calls): "lut" reads
+# each byte's pair of levels from a table in shared memory, 2 ALU instructions and one load per
+# byte where "word"'s program takes 21 per word and ptxas adds a copy of a table constant for
+# every other permute (8.4 per word, ncu on an H100). experiments/sweep_nf4_decode.py, H100,
+# decoding's 8B launches at dispatch's configurations, M = 1 / 16: gate/up 31.9 / 32.5 us
+# against 38.0 / 38.2, down 18.6 / 18.5 against 20.0 / 20.2, q/k/v 11.9 / 12.0 against 13.1 /
+# 13.2, o 8.8 / 8.8 against 9.1 / 9.1.
+PREPARED_LOOKUP = "lut"
+# Token tiles up to this size take "lut" where it is asked for and its table fits in shared
+# memory beside the pipeline (decoding's tiles of at most 16 tokens, where it was measured);
+# wider ones (GRPO's 64-token rollouts, training's 256) keep "word".
+LUT_MAX_TILE = 16
+
+
+def _lut_applies(cfg) -> bool:
+  kernel = _kernel()
+  fits = kernel.forward_smem_bytes(cfg, lookup="lut") <= kernel.SMEM_BYTES
+  return cfg.block_m <= LUT_MAX_TILE and fits
+
+
 KERNEL_MAX_TOKENS = 64
 # Below this many weights XLA fuses the dequantization into its small GEMV and wins
 # (4096 x 1024 at one token: 4.5 us against the kernel's 8.7 us on an H100).
@@ -196,7 +216,7 @@ def _codes_for(lookup: str, codes: jax.Array) -> jax.Array:
   """The kernels' int4 codes for ``lookup`` from codes in bitsandbytes' order: permuted for
   "word", nibbles swapped for the interpreter's "select", viewed as they are for "prmt"."""
   kernel = _kernel()
-  if lookup == "word":
+  if lookup in ("word", "lut"):
     return kernel.word_codes(codes)
   return kernel.kernel_codes(codes, swap_nibbles=lookup == "select")
 
@@ -241,7 +261,7 @@ def prepared_matmul(
   cfg = _forward_config(x2.shape[0], n, k, impl == "interpret") if use else None
   if cfg is None:
     return reference.prepared_dot(x, word, scales)
-  y = _forward_kernel(impl, "word", x2, cfg, scales, word=word)
+  y = _forward_kernel(impl, PREPARED_LOOKUP, x2, cfg, scales, word=word)
   return y.astype(x.dtype).reshape(*lead, n)
 
 
@@ -250,8 +270,10 @@ def _forward_kernel(impl, lookup, x2, cfg, scales, codes=None, word=None):
   in bitsandbytes' order or ``word`` in the word lookup's (``word_codes``), whichever the
   lookup (the interpreter: its own) reads."""
   kernel = _kernel()
+  if lookup == "lut" and not _lut_applies(cfg):
+    lookup = "word"
   kw = _kernel_args(impl, lookup, x2.shape[0])
-  if kw["lookup"] == "word" and word is not None:  # already in word order: the int4 view
+  if kw["lookup"] in ("word", "lut") and word is not None:  # in word order: the int4 view
     w4 = kernel.kernel_codes(word, swap_nibbles=False)
   else:
     w4 = _codes_for(kw["lookup"], reference.word_bytes(word) if codes is None else codes)
@@ -383,7 +405,7 @@ def nf4_matmul(
     raise ValueError(f"nf4_matmul impl must be one of {', '.join(IMPLS)}, got {impl!r}.")
   x2 = x.reshape(-1, x.shape[-1])
   if lookup is None and word_codes is not None:
-    lookup = "word"
+    lookup = PREPARED_LOOKUP
   y = _nf4_matmul(
     impl,
     lookup,
