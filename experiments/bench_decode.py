@@ -102,7 +102,16 @@ def main():
     default=None,
     help=f"NF4 once per entry of {','.join(LOOKUPS)} (inplace: the generate command's choice)",
   )
+  ap.add_argument(
+    "--prepared-lookup",
+    default=None,
+    choices=ops.LOOKUPS,
+    help="the kernel's lookup for codes given in word order (ops.PREPARED_LOOKUP; default: "
+    f"{ops.PREPARED_LOOKUP}), e.g. word to time the lookup decoding took before lut",
+  )
   args = ap.parse_args()
+  if args.prepared_lookup:
+    ops.PREPARED_LOOKUP = args.prepared_lookup
   lookups = args.lookups.split(",") if args.lookups else []
   if args.compare_lookups:
     lookups = ["prmt", "word", "fused"]
