@@ -27,7 +27,7 @@ Operands (made from the stored bitsandbytes layout by ``kernel_operands``):
                           a byte's high nibble, JAX's int4 in the low one; the "prmt" lookup
                           reads the nibbles crosswise so nothing is moved in memory, the "select"
                           lookup (plain jnp ops, runs in interpret mode) needs them swapped, the
-                          "word" lookup takes the bytes of every 32 columns permuted
+                          "word" and "lut" lookups take the bytes of every 32 columns permuted
                           (``word_codes``).
   scales  bf16 [K/64, N]  absmax after double dequantization, one row per 64-wide k block.
 
@@ -36,7 +36,10 @@ the table held in immediates (inline PTX through ``plgpu.inline_mgpu``), after a
 (a warp shuffle and permutes, twice) has moved the codes from the layout they load in (8 to a
 32-bit register) to wgmma's (2 to a register). "word" looks up the 8 codes of a loaded
 register at once (22 instructions for the 8) and needs no cast: its codes are stored so that
-each register already holds the columns wgmma's layout gives that thread. "select" is a tree
+each register already holds the columns wgmma's layout gives that thread. "lut" reads the
+same registers but loads each byte's pair of levels from a table in shared memory (a copy per
+lane, so no bank conflicts): 12 instructions for the 8, and no table constants for ptxas to
+copy into registers before every other permute as it does for "word". "select" is a tree
 of 15 selects. The table entries and scales are rounded to bfloat16 before their product, so a
 value can differ from bitsandbytes' bf16(code * absmax) by an ulp of bfloat16; the fallback
 path keeps bitsandbytes' exact values.

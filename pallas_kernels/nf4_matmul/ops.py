@@ -18,9 +18,11 @@ wrapper that is not written yet. ``impl`` forces one:
 lookup and data path the interpreter supports; what the tests run). kernel.py imports Mosaic
 GPU, so it is loaded the first time "kernel" or "interpret" runs.
 
-The forward kernel's table lookup on the GPU: "word" where the caller passes the codes in its
-order (``word_codes``, made once for many calls: jaxtune's decode loop does where the copy
-fits; 0.61-0.87x the kernel time of "prmt" on an H100); for calls of at least
+The forward kernel's table lookup on the GPU: where the caller passes the codes in word order
+(``word_codes``, made once for many calls: jaxtune's decode loop does where the copy fits)
+``PREPARED_LOOKUP`` ("lut": 0.85-0.92x the kernel time of "word" on an H100, which ran
+0.61-0.87x "prmt") at tiles of at most ``LUT_MAX_TILE`` tokens, "word" at wider ones; for
+calls of at least
 ``WORD_PER_CALL_MIN_TOKENS`` tokens (training) "word" on codes permuted per call (or made
 once for the run: ``word_codes``/``word_codes_t``), forward and input gradient; else "prmt"
 (``lookup`` forces one for the forward; the permutation is a pass over the codes whatever the
@@ -371,16 +373,16 @@ def nf4_matmul(
   dequantizing absmax on every call. The XLA path ignores them (it keeps bitsandbytes'
   exact values).
 
-  ``lookup``: the forward kernel's table lookup, one of ``LOOKUPS``, where the kernel runs on
-  the GPU (``impl`` "kernel", or dispatch's choice of it): "word" where ``word_codes`` (the
-  codes in its order, ``word_codes(codes)``, made once for many calls) are given or the call
-  has at least ``WORD_PER_CALL_MIN_TOKENS`` tokens (then permuted per call), else "prmt"
-  (measured on an H100, experiments/check_nf4_lookup.py: "word" 0.61-0.87x the time of
-  "prmt" on the 8B shapes at 1-64 tokens, where a per-call permutation costs more than it
-  saves). Every path but the kernel's word lookup (XLA's, the interpreter's, "prmt", the
-  backward) reads the codes from ``word_codes`` where they are given, put back in
-  bitsandbytes' order, so ``codes`` may be the same word-order array (decoding's in-place
-  order, ``decoding.codes_in_word_order``).
+  ``lookup``: the forward kernel's table lookup, one of ``LOOKUPS``, where the kernel runs on the
+  GPU (``impl`` "kernel", or dispatch's choice of it): where ``word_codes`` (the codes in word
+  order, ``word_codes(codes)``, made once for many calls) are given, ``PREPARED_LOOKUP`` ("lut")
+  at tiles of at most ``LUT_MAX_TILE`` tokens where its table fits, else "word"; "word" where the
+  call has at least ``WORD_PER_CALL_MIN_TOKENS`` tokens (then permuted per call); else "prmt"
+  (measured on an H100, experiments/check_nf4_lookup.py: "word" 0.61-0.87x the time of "prmt" on
+  the 8B shapes at 1-64 tokens, where a per-call permutation costs more than it saves). Every path
+  but the kernel's word and lut lookups (XLA's, the interpreter's, "prmt", the backward) reads the
+  codes from ``word_codes`` where they are given, put back in bitsandbytes' order, so ``codes``
+  may be the same word-order array (decoding's in-place order, ``decoding.codes_in_word_order``).
 
   ``word_codes_t``: W^T's codes in word order (``training_operands``, made once for a
   training run, with ``word_codes`` and ``scales``): the input gradient's kernel (from
