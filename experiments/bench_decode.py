@@ -105,7 +105,7 @@ def main():
   ap.add_argument(
     "--prepared-lookup",
     default=None,
-    choices=ops.LOOKUPS,
+    choices=("word", "lut"),
     help="the kernel's lookup for codes given in word order (ops.PREPARED_LOOKUP; default: "
     f"{ops.PREPARED_LOOKUP}), e.g. word to time the lookup decoding took before lut",
   )
@@ -142,6 +142,7 @@ def main():
           "model": args.shape,
           "quantization": quant or "bf16",
           "lookup": name if quant else None,
+          "prepared_lookup": ops.PREPARED_LOOKUP if quant else None,  # for word-order codes
           "fused_launches": bool(fuse and word is True) if quant else None,
           "batch": b,
           "prompt_len": args.prompt_len,

@@ -1,12 +1,12 @@
 """The NF4 forward kernel's configurations at decoding sizes, against cuBLAS bf16 in one run.
 
-For M in --ms and (K, N) of Llama-3.1-8B's projections, times y = x @ W^T: cuBLAS on a bf16
-copy of W, and the Mosaic GPU kernel alone (scales prepared once, as decoding now passes them;
-x already padded to the tile; --lookup, "word" as decoding runs it) over a grid of
-configurations: compute warpgroups (--wgs; K split over proportionally more cells where a cell
+For M in --ms and (K, N) of Llama-3.1-8B's projections, times y = x @ W^T: cuBLAS on a bf16 copy
+of W, and the Mosaic GPU kernel alone (scales prepared once, as decoding now passes them; x
+already padded to the tile; --lookup: word, lut (decoding's since session 20) or prmt) over a grid
+of configurations: compute warpgroups (--wgs; K split over proportionally more cells where a cell
 covers more rows), K split over --split-factors times those cells, --subs 64-wide k blocks per
-pipeline step, wgmmas waited for in their step or one step later (--delays), 4 pipeline
-stages.
+pipeline step, wgmmas waited for in their step or one step later (--delays), --stages pipeline
+stages (default 4), --block-ms token tiles (default dispatch's).
 Device time (CUPTI), each call over weight copies that outgrow L2, median of --reps. Checks
 each configuration against the float32 reference. Prints the best per shape and how dispatch's
 current choice compares.

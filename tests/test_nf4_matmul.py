@@ -618,8 +618,9 @@ def test_word_path_dequantizes_a_tile():
 
 def test_lut_program_on_every_half_word_reads_its_lanes_bank():
   """The lut program (its PTX text, run over the kernel's table in emulated shared memory)
-  gives for each byte of a word the same bf16 pair as the word program, every 16-bit value in
-  both halves of some word, each load in the bank of the lane that makes it (no conflicts)."""
+  gives for each byte of a word the bf16 pair [level of the high nibble, level of the low
+  nibble], every 16-bit value in both halves of some word, each load in the bank of the lane
+  that makes it (no conflicts)."""
   halves = np.arange(2**16, dtype=np.uint64)
   words = (halves << 16) | np.random.default_rng(16).permutation(halves)
   words = np.concatenate([words, np.asarray([0, 0xFFFFFFFF, 0x88888888, 0x77777777], np.uint64)])
@@ -654,12 +655,25 @@ def test_lut_kernel_lowers_with_its_table_and_refuses_what_does_not_fit():
     )
     f = jax.jit(lambda x, w, s, cfg=cfg: kernel.forward(x, w, s, config=cfg, lookup="lut"))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "ld.shared.b32" in text, (m, k, n)
-  wide = kernel.Config(block_m=64, compute_wgs=2, split_k=2, k_sub=4)
+    assert "ld.shared.b32" in text, (m, k, n)  # the lut program
+    call = next(line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line)
+    assert call.count("%arg") == 3 and "tensor<256x32xui32>" in text  # x, w4, scales; the table
+  # Fits in shared memory without the table (216,064 bytes), not with it.
+  wide = kernel.Config(block_m=64, compute_wgs=2, k_sub=4)
+  assert kernel.forward_smem_bytes(wide) <= kernel.SMEM_BYTES
+  assert kernel.forward_smem_bytes(wide, lookup="lut") - kernel.forward_smem_bytes(wide) == 32768
   x = jnp.zeros((64, 1024), jnp.bfloat16)
   w4 = jnp.zeros((128, 1024), jnp.int4)
+  scales = jnp.zeros((16, 128), jnp.bfloat16)
   with pytest.raises(ValueError, match="table does not fit"):
-    kernel.forward(x, w4, jnp.zeros((16, 128), jnp.bfloat16), config=wide, lookup="lut")
+    kernel.forward(x, w4, scales, config=wide, lookup="lut")
+  narrow = kernel.Config(block_m=16, compute_wgs=2, k_sub=2, a_from_smem=True)
+  with pytest.raises(ValueError, match="runs on the GPU only"):
+    kernel.forward(
+      x[:16], w4, scales, config=narrow, lookup="lut", interpret=_gpu.interpret_params()
+    )
+  with pytest.raises(ValueError, match="forward kernel's only"):
+    kernel.backward(x, w4, scales, config=kernel.Config(block_m=64), lookup="lut")
 
 
 def test_word_bytes_transpose_every_16_bytes_as_4_by_4():

@@ -100,12 +100,12 @@ class Config:
 
 
 def forward_smem_bytes(config: Config, x_itemsize: int = 2, lookup: str = "word") -> int:
-  """Shared memory the forward kernel asks for with ``config``, at most (a pipeline of fewer
-  steps than ``max_concurrent_steps`` has fewer stages): the pipeline's stages of x,
-  codes and scales, the output tile, the dequantized-tile staging, and 1 KiB for Mosaic GPU's
-  barriers (64 bytes measured). 64 tokens, 4 k blocks a step and split K measured 241,728
-  bytes with an unused 8 KiB staging tile (no longer allocated), this counts 234,496 without
-  it: over ``SMEM_BYTES`` either way, so dispatch takes 2 blocks there."""
+  """Shared memory the forward kernel asks for with ``config``, at most (a pipeline of fewer steps
+  than ``max_concurrent_steps`` has fewer stages): the pipeline's stages of x, codes and scales,
+  the output tile, the dequantized-tile staging, the "lut" lookup's table (32 KiB, with ``lookup``
+  "lut") and 1 KiB for Mosaic GPU's barriers (64 bytes measured). 64 tokens, 4 k blocks a step and
+  split K measured 241,728 bytes with an unused 8 KiB staging tile (no longer allocated), this
+  counts 234,496 without it: over ``SMEM_BYTES`` either way, so dispatch takes 2 blocks there."""
   bm, wgs, sub = config.block_m, config.compute_wgs, config.k_sub
   bk, cta_n = BLOCK_K * sub, WG_ROWS * config.compute_wgs
   stage = bm * bk * x_itemsize + cta_n * bk // 2 + sub * cta_n * 2
@@ -138,8 +138,8 @@ def kernel_codes(codes: jax.Array, *, swap_nibbles: bool) -> jax.Array:
 
 
 def word_codes(codes: jax.Array) -> jax.Array:
-  """w4 int4 [..., N, K] for the "word" lookup: the codes uint8 [..., N, K/2], each row's 16
-  bytes of every 32 columns transposed as a 4 x 4 matrix (byte 4t + b <- byte 4b + t).
+  """w4 int4 [..., N, K] for the "word" and "lut" lookups: the codes uint8 [..., N, K/2], each
+  row's 16 bytes of every 32 columns transposed as a 4 x 4 matrix (byte 4t + b <- byte 4b + t).
 
   Why: in WGMMA_LAYOUT_UPCAST_4X thread t (of the 4 sharing a row) loads bytes 4t..4t+3 of
   the 32 columns as one 32-bit register; WGMMA_LAYOUT, same thread -> row assignment, gives it
@@ -314,7 +314,9 @@ def lut_table() -> np.ndarray:
   bits = _bf16_bits(NF4_CODE).astype(np.uint32)
   e = np.arange(256)
   pairs = bits[e >> 4] | (bits[e & 15] << 16)
-  return np.repeat(pairs[:, None], LUT_COPIES, axis=1).astype(np.uint32)
+  table = np.repeat(pairs[:, None], LUT_COPIES, axis=1).astype(np.uint32)
+  table.flags.writeable = False  # cached: shared by every call
+  return table
 
 
 def lut_asm() -> str:
@@ -324,6 +326,9 @@ def lut_asm() -> str:
   byte). Per byte a shift, one lop3 and a load (ptxas folds the add of the table's address,
   uniform, into the load): 12 instructions per 8 values against the word program's 21 and the
   copies of its table constants that ptxas adds (8.4 per word)."""
+  # A table row is LUT_COPIES words = 128 bytes: the mask 0x7f80 keeps byte b times 128, and
+  # lane x 4 (at most 124) fills the bits below it.
+  assert LUT_COPIES * 4 == 128 and all(8 * b - s == 7 for b, s in enumerate(LUT_SHIFTS))
   lines = []
   for b, shift in enumerate(LUT_SHIFTS):
     move = f"shl.b32 t{b}, $4, {-shift};" if shift < 0 else f"shr.u32 t{b}, $4, {shift};"
@@ -439,6 +444,8 @@ def forward(
     # Pinning the dequantized tiles into the next step (an optimization barrier after its
     # wait) did not cure the wide tiles (tried).
     raise ValueError("nf4 forward kernel: delay_release is measured correct up to 16 tokens")
+  if lookup == "lut" and interpret is not None:
+    raise ValueError("nf4 forward kernel: the lut lookup (inline PTX) runs on the GPU only")
   if lookup == "lut" and forward_smem_bytes(config, x.dtype.itemsize, lookup) > SMEM_BYTES:
     raise ValueError(
       "nf4 forward kernel: the lut lookup's table does not fit in shared memory beside "
@@ -586,6 +593,8 @@ def backward(
 ) -> jax.Array:
   """dx [M, K] = dy [M, N] @ dequant(w4, scales); M a multiple of block_m (x64), N of block_n,
   K of block_k_out * wgs."""
+  if lookup == "lut":
+    raise ValueError("nf4 backward kernel: the lut lookup is the forward kernel's only")
   m, n = dy.shape
   k = w4.shape[1]
   bm, bn, bko, wgs = config.block_m, config.block_n, config.block_k_out, config.compute_wgs

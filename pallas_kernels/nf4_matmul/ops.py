@@ -45,9 +45,10 @@ LOOKUPS = ("prmt", "word", "lut")  # the forward kernel's on the GPU
 # each byte's pair of levels from a table in shared memory, 2 ALU instructions and one load per
 # byte where "word"'s program takes 21 per word and ptxas adds a copy of a table constant for
 # every other permute (8.4 per word, ncu on an H100). experiments/sweep_nf4_decode.py, H100,
-# decoding's 8B launches at dispatch's configurations, M = 1 / 16: gate/up 31.9 / 32.5 us
-# against 38.0 / 38.2, down 18.6 / 18.5 against 20.0 / 20.2, q/k/v 11.9 / 12.0 against 13.1 /
-# 13.2, o 8.8 / 8.8 against 9.1 / 9.1.
+# decoding's 8B launches at dispatch's configurations, M = 1 / 16, one run (RESULTS.md): gate/up
+# 32.9 / 32.7 us against 38.1 / 38.6, down 17.3 / 17.5 against 20.2 / 20.3, q/k/v 11.3 / 11.2
+# against 12.9 / 12.8, o 8.4 / 8.4 against 9.1 / 9.1. A "lut" asked for where it does not apply
+# (wider tiles, or no room for its table) runs "word" instead.
 PREPARED_LOOKUP = "lut"
 # Token tiles up to this size take "lut" where it is asked for and its table fits in shared
 # memory beside the pipeline (decoding's tiles of at most 16 tokens, where it was measured);
@@ -216,7 +217,8 @@ def _kernel_args(impl: str, lookup: str | None, tokens: int):
 
 def _codes_for(lookup: str, codes: jax.Array) -> jax.Array:
   """The kernels' int4 codes for ``lookup`` from codes in bitsandbytes' order: permuted for
-  "word", nibbles swapped for the interpreter's "select", viewed as they are for "prmt"."""
+  "word" and "lut", nibbles swapped for the interpreter's "select", viewed as they are for
+  "prmt"."""
   kernel = _kernel()
   if lookup in ("word", "lut"):
     return kernel.word_codes(codes)
