@@ -380,7 +380,7 @@ def _lookup_lut(w, table):
 
 def _dequant_tile(w_smem, s_smem, lookup: str, along: int = 0, table=None):
   """[64, 64] codes in SMEM and their [64] scales in SMEM, one per row (``along`` 0) or per
-  column (1) -> bf16 tile in the WGMMA layout."""
+  column (1) -> bf16 tile in the WGMMA layout. ``table``: the "lut" lookup's (SMEM)."""
   w = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
   if lookup == "word":
     w = _lookup_word(w)

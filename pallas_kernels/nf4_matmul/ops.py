@@ -20,13 +20,12 @@ GPU, so it is loaded the first time "kernel" or "interpret" runs.
 
 The forward kernel's table lookup on the GPU: where the caller passes the codes in word order
 (``word_codes``, made once for many calls: jaxtune's decode loop does where the copy fits)
-``PREPARED_LOOKUP`` ("lut": 0.85-0.92x the kernel time of "word" on an H100, which ran
-0.61-0.87x "prmt") at tiles of at most ``LUT_MAX_TILE`` tokens, "word" at wider ones; for
-calls of at least
-``WORD_PER_CALL_MIN_TOKENS`` tokens (training) "word" on codes permuted per call (or made
-once for the run: ``word_codes``/``word_codes_t``), forward and input gradient; else "prmt"
-(``lookup`` forces one for the forward; the permutation is a pass over the codes whatever the
-tokens, so below that it costs more than the lookup saves).
+``PREPARED_LOOKUP`` ("lut": 0.85-0.92x the kernel time of "word" on an H100, which ran 0.61-0.87x
+"prmt") at tiles of at most ``LUT_MAX_TILE`` tokens, "word" at wider ones; for calls of at least
+``WORD_PER_CALL_MIN_TOKENS`` tokens (training) "word" on codes permuted per call (or made once for
+the run: ``word_codes``/``word_codes_t``), forward and input gradient; else "prmt" (``lookup``
+forces one for the forward, but a "lut" that does not apply runs "word"; the permutation is a pass
+over the codes whatever the tokens, so below that it costs more than the lookup saves).
 """
 
 import functools
@@ -56,12 +55,6 @@ PREPARED_LOOKUP = "lut"
 LUT_MAX_TILE = 16
 
 
-def _lut_applies(cfg) -> bool:
-  kernel = _kernel()
-  fits = kernel.forward_smem_bytes(cfg, lookup="lut") <= kernel.SMEM_BYTES
-  return cfg.block_m <= LUT_MAX_TILE and fits
-
-
 KERNEL_MAX_TOKENS = 64
 # Below this many weights XLA fuses the dequantization into its small GEMV and wins
 # (4096 x 1024 at one token: 4.5 us against the kernel's 8.7 us on an H100).
@@ -82,6 +75,14 @@ def _kernel():
   from pallas_kernels.nf4_matmul import kernel
 
   return kernel
+
+
+def _lut_applies(cfg) -> bool:
+  """Whether a forward configuration takes "lut" where it is asked for: a tile of at most
+  ``LUT_MAX_TILE`` tokens whose pipeline leaves room for the table."""
+  kernel = _kernel()
+  fits = kernel.forward_smem_bytes(cfg, lookup="lut") <= kernel.SMEM_BYTES
+  return cfg.block_m <= LUT_MAX_TILE and fits
 
 
 def uses_kernel(tokens: int, weights: int) -> bool:
