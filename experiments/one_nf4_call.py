@@ -32,7 +32,9 @@ def main():
   rng = np.random.default_rng(0)
   (q,), _ = weights(rng, k, n, 1)
   codes = (
-    kernel.word_codes(q[0]) if lookup != "prmt" else kernel.kernel_codes(q[0], swap_nibbles=False)
+    kernel.word_codes(q[0])
+    if lookup in ops.WORD_ORDER
+    else kernel.kernel_codes(q[0], swap_nibbles=False)
   )
   scales = kernel_scales(*q[1:])
   x = jnp.asarray(rng.standard_normal((cfg.block_m, k)), jnp.bfloat16)

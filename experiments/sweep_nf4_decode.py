@@ -64,7 +64,7 @@ def main():
       ref = np.asarray(reference.nf4_matmul_reference(x, *qs[0]))
       bf16 = time_per_call(jax.jit(lambda a, w: a @ w.T), x, dense, args.reps)
       base = ops._forward_config(m, n, k, False)
-      word_order = args.lookup in ("word", "lut")
+      word_order = args.lookup in ops.WORD_ORDER
       codes = kernel.word_codes if word_order else kernel.kernel_codes
       kw = {} if word_order else {"swap_nibbles": False}
       prepared = [(codes(q[0], **kw), kernel_scales(*q[1:])) for q in qs]

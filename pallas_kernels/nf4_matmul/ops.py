@@ -40,6 +40,7 @@ from pallas_kernels.nf4_matmul import reference
 
 IMPLS = ("kernel", "xla", "interpret")
 LOOKUPS = ("prmt", "word", "lut")  # the forward kernel's on the GPU
+WORD_ORDER = ("word", "lut")  # the lookups that read the codes in word order (word_codes)
 # The lookup for codes given in word order (decoding's, made once for many calls): "lut" reads
 # each byte's pair of levels from a table in shared memory, 2 ALU instructions and one load per
 # byte where "word"'s program takes 21 per word and ptxas adds a copy of a table constant for
@@ -221,7 +222,7 @@ def _codes_for(lookup: str, codes: jax.Array) -> jax.Array:
   "word" and "lut", nibbles swapped for the interpreter's "select", viewed as they are for
   "prmt"."""
   kernel = _kernel()
-  if lookup in ("word", "lut"):
+  if lookup in WORD_ORDER:
     return kernel.word_codes(codes)
   return kernel.kernel_codes(codes, swap_nibbles=lookup == "select")
 
@@ -278,7 +279,7 @@ def _forward_kernel(impl, lookup, x2, cfg, scales, codes=None, word=None):
   if lookup == "lut" and not _lut_applies(cfg):
     lookup = "word"
   kw = _kernel_args(impl, lookup, x2.shape[0])
-  if kw["lookup"] in ("word", "lut") and word is not None:  # in word order: the int4 view
+  if kw["lookup"] in WORD_ORDER and word is not None:  # in word order: the int4 view
     w4 = kernel.kernel_codes(word, swap_nibbles=False)
   else:
     w4 = _codes_for(kw["lookup"], reference.word_bytes(word) if codes is None else codes)
