@@ -234,6 +234,27 @@ def train(
       checkpoints.save(n, {"lora": lora, "opt_state": opt_state, "key": key}, data_state, held)
       saved = n
 
+  # Step i's figures are read (a wait for the device) after step i + 1 is dispatched, so the
+  # device goes from one step to the next without waiting on the host; steps that evaluate,
+  # save, stop or end the run are read at once, before anything depends on them. Rollouts
+  # (GRPO) are made from the step just taken, so those steps are read at once too.
+  pending = None  # (i, m, tokens, t0, rolled, t_step) of a step dispatched but not yet read
+  read_at = None  # when the last step's figures came back
+
+  def read(i, m, tokens, t0, rolled, t_step) -> dict:
+    """Step ``i``'s row: its figures (waiting for them), a bad step counted or raised, logged."""
+    nonlocal read_at
+    # A step dispatched before the previous one was read starts when that one ends.
+    row = _row(i, m, schedule, tokens, t0 if read_at is None else max(t0, read_at))
+    read_at = time.perf_counter()
+    if rollouts is not None:
+      row.update(rolled, update_s=read_at - t_step)
+    _count_bad_step(row, m, run, loss_scale, counts)
+    history.append(row)
+    if (i + 1) % run.log_every == 0 or i + 1 == run.steps:
+      log.train(row)
+    return row
+
   try:
     for i in range(start, run.steps):
       t0 = time.perf_counter()
@@ -243,17 +264,21 @@ def train(
       lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jax.random.fold_in(key, i))
       if prefetch and i + 1 < run.steps:  # built on the host while the device runs step i
         first = next_batch(i + 1)
-      row = _row(i, m, schedule, int(np.prod(batch["input_ids"].shape)), t0)
-      if rollouts is not None:
-        row.update(rolled, update_s=time.perf_counter() - t_step)
-      _count_bad_step(row, m, run, loss_scale, counts)
-      history.append(row)
+      if pending is not None:
+        read(*pending)
+        pending = None
       last = i + 1 == run.steps
-      if (i + 1) % run.log_every == 0 or last:
-        log.train(row)
       sampling_only = eval_step is None and rollouts is not None and sample_fn is not None
       due = last or (run.eval_every and (i + 1) % run.eval_every == 0)
-      if (eval_step is not None or sampling_only) and due:
+      evaluating = (eval_step is not None or sampling_only) and due
+      saving = (i + 1) % run.save_every == 0 or last
+      stopping = stop is not None and not last and distributed.any_process(stop.signum is not None)
+      taken = (i, m, int(np.prod(batch["input_ids"].shape)), t0, rolled, t_step)
+      if rollouts is None and not (last or evaluating or saving or stopping):
+        pending = taken
+        continue
+      row = read(*taken)
+      if evaluating:
         metrics = {}
         if eval_step is not None:
           metrics = step.evaluate(
@@ -266,9 +291,9 @@ def train(
           samples = sample_fn(nnx.merge(graphdef, *local)) if distributed.is_main() else []
         log.eval(i + 1, metrics, samples)
         row.update(metrics)
-      if (i + 1) % run.save_every == 0 or last:
+      if saving:
         save(i + 1)
-      if stop is not None and not last and distributed.any_process(stop.signum is not None):
+      if stopping:
         save(i + 1)
         raise Stopped(stop.signum or signal.SIGTERM, i + 1, checkpoints is not None)
   finally:

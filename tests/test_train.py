@@ -1,5 +1,6 @@
 """Training: mesh equivalence on 8 fake CPU devices, export round trips, the default run."""
 
+import itertools
 import json
 import math
 import sys
@@ -14,7 +15,7 @@ from conftest import MESH_SHAPE, background_run, build_hf_llama, max_rel_err, ru
 from flax import nnx
 
 import jaxtune
-from jaxtune import data, default_model, losses, runtime, step, trainer
+from jaxtune import data, default_model, losses, plan, runtime, step, trainer
 from jaxtune import mesh as meshlib
 from jaxtune.run_config import RunConfig
 
@@ -90,18 +91,45 @@ def _spy_on_residual_sharding(monkeypatch, seen: set) -> None:
 @pytest.fixture(scope="module")
 def single(tiny, tmp_path_factory):
   """_losses' 3 steps on one device with XLA attention (CPU's default), trained once: the
-  reference of every mesh test below. Also the residual shardings its trace asked for."""
-  seen = set()
+  reference of every mesh test below. Also the residual shardings its trace asked for, and
+  the order in which the loop dispatched steps and read their figures."""
+  seen, events = set(), []
+  real_row, real_choose = trainer._row, plan.choose
+
+  def row(i, *args):
+    events.append(("read", i))
+    return real_row(i, *args)
+
+  def choose(*args, **kwargs):
+    step_fn, chosen = real_choose(*args, **kwargs)
+    taken = itertools.count()
+
+    def counted(*step_args):
+      events.append(("step", next(taken)))
+      return step_fn(*step_args)
+
+    return counted, chosen
+
   with pytest.MonkeyPatch.context() as m:
     _spy_on_residual_sharding(m, seen)
+    m.setattr(trainer, "_row", row)
+    m.setattr(plan, "choose", choose)
     losses = _losses(tiny, "1", tmp_path_factory.mktemp("one"), attention="xla")
-  return losses, seen
+  return losses, seen, events
 
 
-@pytest.mark.slow
+def test_a_step_is_dispatched_before_the_previous_one_is_read(single):
+  """The device never waits for the host between steps: step i + 1 is queued before step i's
+  figures are read; the last step (saved, evaluated, ended) is read at once."""
+  *_, events = single
+  assert events == [
+    ("step", 0), ("step", 1), ("read", 0), ("step", 2), ("read", 1), ("read", 2)
+  ]  # fmt: skip
+
+
 def test_mesh_losses_equal_single_device(tiny, single, tmp_path):
   assert jax.device_count() == 8
-  single, _ = single
+  single, *_ = single
   assert single[-1] < single[0]  # it learns, so the comparison is not of constants
   # "data=2,tensor=4" spells the 2x4 mesh: the same Mesh, hence the same program and losses.
   assert meshlib.make_mesh("data=2,tensor=4", jax.devices()) == meshlib.make_mesh("2x4")
@@ -124,7 +152,7 @@ def test_sequence_parallel_trains_like_one_device(tiny, single, tmp_path, monkey
   """--sequence-parallel keeps the residual stream's tokens split over tensor after every
   residual add (checked while tracing) and trains exactly like one device: 2x4 with XLA
   attention, 2x4 with the flash op per shard."""
-  single, seen_single = single
+  single, seen_single, _ = single
   assert not seen_single
   seen = set()
   _spy_on_residual_sharding(monkeypatch, seen)
