@@ -7,7 +7,9 @@ Weights keep PyTorch's [out, in] orientation so that the converter table is an i
 layout and bitsandbytes' bytes can be stored as they are.
 """
 
+import itertools
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -115,13 +117,19 @@ class Linear(nnx.Module):
     nf4_impl: str = "auto",
     frozen_out: jax.Array | None = None,
     dequantize_again: bool = False,
+    lora_in: tuple[jax.Array, int] | None = None,
   ) -> jax.Array:
     """``nf4_impl``: "kernel" or "xla" for an NF4 weight, "auto" to let
     pallas_kernels.nf4_matmul choose per shape and device (``Runtime.nf4_matmul``).
     ``frozen_out``: x W^T computed already (decoding runs several weights of one input in
     one kernel launch, ``Fused``); the bias and LoRA are added here.
     ``dequantize_again``: the input gradient dequantizes an NF4 weight anew
-    (``Runtime.dequantize_again``, nf4_matmul's argument)."""
+    (``Runtime.dequantize_again``, nf4_matmul's argument).
+    ``lora_in`` = (inputs [..., E], start): the LoRA's scaled x A (``lora_input``) of this
+    layer and of others that read the same x, this layer's in columns start .. start + rank;
+    an NF4 layer then folds its LoRA into the frozen product (``lora_inputs``)."""
+    if lora_in is not None and self.quantized and self.lora_a is not None:
+      return self._folded(x, nf4_impl, dequantize_again, *lora_in)
     if frozen_out is not None:
       y = frozen_out
     elif self.quantized:
@@ -152,6 +160,40 @@ class Linear(nnx.Module):
       y = y + self._lora_term(h, self.lora_b[...]).astype(y.dtype)
     return y
 
+  def lora_input(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+    """scale * dropout(x) @ A [..., rank] (the columns past a layer's rank zero): what B
+    multiplies."""
+    h = x
+    if self.lora_dropout > 0.0 and dropout_key is not None:
+      keep = jax.random.bernoulli(dropout_key, 1.0 - self.lora_dropout, x.shape)
+      h = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(x.dtype)
+    with jax.named_scope("lora"):
+      ha = checkpoint_name(h @ self.lora_a[...].astype(h.dtype), "lora_a")
+      if self.lora_mask is None:
+        return (self.lora_scale * ha).astype(h.dtype)
+      ha = ha * self.lora_mask[...].astype(ha.dtype)
+      return (self.lora_scale[...].astype(h.dtype) * ha).astype(h.dtype)
+
+  def _folded(self, x, nf4_impl, dequantize_again, inputs, start) -> jax.Array:
+    """x W^T + inputs @ B_ext, B^T in columns start .. start + rank of B_ext [N, E] (zeros
+    elsewhere), as one NF4 product: XLA appends the LoRA's columns to x and W along K, so the
+    [..., N] LoRA product is never written and read back to be added (nf4_matmul's ``extra``)."""
+    bt = self.lora_b[...].T  # [N, rank]
+    width = inputs.shape[-1]
+    w_extra = jnp.pad(bt, ((0, 0), (start, width - start - bt.shape[1])))
+    parts = (self.codes[...], self.absmax[...], self.nested_absmax[...], self.offset[...])
+    with jax.named_scope("nf4_matmul"):
+      y = nf4_matmul(
+        x,
+        *parts,
+        impl=None if nf4_impl == "auto" else nf4_impl,
+        dequantize_again=dequantize_again,
+        extra=(inputs, w_extra),
+      )
+    if self.bias is not None:
+      y = y + self.bias[...].astype(y.dtype)
+    return y
+
   def _lora_term(self, h: jax.Array, b: jax.Array) -> jax.Array:
     """scale * (h @ A) @ b, in h's dtype (b: B or some of its output columns)."""
     with jax.named_scope("lora"):
@@ -175,6 +217,21 @@ class Linear(nnx.Module):
       b = jax.lax.dynamic_slice_in_dim(self.lora_b[...], start, size, 1)
       y = y + self._lora_term(x, b).astype(y.dtype)
     return y
+
+
+def lora_inputs(
+  x: jax.Array, layers: Sequence["Linear"], keys: Sequence[jax.Array | None]
+) -> list[tuple[jax.Array, int] | None]:
+  """Each layer's ``lora_in`` for NF4 layers that read the same ``x`` (gate and up): their
+  LoRA inputs side by side, one array, so the products' concatenation of x with them is one
+  copy that every layer's folded product shares. None for a layer without LoRA or NF4."""
+  takes = [lyr.quantized and lyr.lora_a is not None for lyr in layers]
+  if not any(takes):
+    return [None] * len(layers)
+  parts = [lyr.lora_input(x, k) for lyr, k, t in zip(layers, keys, takes, strict=True) if t]
+  inputs = jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+  starts = iter(itertools.accumulate([0, *(p.shape[-1] for p in parts)]))
+  return [(inputs, next(starts)) if t else None for t in takes]
 
 
 class Fused(nnx.Module):

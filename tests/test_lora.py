@@ -118,6 +118,62 @@ def test_gradients_match_peft(hf_llama_dir, rslora, rank_pattern):
   assert assert_lora_grads_match_peft(model, grads, peft_model) == 14
 
 
+@pytest.mark.parametrize(
+  "targets, rank_pattern, dropout",
+  [
+    (("gate_proj", "up_proj", "q_proj"), None, 0.0),
+    (("gate_proj", "down_proj"), {"layers.1.gate_proj": 2}, 0.1),
+  ],
+  ids=["gate-and-up", "gate-alone-ranks-by-layer-dropout"],
+)
+def test_folded_mlp_lora_equals_the_separate_products(
+  hf_llama_dir, monkeypatch, targets, rank_pattern, dropout
+):
+  """NF4 gate/up fold their LoRA into the frozen product (layers.lora_inputs): the same loss
+  and adapter gradients as adding each LoRA's own product."""
+  from jaxtune.models import decoder
+  from pallas_kernels.nf4_matmul import reference
+
+  path, _ = hf_llama_dir(seed=5)
+  model = jaxtune.apply_lora(
+    jaxtune.from_pretrained(path, quantization="nf4", dtype="float32"),
+    rank=4,
+    alpha=8,
+    targets=targets,
+    rank_pattern=rank_pattern,
+    dropout=dropout,
+  )
+  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  # B starts at zero; random adapters make the LoRA products count
+  leaves, tree = jax.tree.flatten(lora)
+  keys = jax.random.split(jax.random.key(2), len(leaves))
+  lora = tree.unflatten(
+    [0.3 * jax.random.normal(k, a.shape, a.dtype) for k, a in zip(keys, leaves, strict=True)]
+  )
+  ids = jnp.asarray(_ids(5))
+
+  def value_and_grad():
+    def loss(lo):
+      m = nnx.merge(graphdef, lo, frozen)
+      logits = m(ids[:, :-1], dropout_key=jax.random.key(7) if dropout else None)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+    return jax.value_and_grad(loss)(lora)
+
+  folds = []
+  real = reference.dequantize_then_dot_folded
+  monkeypatch.setattr(
+    reference, "dequantize_then_dot_folded", lambda *a: folds.append(1) or real(*a)
+  )
+  got, got_grads = value_and_grad()
+  assert folds, "the MLP did not fold"
+  monkeypatch.setattr(decoder, "lora_inputs", lambda x, layers, keys: [None] * len(layers))
+  want, want_grads = value_and_grad()
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+  for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
 def test_unknown_target_is_a_clear_error(hf_llama_dir):
   path, _ = hf_llama_dir()
   with pytest.raises(UserError, match=r"\['qkv_proj'\] are not linear layers"):

@@ -178,6 +178,33 @@ def test_gradient_matches_reference():
   assert _rel(got, np.asarray(ref)) < 1e-2
 
 
+def test_extra_columns_fold_into_the_product_with_their_gradients():
+  """nf4_matmul(extra=(e, v)) = x W^T + e v^T, differentiable in x, e and v, as XLA's one dot
+  over [x, e] and [W, v] (a LoRA folded into the frozen product)."""
+  rng = np.random.default_rng(8)
+  k, n, r = 128, 96, 6
+  q = _weights(rng, n, k)
+  x = jnp.asarray(rng.standard_normal((2, 5, k)), jnp.float32)
+  e = jnp.asarray(rng.standard_normal((2, 5, r)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((n, r)), jnp.float32)
+  probe = jnp.asarray(rng.standard_normal((n,)), jnp.float32)
+
+  def folded(x, e, v):
+    return jnp.sum(nf4_matmul(x, *q, impl="xla", extra=(e, v)) * probe)
+
+  def apart(x, e, v):
+    return jnp.sum((nf4_matmul_reference(x, *q) + e @ v.T) * probe)
+
+  y = nf4_matmul(x, *q, impl="xla", extra=(e, v))
+  assert _rel(y, np.asarray(nf4_matmul_reference(x, *q) + e @ v.T)) < 1e-6
+  got = jax.grad(folded, (0, 1, 2))(x, e, v)
+  ref = jax.grad(apart, (0, 1, 2))(x, e, v)
+  for g, want in zip(got, ref, strict=True):
+    assert _rel(g, np.asarray(want)) < 1e-6
+  text = jax.jit(folded).lower(x, e, v).as_text()
+  assert re.search(rf"dot_general.*tensor<10x{k + r}xf32>", text), "not one dot over K + r"
+
+
 def test_dequantizing_again_in_the_backward_keeps_no_weight_from_the_recomputed_forward():
   """Under full remat XLA would share each dequantized weight between the recomputed forward
   product and the input gradient, so all of a block's weights wait together; with

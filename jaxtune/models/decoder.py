@@ -22,7 +22,7 @@ from jax.typing import DTypeLike
 
 from jaxtune import attention, pipeline, rope, sharding
 from jaxtune.config import SLIDING, ModelConfig
-from jaxtune.layers import Embed, Linear, RMSNorm
+from jaxtune.layers import Embed, Linear, RMSNorm, lora_inputs
 from jaxtune.runtime import DEFAULT, Runtime
 
 # The order fixes which fold_in index each projection's LoRA dropout key gets.
@@ -219,11 +219,13 @@ class MLP(nnx.Module):
 
   def _mlp(self, x, keys, runtime: Runtime):
     mm, again = runtime.nf4_matmul, runtime.dequantize_again
-    fg = fu = None
+    fg = fu = lg = lu = None
     if self.gate_up_fused is not None:
       fg, fu = self.gate_up_fused(x, mm)
-    gate = checkpoint_name(self.gate_proj(x, keys[4], mm, fg, again), "mlp_gate")
-    up = checkpoint_name(self.up_proj(x, keys[5], mm, fu, again), "mlp_up")
+    else:  # their LoRA products folded into the frozen ones (Linear's lora_in)
+      lg, lu = lora_inputs(x, (self.gate_proj, self.up_proj), (keys[4], keys[5]))
+    gate = checkpoint_name(self.gate_proj(x, keys[4], mm, fg, again, lg), "mlp_gate")
+    up = checkpoint_name(self.up_proj(x, keys[5], mm, fu, again, lu), "mlp_up")
     with jax.named_scope("mlp_activation"):
       h = _ACTIVATIONS[self.activation](gate) * up
     return self.down_proj(h, keys[6], mm, dequantize_again=again)

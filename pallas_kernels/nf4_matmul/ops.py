@@ -286,7 +286,7 @@ def _forward_kernel(impl, lookup, x2, cfg, scales, codes=None, word=None):
   return kernel.forward(_pad_rows(x2, cfg.block_m), w4, scales, config=cfg, **kw)[: x2.shape[0]]
 
 
-def _fwd_impl(impl, lookup, x2, weights, scales=None, word=None):
+def _fwd_impl(impl, lookup, x2, weights, scales=None, word=None, extra=None):
   n = weights[0].shape[0]
   use = impl != "xla" and x2.dtype == jnp.bfloat16
   cfg = _forward_config(x2.shape[0], n, x2.shape[1], impl == "interpret") if use else None
@@ -295,10 +295,15 @@ def _fwd_impl(impl, lookup, x2, weights, scales=None, word=None):
   codes = weights[0] if word is None else None
   if cfg is None:
     codes = reference.word_bytes(word) if codes is None else codes
+    if extra is not None:
+      return reference.dequantize_then_dot_folded(x2, *extra, codes, *weights[1:])
     return reference.dequantize_then_dot(x2, codes, *weights[1:])
   if scales is None:  # else prepared once for many calls (decoding)
     scales = kernel_scales(*weights[1:])
-  return _forward_kernel(impl, lookup, x2, cfg, scales, codes=codes, word=word)
+  y = _forward_kernel(impl, lookup, x2, cfg, scales, codes=codes, word=word)
+  if extra is not None:  # the kernel takes no extra columns: their product is added
+    y = y + jnp.einsum("te,ne->tn", extra[0], extra[1].astype(extra[0].dtype)).astype(y.dtype)
+  return y
 
 
 def _bwd_impl(impl, dy2, weights, scales=None, word_t=None, dequantize_again=False):
@@ -331,26 +336,36 @@ def _bwd_impl(impl, dy2, weights, scales=None, word_t=None, dequantize_again=Fal
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _nf4_matmul(
-  impl, lookup, again, x2, codes, absmax, nested_absmax, offset, scales, word, word_t
+  impl, lookup, again, x2, codes, absmax, nested_absmax, offset, scales, word, word_t, extra
 ):
-  return _fwd_impl(impl, lookup, x2, (codes, absmax, nested_absmax, offset), scales, word)
+  return _fwd_impl(impl, lookup, x2, (codes, absmax, nested_absmax, offset), scales, word, extra)
 
 
-def _vjp_fwd(impl, lookup, again, x2, codes, absmax, nested_absmax, offset, scales, word, word_t):
+def _vjp_fwd(
+  impl, lookup, again, x2, codes, absmax, nested_absmax, offset, scales, word, word_t, extra
+):
   del again  # the backward's
   weights = (codes, absmax, nested_absmax, offset)
-  y = _fwd_impl(impl, lookup, x2, weights, scales, word)
+  y = _fwd_impl(impl, lookup, x2, weights, scales, word, extra)
   if word is not None and word_t is None:
     # The backward reads bitsandbytes' order (codes may be word order: decoding's in place).
     # With word_t (a training run's operands) the codes are bitsandbytes' own.
     weights = (reference.word_bytes(word), *weights[1:])
-  return y, (weights, scales, word_t)
+  return y, (weights, scales, word_t, extra)
 
 
 def _vjp_bwd(impl, lookup, again, res, dy2):
   del lookup  # the backward kernel keeps its own
-  weights, scales, word_t = res
-  return (_bwd_impl(impl, dy2, weights, scales, word_t, again), *[None] * 7)
+  weights, scales, word_t, extra = res
+  dx = _bwd_impl(impl, dy2, weights, scales, word_t, again)
+  d_extra = None
+  if extra is not None:  # the extra pair's gradients, from dy as they are
+    ex, ew = extra
+    d_extra = (
+      jnp.einsum("tn,ne->te", dy2, ew.astype(dy2.dtype)).astype(ex.dtype),
+      jnp.einsum("tn,te->ne", dy2, ex.astype(dy2.dtype)).astype(ew.dtype),
+    )
+  return (dx, *[None] * 7, d_extra)
 
 
 _nf4_matmul.defvjp(_vjp_fwd, _vjp_bwd)
@@ -369,8 +384,14 @@ def nf4_matmul(
   word_codes: jax.Array | None = None,
   word_codes_t: jax.Array | None = None,
   dequantize_again: bool = False,
+  extra: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
   """x [..., K] @ dequant(W)^T -> [..., N]; W [N, K] in the 2-D layout of ``jaxtune.nf4``.
+
+  ``extra`` = (extra_x [..., E], extra_w [N, E]): adds extra_x @ extra_w^T, differentiable in
+  both (a LoRA's scaled x A and B^T, jaxtune.layers). XLA's path appends them to x and W along
+  K, one dot for both products (``reference.dequantize_then_dot_folded``); the kernel adds
+  their product to its own.
 
   ``scales``: the kernel's bf16 scales [K/64, N] (``kernel_scales``), made once where one
   weight serves many calls (decoding); the forward kernel then reads them instead of
@@ -410,6 +431,8 @@ def nf4_matmul(
   if impl not in IMPLS:
     raise ValueError(f"nf4_matmul impl must be one of {', '.join(IMPLS)}, got {impl!r}.")
   x2 = x.reshape(-1, x.shape[-1])
+  if extra is not None:
+    extra = (extra[0].reshape(-1, extra[0].shape[-1]), extra[1])
   if lookup is None and word_codes is not None:
     lookup = PREPARED_LOOKUP
   y = _nf4_matmul(
@@ -424,5 +447,6 @@ def nf4_matmul(
     scales,
     word_codes,
     word_codes_t,
+    extra,
   )
   return y.reshape(*lead, y.shape[-1])
