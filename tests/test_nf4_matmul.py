@@ -205,6 +205,30 @@ def test_extra_columns_fold_into_the_product_with_their_gradients():
   assert re.search(rf"dot_general.*tensor<10x{k + r}xf32>", text), "not one dot over K + r"
 
 
+def test_extra_columns_beside_the_kernel_are_added_with_their_gradients():
+  """Where the kernel runs (here its interpreter, bfloat16), the extra pair's product is added
+  to the kernel's and differentiated as on XLA's path."""
+  rng = np.random.default_rng(9)
+  k, n, r = 128, 128, 4
+  q = _weights(rng, n, k)
+  x = jnp.asarray(rng.standard_normal((3, k)), jnp.bfloat16)
+  e = jnp.asarray(rng.standard_normal((3, r)), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((n, r)), jnp.float32)
+  probe = jnp.asarray(rng.standard_normal((n,)), jnp.float32)
+
+  def loss(x, e, v, impl):
+    y = nf4_matmul(x, *q, impl=impl, extra=(e, v))
+    return jnp.sum(y.astype(jnp.float32) * probe)
+
+  y = nf4_matmul(x, *q, impl="interpret", extra=(e, v))
+  assert _rel(y, np.asarray(nf4_matmul(x, *q, impl="xla", extra=(e, v)), np.float32)) < 1e-2
+  got = jax.grad(loss, (0, 1, 2))(x, e, v, "interpret")
+  want = jax.grad(loss, (0, 1, 2))(x, e, v, "xla")
+  for g, w in zip(got, want, strict=True):
+    assert g.dtype == w.dtype
+    assert _rel(g, np.asarray(w, np.float32)) < 1e-2
+
+
 def test_dequantizing_again_in_the_backward_keeps_no_weight_from_the_recomputed_forward():
   """Under full remat XLA would share each dequantized weight between the recomputed forward
   product and the input gradient, so all of a block's weights wait together; with
