@@ -128,11 +128,14 @@ class Linear(nnx.Module):
     ``lora_in`` = (inputs [..., E], start): the LoRA's scaled x A (``lora_input``) of this
     layer and of others that read the same x, this layer's in columns start .. start + rank;
     an NF4 layer then folds its LoRA into the frozen product (``lora_inputs``)."""
-    if lora_in is not None and self.quantized and self.lora_a is not None:
-      return self._folded(x, nf4_impl, dequantize_again, *lora_in)
+    extra = None  # the LoRA's pair folded into the NF4 product
     if frozen_out is not None:
       y = frozen_out
     elif self.quantized:
+      if lora_in is not None and self.lora_a is not None:
+        inputs, start = lora_in
+        bt = self.lora_b[...].T.astype(x.dtype)  # [N, rank], in B_ext's columns start..
+        extra = (inputs, jnp.pad(bt, ((0, 0), (start, inputs.shape[-1] - start - bt.shape[1]))))
       parts = (self.codes[...], self.absmax[...], self.nested_absmax[...], self.offset[...])
       scales = None if self.kernel_scales is None else self.kernel_scales[...]
       word = None if self.kernel_codes is None else self.kernel_codes[...]
@@ -147,62 +150,37 @@ class Linear(nnx.Module):
           word_codes=word,
           word_codes_t=word_t,
           dequantize_again=dequantize_again,
+          extra=extra,
         )
     else:
       y = jnp.einsum("...i,oi->...o", x, self.dense_weight(x.dtype))
     if self.bias is not None:
       y = y + self.bias[...].astype(y.dtype)
-    if self.lora_a is not None:
-      h = x
-      if self.lora_dropout > 0.0 and dropout_key is not None:
-        keep = jax.random.bernoulli(dropout_key, 1.0 - self.lora_dropout, x.shape)
-        h = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(x.dtype)
-      y = y + self._lora_term(h, self.lora_b[...]).astype(y.dtype)
+    if self.lora_a is not None and extra is None:
+      y = y + self._lora_term(x, self.lora_b[...], dropout_key).astype(y.dtype)
     return y
 
   def lora_input(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
-    """scale * dropout(x) @ A [..., rank] (the columns past a layer's rank zero): what B
-    multiplies."""
+    """scale * dropout(x) @ A [..., rank] in x's dtype (the columns past a layer's rank zero):
+    what B multiplies."""
     h = x
     if self.lora_dropout > 0.0 and dropout_key is not None:
       keep = jax.random.bernoulli(dropout_key, 1.0 - self.lora_dropout, x.shape)
       h = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(x.dtype)
     with jax.named_scope("lora"):
       ha = checkpoint_name(h @ self.lora_a[...].astype(h.dtype), "lora_a")
-      if self.lora_mask is None:
-        return (self.lora_scale * ha).astype(h.dtype)
-      ha = ha * self.lora_mask[...].astype(ha.dtype)
-      return (self.lora_scale[...].astype(h.dtype) * ha).astype(h.dtype)
-
-  def _folded(self, x, nf4_impl, dequantize_again, inputs, start) -> jax.Array:
-    """x W^T + inputs @ B_ext, B^T in columns start .. start + rank of B_ext [N, E] (zeros
-    elsewhere), as one NF4 product: XLA appends the LoRA's columns to x and W along K, so the
-    [..., N] LoRA product is never written and read back to be added (nf4_matmul's ``extra``)."""
-    bt = self.lora_b[...].T  # [N, rank]
-    width = inputs.shape[-1]
-    w_extra = jnp.pad(bt, ((0, 0), (start, width - start - bt.shape[1])))
-    parts = (self.codes[...], self.absmax[...], self.nested_absmax[...], self.offset[...])
-    with jax.named_scope("nf4_matmul"):
-      y = nf4_matmul(
-        x,
-        *parts,
-        impl=None if nf4_impl == "auto" else nf4_impl,
-        dequantize_again=dequantize_again,
-        extra=(inputs, w_extra),
-      )
-    if self.bias is not None:
-      y = y + self.bias[...].astype(y.dtype)
-    return y
-
-  def _lora_term(self, h: jax.Array, b: jax.Array) -> jax.Array:
-    """scale * (h @ A) @ b, in h's dtype (b: B or some of its output columns)."""
-    with jax.named_scope("lora"):
-      ha = checkpoint_name(h @ self.lora_a[...].astype(h.dtype), "lora_a")  # [..., rank]
       scale = self.lora_scale
       if self.lora_mask is not None:  # ranks per layer: columns past this layer's rank are off
         ha = ha * self.lora_mask[...].astype(ha.dtype)
         scale = scale[...].astype(h.dtype)
-      return scale * (ha @ b.astype(h.dtype))
+      return (scale * ha).astype(h.dtype)
+
+  def _lora_term(
+    self, x: jax.Array, b: jax.Array, dropout_key: jax.Array | None = None
+  ) -> jax.Array:
+    """scale * (dropout(x) @ A) @ b, in x's dtype (b: B or some of its output columns)."""
+    with jax.named_scope("lora"):
+      return self.lora_input(x, dropout_key) @ b.astype(x.dtype)
 
   def rows(self, x: jax.Array, start: jax.Array, size: int) -> jax.Array:
     """Outputs ``start .. start + size - 1`` only (a dense, unstacked layer, no dropout): the

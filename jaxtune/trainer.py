@@ -4,6 +4,7 @@ The step itself is pure and jitted (step.py); everything with side effects (logg
 checkpoints, signals, progress) lives here around it.
 """
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -235,9 +236,11 @@ def train(
       saved = n
 
   # Step i's figures are read (a wait for the device) after step i + 1 is dispatched, so the
-  # device goes from one step to the next without waiting on the host; steps that evaluate,
-  # save, stop or end the run are read at once, before anything depends on them. Rollouts
-  # (GRPO) are made from the step just taken, so those steps are read at once too.
+  # device goes from one step to the next without waiting on the host. Steps that evaluate,
+  # save or end the run are read at once, before anything is made from them, and so is a step
+  # that a signal stops. GRPO's are too: its rollouts wait for the step on the device anyway,
+  # and its update_s is the step's own time. With several processes the stop check
+  # (distributed.any_process) waits for each step, so there the overlap is lost.
   pending = None  # (i, m, tokens, t0, rolled, t_step) of a step dispatched but not yet read
   read_at = None  # when the last step's figures came back
 
@@ -255,6 +258,12 @@ def train(
       log.train(row)
     return row
 
+  def read_pending() -> None:
+    nonlocal pending
+    if pending is not None:
+      taken, pending = pending, None
+      read(*taken)
+
   try:
     for i in range(start, run.steps):
       t0 = time.perf_counter()
@@ -264,38 +273,41 @@ def train(
       lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jax.random.fold_in(key, i))
       if prefetch and i + 1 < run.steps:  # built on the host while the device runs step i
         first = next_batch(i + 1)
-      if pending is not None:
-        read(*pending)
-        pending = None
+      read_pending()
       last = i + 1 == run.steps
       sampling_only = eval_step is None and rollouts is not None and sample_fn is not None
       due = last or (run.eval_every and (i + 1) % run.eval_every == 0)
       evaluating = (eval_step is not None or sampling_only) and due
-      saving = (i + 1) % run.save_every == 0 or last
-      stopping = stop is not None and not last and distributed.any_process(stop.signum is not None)
+      saving = checkpoints is not None and ((i + 1) % run.save_every == 0 or last)
       taken = (i, m, int(np.prod(batch["input_ids"].shape)), t0, rolled, t_step)
-      if rollouts is None and not (last or evaluating or saving or stopping):
-        pending = taken
-        continue
-      row = read(*taken)
-      if evaluating:
-        metrics = {}
-        if eval_step is not None:
-          metrics = step.evaluate(
-            eval_step, lora, frozen, eval_dataset, run.batch_size, eval_at, eval_rows
-          )
-        samples = []
-        if sample_fn is not None:
-          whole = frozen if rows is None else rows.restore(frozen)
-          local = distributed.local_copy((lora, whole), runtime.mesh)
-          samples = sample_fn(nnx.merge(graphdef, *local)) if distributed.is_main() else []
-        log.eval(i + 1, metrics, samples)
-        row.update(metrics)
-      if saving:
-        save(i + 1)
-      if stopping:
+      if rollouts is None and not (last or evaluating or saving):
+        pending = taken  # read while step i + 1 runs
+      else:
+        row = read(*taken)
+        if evaluating:
+          metrics = {}
+          if eval_step is not None:
+            metrics = step.evaluate(
+              eval_step, lora, frozen, eval_dataset, run.batch_size, eval_at, eval_rows
+            )
+          samples = []
+          if sample_fn is not None:
+            whole = frozen if rows is None else rows.restore(frozen)
+            local = distributed.local_copy((lora, whole), runtime.mesh)
+            samples = sample_fn(nnx.merge(graphdef, *local)) if distributed.is_main() else []
+          log.eval(i + 1, metrics, samples)
+          row.update(metrics)
+        if saving:
+          save(i + 1)
+      if stop is not None and not last and distributed.any_process(stop.signum is not None):
+        read_pending()  # a bad step raises here, before its checkpoint
         save(i + 1)
         raise Stopped(stop.signum or signal.SIGTERM, i + 1, checkpoints is not None)
+  except BaseException:
+    if pending is not None:  # the row of the step before the failure, where it can be read
+      with contextlib.suppress(Exception):
+        read_pending()
+    raise
   finally:
     log.close()
   if rows is not None:

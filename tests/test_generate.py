@@ -258,15 +258,19 @@ def test_codes_put_in_word_order_in_place_for_the_loop_and_back(hf_llama_dir):
   every kernel layer's codes are in the kernel's word order in their own buffer (the old
   array donated, not copied); a token step given them as word codes (XLA's path here) reads
   them back in bitsandbytes' order, so its logits are the plain model's bit for bit, while
-  the same step not told of the order is off; on the way out the codes are the originals."""
+  the same step not told of the order is off; on the way out the codes are the originals.
+  With LoRA adapters (random B), so gate/up's folded products read the codes that way too."""
   from flax import nnx
 
   from jaxtune import decoding
   from pallas_kernels.nf4_matmul import word_codes
 
   path, _ = hf_llama_dir(seed=36)
-  model = jaxtune.from_pretrained(path, dtype="float32")
+  model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float32"), rank=4)
   linears = [lin for _, lin in iter_linears(model) if lin.quantized]
+  for n, lin in enumerate(linears):
+    b = lin.lora_b.get_value()
+    lin.lora_b.set_value(0.2 * jax.random.normal(jax.random.key(n), b.shape, b.dtype))
   before = [np.array(lin.codes.get_value(), copy=True) for lin in linears]  # not a view
   held = linears[0].codes.get_value()
   ids, positions = jnp.asarray([[5, 17, 99]]), jnp.arange(3)[None]

@@ -168,7 +168,9 @@ def test_folded_mlp_lora_equals_the_separate_products(
   got, got_grads = value_and_grad()
   assert folds, "the MLP did not fold"
   monkeypatch.setattr(decoder, "lora_inputs", lambda x, layers, keys: [None] * len(layers))
+  folded = len(folds)
   want, want_grads = value_and_grad()
+  assert len(folds) == folded, "the separate products folded"
   np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
   for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)

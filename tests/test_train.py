@@ -127,6 +127,7 @@ def test_a_step_is_dispatched_before_the_previous_one_is_read(single):
   ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_mesh_losses_equal_single_device(tiny, single, tmp_path):
   assert jax.device_count() == 8
   single, *_ = single

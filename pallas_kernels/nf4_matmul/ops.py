@@ -1,4 +1,5 @@
-"""y = x @ dequant(W)^T as a differentiable op (gradient for x only: W is frozen).
+"""y = x @ dequant(W)^T as a differentiable op (gradient for x only: W is frozen; and for an
+optional extra pair of columns, ``nf4_matmul(extra=)``).
 
 Dispatch (``impl=None``): the Mosaic GPU kernel where it measured faster than XLA
 (experiments/RESULTS.md, bench_nf4_matmul): bfloat16 inputs of at most ``KERNEL_MAX_TOKENS``
@@ -432,7 +433,13 @@ def nf4_matmul(
     raise ValueError(f"nf4_matmul impl must be one of {', '.join(IMPLS)}, got {impl!r}.")
   x2 = x.reshape(-1, x.shape[-1])
   if extra is not None:
-    extra = (extra[0].reshape(-1, extra[0].shape[-1]), extra[1])
+    ex, ew = extra
+    if ex.shape[:-1] != lead or ew.shape != (codes.shape[-2], ex.shape[-1]):
+      raise ValueError(
+        f"nf4_matmul extra: expected x_extra [{', '.join(map(str, lead))}, E] and w_extra "
+        f"[{codes.shape[-2]}, E], got {ex.shape} and {ew.shape}."
+      )
+    extra = (ex.reshape(-1, ex.shape[-1]), ew)
   if lookup is None and word_codes is not None:
     lookup = PREPARED_LOOKUP
   y = _nf4_matmul(

@@ -48,9 +48,10 @@ def dequantize_then_dot_folded(
   extra pair is written and read back to be added. ``extra_x`` [..., E], ``extra_w`` [N, E]."""
   w = nf4.dequantize_linear(codes, absmax, nested_absmax, offset, x.dtype)
   xe = jnp.concatenate([x, extra_x.astype(x.dtype)], axis=-1)
-  # W^T with the extra rows below: 0.4-0.7% less device time in the 8B / 1B training steps
-  # than [W, extra_w] with the columns appended (an extra transposing pass in XLA's program),
-  # 1.2-1.5% less than no folding (H100, experiments/profile_kernels.py, one call).
+  # W^T with the extra rows below rather than [W, extra_w] with the columns appended: in one
+  # call (H100, experiments/profile_kernels.py, one loss-and-gradient call each; RESULTS.md)
+  # 0.4% / 0.7% less device time at 8B / 1B, within the spread between repeats, where XLA
+  # made [W, extra_w] with an extra transposing pass.
   wt = jnp.concatenate([w.T, extra_w.T.astype(x.dtype)], axis=0)
   return jnp.einsum("...k,kn->...n", xe, wt)
 
