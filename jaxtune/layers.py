@@ -134,7 +134,7 @@ class Linear(nnx.Module):
     elif self.quantized:
       if lora_in is not None and self.lora_a is not None:
         inputs, start = lora_in
-        bt = self.lora_b[...].T.astype(x.dtype)  # [N, rank], in B_ext's columns start..
+        bt = jnp.swapaxes(self.lora_b[...], -1, -2).astype(x.dtype)  # [N, rank] at start
         extra = (inputs, jnp.pad(bt, ((0, 0), (start, inputs.shape[-1] - start - bt.shape[1]))))
       parts = (self.codes[...], self.absmax[...], self.nested_absmax[...], self.offset[...])
       scales = None if self.kernel_scales is None else self.kernel_scales[...]

@@ -120,7 +120,7 @@ def single(tiny, tmp_path_factory):
 
 def test_a_step_is_dispatched_before_the_previous_one_is_read(single):
   """The device never waits for the host between steps: step i + 1 is queued before step i's
-  figures are read; the last step (saved, evaluated, ended) is read at once."""
+  figures are read; the last step, which ends the run, is read at once."""
   *_, events = single
   assert events == [
     ("step", 0), ("step", 1), ("read", 0), ("step", 2), ("read", 1), ("read", 2)
