@@ -157,20 +157,22 @@ def test_remat_groups_keep_only_each_groups_input(host_model):
   inputs; full's compiled plan holds fewer layer inputs (2 kept + 4 in a group's backward,
   against 8) and no copy of a group's weights."""
   graphdef, lora, frozen = host_model
-  batch = _batch(t=64)
+  # 128 tokens a row: at 64 the plan's fixed temporaries (weights, LoRA products) blur the
+  # count (the grouped plan measured one layer input smaller there, two at 128).
+  batch = _batch(t=128)
 
   def grad_fn(rt):
     return jax.grad(lambda lo: losses.loss_sums(graphdef, lo, frozen, batch, None, rt)[0])
 
   jaxpr = str(jax.make_jaxpr(grad_fn(runtime.Runtime(remat="offload", remat_group=4)))(lora))
   on_host = set(re.findall(r"f32<host>\[[0-9,]+\]", jaxpr))
-  assert "f32<host>[2,8,64,128]" in on_host and "f32<host>[8,8,64,128]" not in on_host, on_host
+  assert "f32<host>[2,8,128,128]" in on_host and "f32<host>[8,8,128,128]" not in on_host, on_host
 
   def temp(group):
     rt = runtime.Runtime(remat="full", remat_group=group)
     return jax.jit(grad_fn(rt)).lower(lora).compile().memory_analysis().temp_size_in_bytes
 
-  layer_input = 8 * 64 * 128 * 4  # [B, T, D] float32
+  layer_input = 8 * 128 * 128 * 4  # [B, T, D] float32
   every, grouped = temp(1), temp(4)
   assert every - grouped >= layer_input, (every, grouped)
 
