@@ -179,8 +179,9 @@ class Linear(nnx.Module):
     self, x: jax.Array, b: jax.Array, dropout_key: jax.Array | None = None
   ) -> jax.Array:
     """scale * (dropout(x) @ A) @ b, in x's dtype (b: B or some of its output columns)."""
+    h = self.lora_input(x, dropout_key)
     with jax.named_scope("lora"):
-      return self.lora_input(x, dropout_key) @ b.astype(x.dtype)
+      return h @ b.astype(x.dtype)
 
   def rows(self, x: jax.Array, start: jax.Array, size: int) -> jax.Array:
     """Outputs ``start .. start + size - 1`` only (a dense, unstacked layer, no dropout): the
@@ -207,7 +208,7 @@ def lora_inputs(
   if not any(takes):
     return [None] * len(layers)
   parts = [lyr.lora_input(x, k) for lyr, k, t in zip(layers, keys, takes, strict=True) if t]
-  inputs = jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+  inputs = jnp.concatenate(parts, axis=-1)
   starts = iter(itertools.accumulate([0, *(p.shape[-1] for p in parts)]))
   return [(inputs, next(starts)) if t else None for t in takes]
 

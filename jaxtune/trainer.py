@@ -304,9 +304,8 @@ def train(
         save(i + 1)
         raise Stopped(stop.signum or signal.SIGTERM, i + 1, checkpoints is not None)
   except BaseException:
-    if pending is not None:  # the row of the step before the failure, where it can be read
-      with contextlib.suppress(Exception):
-        read_pending()
+    with contextlib.suppress(Exception):  # the step before the failure's row, where readable
+      read_pending()
     raise
   finally:
     log.close()
