@@ -26,8 +26,10 @@ matmul rate timed in the same run.
 import argparse
 import collections
 import re
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -40,7 +42,7 @@ import jaxtune  # noqa: E402
 from experiments.measure import matmul_tflops  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
-from jaxtune import losses, runtime  # noqa: E402
+from jaxtune import losses, plan, runtime  # noqa: E402
 from jaxtune import step as trainer_step  # noqa: E402
 
 CATEGORIES = (  # first match wins
@@ -130,6 +132,16 @@ def main():
   ap.add_argument("--results-dir", default=None)
   ap.add_argument("--hlo-out", default=None, help="write the compiled step's HLO text here")
   ap.add_argument("--top", type=int, default=20, help="kernels listed by name")
+  ap.add_argument("--no-scan", action="store_true", help="the layers as a Python loop")
+  ap.add_argument(
+    "--dequantize-again", action="store_true",
+    help="NF4 input gradients dequantize anew (as remat lean does) under any remat",
+  )  # fmt: skip
+  ap.add_argument("--docs-per-row", type=int, default=1, help="packed rows: segments per row")
+  ap.add_argument(
+    "--scan-outputs", default="empty", choices=("zeros", "empty"),
+    help="the layer scan's stacked outputs: JAX's zeros or unwritten (plan.scan_outputs_unwritten)",
+  )  # fmt: skip
   args = ap.parse_args()
   from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 (GPU only)
 
@@ -141,10 +153,14 @@ def main():
     model = jaxtune.from_pretrained(ckpt, quantization="nf4", dtype="bfloat16")
   model = jaxtune.apply_lora(model, rank=16, alpha=16)
   cfg = model.config
-  attention, _ = runtime.resolve_attention(args.attention, cfg, dtype="bfloat16", packed=False)
+  packed = args.docs_per_row > 1
+  attention, _ = runtime.resolve_attention(args.attention, cfg, dtype="bfloat16", packed=packed)
+  if args.dequantize_again:
+    runtime.Runtime.dequantize_again = property(lambda self: True)
   rt = runtime.Runtime(
-    dtype="bfloat16", remat=args.remat, attention=attention, nf4_matmul=args.nf4_matmul
-  )
+    dtype="bfloat16", remat=args.remat, attention=attention, nf4_matmul=args.nf4_matmul,
+    scan_layers=not args.no_scan,
+  )  # fmt: skip
   graphdef, lora, frozen = trainer_step.place(model, rt)
   lora = trainer_step.fp32_master(lora)
   rng = np.random.default_rng(0)
@@ -152,7 +168,10 @@ def main():
   batch = {
     "input_ids": jnp.asarray(ids[:, :-1]),
     "labels": jnp.asarray(ids[:, 1:]),
-    "segment_ids": jnp.ones((args.batch, args.seq), jnp.int32),
+    "segment_ids": jnp.broadcast_to(
+      1 + jnp.arange(args.seq, dtype=jnp.int32) * args.docs_per_row // args.seq,
+      (args.batch, args.seq),
+    ),
   }
 
   def mean_loss(lora, frozen, batch):
@@ -160,12 +179,23 @@ def main():
     return s / n
 
   step = jax.jit(jax.value_and_grad(mean_loss))
-  hlo = step.lower(lora, frozen, batch).compile().as_text()
-  scopes = scopes_by_kernel(hlo)
-  if args.hlo_out:
-    Path(args.hlo_out).write_text(hlo)
-  jax.block_until_ready(step(lora, frozen, batch))  # compile, warm up
-  _, kernels = profiler.measure(step, aggregate=False)(lora, frozen, batch)
+  with plan.scan_outputs_unwritten(args.scan_outputs == "empty"):
+    t0 = time.perf_counter()
+    compiled = step.lower(lora, frozen, batch).compile()
+    compile_s = time.perf_counter() - t0
+    hlo = compiled.as_text()
+    planned = plan.planned_bytes(compiled) / 2**30
+    scopes = scopes_by_kernel(hlo)
+    if args.hlo_out:
+      Path(args.hlo_out).write_text(hlo)
+    jax.block_until_ready(step(lora, frozen, batch))  # compile, warm up
+    walls = []
+    for _ in range(5):
+      t = time.perf_counter()
+      jax.block_until_ready(step(lora, frozen, batch))
+      walls.append((time.perf_counter() - t) * 1e3)
+    wall = statistics.median(walls)
+    _, kernels = profiler.measure(step, aggregate=False)(lora, frozen, batch)
   kernels = kernels or []
   total = sum(ms for _, ms in kernels)
   by_cat, by_name = collections.Counter(), collections.Counter()
@@ -187,7 +217,10 @@ def main():
   for cat in ("matmul", "attention", "fusion", "copy", "other"):
     rows.append({
       "model": args.shape, "batch": args.batch, "seq": args.seq, "remat": args.remat,
-      "attention": attention, "nf4_matmul": args.nf4_matmul, "category": cat,
+      "attention": attention, "nf4_matmul": args.nf4_matmul, "scan_outputs": args.scan_outputs,
+      "scan_layers": not args.no_scan, "dequantize_again": args.dequantize_again,
+      "docs_per_row": args.docs_per_row, "wall_ms": wall, "compile_s": compile_s,
+      "planned_gib": planned, "category": cat,
       "ms_per_step": by_cat[cat],
       "ms_per_layer": by_cat[cat] / layers, "share": by_cat[cat] / total if total else 0.0,
     })  # fmt: skip
@@ -197,7 +230,9 @@ def main():
   ]
   note = (
     f"Device time of one loss-and-LoRA-gradient call (CUPTI, all {len(kernels)} kernel launches):"
-    f" {total:.1f} ms for {tokens} tokens ({tokens / total * 1e3:.0f} tokens/s on the device). "
+    f" {total:.1f} ms for {tokens} tokens ({tokens / total * 1e3:.0f} tokens/s on the device); "
+    f"wall time of the call {wall:.1f} ms (median of 5); compiled in {compile_s:.0f} s, "
+    f"planned {planned:.1f} GiB. "
     f"Matmul floor at the {rate:.0f} TFLOP/s bf16 rate of this run: {floor_ms:.1f} ms "
     f"(4 x {matmul_params / 1e9:.2f}B matmul parameters x tokens + causal attention). "
     "Costliest kernels: " + "; ".join(f"{t['kernel']} {t['ms_per_step']:.1f} ms" for t in top[:20])

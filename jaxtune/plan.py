@@ -49,6 +49,41 @@ DOMINATED_BY = {"dots_no_batch": "activations"}
 MARGIN_FRACTION = 0.08
 
 
+@contextlib.contextmanager
+def scan_outputs_unwritten(enabled: bool = True):
+  """While lowering: lax.scan's stacked outputs start as allocated, unwritten buffers.
+
+  JAX makes every stacked output of a scan (in a training step: each residual the layer loop
+  saves for the backward pass) from a broadcast of zeros, which the loop then overwrites one
+  row per step; XLA writes those zeros first (8B batch 2: ~13 GB a step, 4.2 ms of 283 on an
+  H100, experiments/RESULTS.md). Here they come from ``jax.lax.empty`` instead: XLA's
+  AllocateBuffer on GPU and TPU, zeros elsewhere. Every row is written before it is read, so
+  values are unchanged. Outputs off device memory or varying over manual (shard_map) axes
+  keep JAX's zeros; so does every output while ``enabled`` is false (plan.choose: steps under
+  a mesh, where how the partitioner shards an operand-less custom call is not measured).
+  Patches a private JAX function for the duration (restored on exit).
+  """
+  from jax._src.lax.control_flow import loops  # noqa: PLC0415 (private: scan's output init)
+
+  zeros = loops._empty_array
+
+  def unwritten(prefix, length_spec, aval):
+    if (
+      not enabled
+      or not aval.sharding.mesh.empty
+      or aval.mat.varying
+      or "device" not in str(aval.memory_space).lower()
+    ):
+      return zeros(prefix, length_spec, aval)
+    return jax.lax.empty((*prefix, *aval.shape), aval.dtype)
+
+  loops._empty_array = unwritten
+  try:
+    yield
+  finally:
+    loops._empty_array = zeros
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """The chosen setting, what it plans to use, and what was tried before it."""
@@ -216,7 +251,9 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
           rejected.append((_setting(rt), least, False))
           refused.add((remat, loss_chunk))
           continue
-      compiled = build(rt).lower(*args).compile()
+      with scan_outputs_unwritten(enabled=rt.mesh is None):  # one device: see its docstring
+        lowered = build(rt).lower(*args)
+      compiled = lowered.compile()
       planned = planned_bytes(compiled)
       if not choosing or planned is None or fits(planned, limit):
         plan = Plan(

@@ -183,6 +183,48 @@ def test_a_single_setting_is_compiled_without_a_budget_check():
   assert chosen.note() == "planned 500 MiB"
 
 
+def _scan_gradient():
+  """A fresh jitted gradient of a 3-step scan that saves each step's input for its backward
+  pass (fresh: JAX caches a function's lowering)."""
+
+  def loss(w, x):
+    def body(h, wi):
+      return jax.numpy.tanh(h @ wi), None
+
+    saving = jax.checkpoint(body, policy=jax.checkpoint_policies.everything_saveable)
+    return jax.numpy.sum(jax.lax.scan(saving, x, w)[0])
+
+  return jax.jit(jax.grad(loss))
+
+
+def test_scan_outputs_start_unwritten_on_gpus_with_the_same_values():
+  """The scan's stacked residuals come from AllocateBuffer in a GPU lowering (zeros without
+  the context, and again after it), and the gradient is unchanged where it runs (CPU)."""
+  w = jax.random.normal(jax.random.key(0), (3, 16, 16)) / 4
+  x = jax.random.normal(jax.random.key(1), (16, 16))
+
+  def gpu_text(enabled):
+    with plan.scan_outputs_unwritten(enabled):
+      return _scan_gradient().trace(w, x).lower(lowering_platforms=("cuda",)).as_text()
+
+  assert gpu_text(False).count("AllocateBuffer") == 0
+  assert gpu_text(True).count("AllocateBuffer") >= 1  # the stack of saved inputs
+  assert gpu_text(False).count("AllocateBuffer") == 0  # restored on exit
+  with plan.scan_outputs_unwritten():
+    unwritten = _scan_gradient()(w, x)
+  np.testing.assert_array_equal(unwritten, _scan_gradient()(w, x))
+
+
+def test_the_chosen_step_is_lowered_with_unwritten_scan_outputs(monkeypatch):
+  made = []
+  empty = jax.lax.empty
+  monkeypatch.setattr(jax.lax, "empty", lambda *a, **k: made.append(a) or empty(*a, **k))
+  w, x = jax.random.normal(jax.random.key(1), (3, 16, 16)) / 4, jax.numpy.ones((16, 16))
+  compiled, _ = plan.choose(lambda rt: _scan_gradient(), (w, x), Runtime(remat="full"), (GIB, "t"))
+  assert made and made[0][0][0] == 3  # a stack over the 3 steps
+  np.testing.assert_array_equal(compiled(w, x), _scan_gradient()(w, x))
+
+
 def test_the_plan_of_a_real_program_counts_what_it_holds():
   """planned_bytes of a real compiled program: its argument, output and temporaries."""
   x = jax.numpy.ones((256, 256))

@@ -132,6 +132,51 @@ def test_activations_remat_keeps_what_the_backward_reads(checkpoint, capsys):
   assert sum("named 'lora_a'" in line for line in computed) == 7  # one per projection
 
 
+class _TracedKernel:
+  """Stands in for the flash kernel's module where only tracing matters (the interpreter's
+  callbacks cannot be differentiated under remat): outputs of the kernel's shapes."""
+
+  @staticmethod
+  def forward(q, k, v, *_):
+    lse = jnp.sum(q.astype(jnp.float32), -1).transpose(0, 2, 1)  # [B, N, T]
+    return q * jnp.mean(k) * jnp.mean(v), lse
+
+
+@pytest.mark.parametrize("attention", ["xla", "interpret"])
+def test_the_attention_output_is_kept_once(tmp_path, attention, capsys, monkeypatch):
+  """The flash kernel (and cuDNN) keep their output themselves: the layer does not name it
+  again, which would make a second value the layer scan saves a second time."""
+  from conftest import build_hf_llama
+  from jax.ad_checkpoint import print_saved_residuals
+
+  from jaxtune.models.decoder import REMAT_POLICIES
+  from pallas_kernels.flash_attention import ops
+
+  monkeypatch.setattr(ops, "_kernels", lambda: (_TracedKernel, None))
+
+  heads = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=64)  # the kernel's
+  hf = build_hf_llama(7, hidden_size=128, intermediate_size=256, num_hidden_layers=1, **heads)
+  hf.save_pretrained(tmp_path)
+  model = jaxtune.from_pretrained(tmp_path, quantization="nf4", dtype="bfloat16")
+  model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
+  graphdef, lora, frozen = nnx.split(model.layers, nnx.LoRAParam, ...)
+  lora, frozen = (jax.tree.map(lambda a: a[0], s) for s in (lora, frozen))  # layer 0
+  b, t, cfg = 2, 128, model.config  # a multiple of the kernel's blocks: no padding
+  x = jax.random.normal(jax.random.key(0), (b, t, cfg.hidden_size), jnp.bfloat16)
+  cos = sin = jnp.ones((b, t, cfg.head_dim), jnp.bfloat16)
+  seg = jnp.ones((b, t), jnp.int32)
+  rt = runtime.Runtime(dtype="bfloat16", attention=attention)
+
+  def layer(lora, x):
+    return nnx.merge(graphdef, lora, frozen)(x, cos, sin, seg, 0, None, rt).sum()
+
+  print_saved_residuals(jax.checkpoint(layer, policy=REMAT_POLICIES["activations"]), lora, x)
+  lines = capsys.readouterr().out.splitlines()
+  outs = [line for line in lines if "named 'attention_out'" in line]
+  assert len(outs) == 1, lines
+  assert f"[{b},{t},{cfg.num_heads},{cfg.head_dim}]" in outs[0]
+
+
 def test_offload_lets_the_pinned_host_pool_use_most_of_the_machine():
   from jaxtune.run_config import RunConfig
   from jaxtune.train import HOST_LIMIT_VAR, allow_host_memory_for_offload
