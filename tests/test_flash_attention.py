@@ -27,8 +27,8 @@ from pallas_kernels.flash_attention import kernel, ops, reference
 TOL = 1e-2
 
 CASES = {
-  # name: (T, N, K, H, options); segments: True (packed documents), "one" (one document),
-  # "kv" (packed, and keys with ids of their own)
+  # name: (T, N, K, H, options); segments: True (3 packed documents), "many" (14), "one" (one
+  # document), "kv" (packed, and keys with ids of their own)
   "causal-gqa2-pad": (200, 2, 1, 64, {}),
   "noncausal-mha": (100, 2, 2, 64, {"causal": False}),  # one tile: the others step
   "softcap-scale-gqa4": (200, 4, 1, 64, {"softcap": 5.0, "scale": 0.3}),
@@ -41,10 +41,12 @@ CASES = {
   "h256-kv-segments-noncausal-gqa4": (128, 4, 1, 256, {"segments": "kv", "causal": False}),
   # dK products issued in their own step (Blocks(defer_dk=False)), not with the next step's
   "undeferred-segments-gqa2": (200, 2, 1, 64, {"defer_dk": False, "segments": True}),
+  # Short documents: every kernel skips the blocks of the documents before (and after) a tile's
+  "many-segments-gqa2": (400, 2, 1, 64, {"segments": "many"}),
 }
 
 
-def _inputs(t, n, kv, h, seed):
+def _inputs(t, n, kv, h, seed, docs=3):
   ks = jax.random.split(jax.random.key(seed), 7)
   q = jax.random.normal(ks[0], (1, t, n, h), jnp.bfloat16)
   k = jax.random.normal(ks[1], (1, t, kv, h), jnp.bfloat16)
@@ -53,7 +55,7 @@ def _inputs(t, n, kv, h, seed):
   # As large as dP = dO . V, so that a wrong lse term in dS shows.
   dlse = jax.random.normal(ks[4], (1, n, t), jnp.float32) * h**0.5
   # Packed documents, then padding (id 0) at the end, as data.py makes them.
-  seg = jnp.sort(jax.random.randint(ks[5], (1, t), 1, 4), axis=1)
+  seg = jnp.sort(jax.random.randint(ks[5], (1, t), 1, docs + 1), axis=1)
   seg = seg.at[:, t - t // 5 :].set(0)
   # Keys' own ids (ring attention): other document bounds, and no key of document 1.
   kv_seg = jnp.sort(jax.random.randint(ks[6], (1, t), 2, 5), axis=1)
@@ -94,8 +96,9 @@ def _case(name: str) -> dict:
   """One case's figures: the relative errors of out, lse, dq, dk, dv, and for keys with ids
   of their own (ring attention) the facts about queries that see no key."""
   t, n, kv, h, opts = CASES[name]
-  q, k, v, do, dlse, seg, kv_seg = _inputs(t, n, kv, h, seed=len(name))
   segments = opts.get("segments")
+  docs = 14 if segments == "many" else 3
+  q, k, v, do, dlse, seg, kv_seg = _inputs(t, n, kv, h, seed=len(name), docs=docs)
   kw = dict(
     segment_ids=jnp.ones_like(seg) if segments == "one" else seg if segments else None,
     kv_segment_ids=kv_seg if segments == "kv" else None,
@@ -260,6 +263,36 @@ def test_tile_ranges_cover_exactly_the_visible_blocks():
           assert (lo <= j < hi) >= blk.any(), (causal, window, k0, j)
           if a <= j < b:
             assert blk.all(), (causal, window, k0, j)
+
+
+def test_packed_rows_walk_only_their_documents_blocks():
+  """With segment ids the ranges narrow to the blocks of a tile's own documents: every block
+  holding a visible pair is still walked, and the first (forward, dQ) or last (dK/dV) block
+  walked holds one (no interpreter)."""
+  lengths = [70, 200, 30, 150, 14]  # then padding (id 0) to 512
+  seg = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)])
+  seg = jnp.asarray(np.pad(seg, (0, 512 - seg.size))[None], jnp.int32)
+  spans = ops._segment_spans(seg)
+  opts = kernel.Options(seq_len=512, scale=1.0, causal=True, segmented=True)
+  vis = np.array(reference.visible(512, segment_ids=seg, causal=True)[0])
+  skipped = 0
+  for q0 in range(0, 512, 128):
+    ranges = kernel._kv_blocks(opts, q0, q0 + 128, 0, 64)
+    lo, a, b, hi = (int(x) for x in kernel._narrow_kv(opts, spans, 0, q0, 128, 64, ranges))
+    rows = vis[q0 : q0 + 128]
+    assert lo <= a <= b <= hi and rows[:, lo * 64 : (lo + 1) * 64].any(), q0
+    for j in range(8):
+      assert not rows[:, j * 64 : (j + 1) * 64].any() or lo <= j < hi, (q0, j)
+    skipped += lo - int(ranges[0])
+  for k0 in range(0, 512, 128):
+    ranges = kernel._q_blocks(opts, k0, k0 + 128, 0, 64)
+    lo, a, b, hi = (int(x) for x in kernel._narrow_q(opts, spans, 0, k0, 128, 64, ranges))
+    cols = vis[:, k0 : k0 + 128]
+    assert lo <= a <= b <= hi and cols[(hi - 1) * 64 : hi * 64].any(), k0
+    for j in range(8):
+      assert not cols[j * 64 : (j + 1) * 64].any() or lo <= j < hi, (k0, j)
+    skipped += int(ranges[3]) - hi
+  assert skipped >= 6  # blocks of other documents the causal ranges alone would walk
 
 
 def test_implementation_is_named_and_inputs_checked():

@@ -137,6 +137,41 @@ def _mask_segments(s, u_rows, u_cols, same_segment):
   return lax.cond(need, lambda s: jnp.where(same_segment(), s, MASKED), lambda s: s, s)
 
 
+def _span(spans_ref, b, side: int, start, rows, combine):
+  """``combine`` over the ``spans`` entries (side 0: first positions, 1: ends) of rows
+  [start, start + rows), a multiple of SEGMENT_BLOCK."""
+  first = lax.div(start, jnp.int32(SEGMENT_BLOCK))
+  x = spans_ref[b, side, first]
+  for j in range(1, rows // SEGMENT_BLOCK):
+    x = combine(x, spans_ref[b, side, first + j])
+  return x
+
+
+def _narrow_kv(o: Options, spans_ref, b, q0, rows, block, ranges):
+  """``_kv_blocks``' (lo, a, b, hi) for query rows [q0, q0 + rows) without the key blocks
+  before the first position any of their segments holds: packed rows skip the documents
+  before theirs instead of masking them."""
+  lo, a, c, hi = ranges
+  if not o.segmented or o.kv_segmented:
+    return ranges
+  first = lax.div(_span(spans_ref, b, 0, q0, rows, jnp.minimum), jnp.int32(block))
+  lo = _clamp(first, lo, hi)
+  a = jnp.maximum(a, lo)
+  return lo, a, jnp.maximum(c, a), hi
+
+
+def _narrow_q(o: Options, spans_ref, b, k0, rows, block, ranges):
+  """``_q_blocks``' (lo, a, b, hi) for key rows [k0, k0 + rows) without the query blocks past
+  the end of every segment they hold (the documents after theirs)."""
+  lo, a, c, hi = ranges
+  if not o.segmented or o.kv_segmented:
+    return ranges
+  end = _cdiv(_span(spans_ref, b, 1, k0, rows, jnp.maximum), block)
+  hi = _clamp(end, lo, hi)
+  c = jnp.minimum(c, hi)
+  return lo, jnp.minimum(a, c), c, hi
+
+
 def _log2_scores(o: Options, raw):
   """Raw q.k products -> (scores in log2 units, tanh of the softcap or None)."""
   if o.softcap is None:
@@ -251,6 +286,7 @@ def forward(
   q_uniform: jax.Array,
   kv_segment_ids: jax.Array,
   kv_uniform: jax.Array,
+  spans: jax.Array,
   window: jax.Array,
   o: Options,
   blocks: Blocks,
@@ -269,8 +305,8 @@ def forward(
   num_tiles = t // tile
 
   def body(*refs):
-    (q_ref, k_ref, v_ref, q_seg_ref, q_uni_ref, kv_seg_ref, kv_uni_ref, win_ref) = refs[:8]
-    out_ref, lse_ref, scratch = refs[8], refs[9], refs[10:]
+    (q_ref, k_ref, v_ref, q_seg_ref, q_uni_ref, kv_seg_ref, kv_uni_ref) = refs[:7]
+    spans_ref, win_ref, out_ref, lse_ref, scratch = *refs[7:11], refs[11:]
     if not o.kv_segmented:  # the keys' ids are the queries' (see ``Options.kv_segmented``)
       kv_seg_ref, kv_uni_ref = q_seg_ref, q_uni_ref
     (qo_smem, k_smem, v_smem, lse_smem, qseg_smem, kseg_smem, stage_smem, barriers) = scratch
@@ -283,6 +319,7 @@ def forward(
     wg = lax.axis_index("wg")
     window, reach = _read_window(o, win_ref)
     lo, a, c, hi = _kv_blocks(o, q0, q0 + tile, window, bk)
+    lo, a, c, hi = _narrow_kv(o, spans_ref, b, q0, tile, bk, (lo, a, c, hi))
     n = hi - lo
 
     def schedule():
@@ -425,4 +462,4 @@ def forward(
     thread_name="wg",
     compiler_params=_compiler_params(),
     interpret=interpret,
-  )(q, k, v, q_segment_ids, q_uniform, kv_segment_ids, kv_uniform, window)
+  )(q, k, v, q_segment_ids, q_uniform, kv_segment_ids, kv_uniform, spans, window)

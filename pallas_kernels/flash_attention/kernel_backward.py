@@ -29,6 +29,8 @@ from pallas_kernels.flash_attention.kernel import (
   _mask_invisible,
   _mask_segments,
   _mma,
+  _narrow_kv,
+  _narrow_q,
   _q_blocks,
   _read_window,
   _row_ids,
@@ -53,6 +55,7 @@ def backward_dq(
   q_uniform: jax.Array,
   kv_segment_ids: jax.Array,
   kv_uniform: jax.Array,
+  spans: jax.Array,
   window: jax.Array,
   o: Options,
   blocks: Blocks,
@@ -71,7 +74,7 @@ def backward_dq(
 
   def body(*refs):
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_uni_ref) = refs[:8]
-    kv_seg_ref, kv_uni_ref, win_ref, dq_ref, scratch = *refs[8:12], refs[12:]
+    kv_seg_ref, kv_uni_ref, spans_ref, win_ref, dq_ref, scratch = *refs[8:13], refs[13:]
     if not o.kv_segmented:  # the keys' ids are the queries' (see ``Options.kv_segmented``)
       kv_seg_ref, kv_uni_ref = q_seg_ref, q_uni_ref
     (q_smem2, do_smem2, lse_smem, delta_smem, qseg_smem, k_smem, v_smem, kseg_smem) = scratch[:8]
@@ -84,6 +87,7 @@ def backward_dq(
     wg = lax.axis_index("wg")
     window, reach = _read_window(o, win_ref)
     lo, a, c, hi = _kv_blocks(o, q0, q0 + tile, window, bk)
+    lo, a, c, hi = _narrow_kv(o, spans_ref, b, q0, tile, bk, (lo, a, c, hi))
     n = hi - lo
 
     @pl.when(wg < wgs)
@@ -186,7 +190,7 @@ def backward_dq(
     thread_name="wg",
     compiler_params=_compiler_params(),
     interpret=interpret,
-  )(q, k, v, do, lse, delta, q_segment_ids, q_uniform, kv_segment_ids, kv_uniform, window)
+  )(q, k, v, do, lse, delta, q_segment_ids, q_uniform, kv_segment_ids, kv_uniform, spans, window)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,6 +210,7 @@ def backward_dkv(
   q_uniform: jax.Array,
   kv_segment_ids: jax.Array,
   kv_uniform: jax.Array,
+  spans: jax.Array,
   window: jax.Array,
   o: Options,
   blocks: Blocks,
@@ -233,7 +238,8 @@ def backward_dkv(
 
   def body(*refs):
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_uni_ref) = refs[:8]
-    kv_seg_ref, kv_uni_ref, win_ref, dk_ref, dv_ref, scratch = *refs[8:13], refs[13:]
+    kv_seg_ref, kv_uni_ref, spans_ref, win_ref, dk_ref, dv_ref = refs[8:14]
+    scratch = refs[14:]
     if not o.kv_segmented:  # the keys' ids are the queries' (see ``Options.kv_segmented``)
       kv_seg_ref, kv_uni_ref = q_seg_ref, q_uni_ref
     (k_smem2, v_smem2, kseg_smem, q_smem, do_smem, lse_smem, delta_smem, qseg_smem) = scratch[:8]
@@ -245,6 +251,7 @@ def backward_dkv(
     wg = lax.axis_index("wg")
     window, reach = _read_window(o, win_ref)
     lo, a, c, hi = _q_blocks(o, k_tile0, k_tile0 + tile, window, bq)
+    lo, a, c, hi = _narrow_q(o, spans_ref, b, k_tile0, tile, bq, (lo, a, c, hi))
     per_head = hi - lo
     n = group * per_head
 
@@ -434,4 +441,4 @@ def backward_dkv(
     thread_name="wg",
     compiler_params=_compiler_params(),
     interpret=interpret,
-  )(q, k, v, do, lse, delta, q_segment_ids, q_uniform, kv_segment_ids, kv_uniform, window)
+  )(q, k, v, do, lse, delta, q_segment_ids, q_uniform, kv_segment_ids, kv_uniform, spans, window)

@@ -20,6 +20,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
@@ -103,18 +104,19 @@ def flash_attention(
   )
   interpret = _gpu.interpret_params() if implementation == "interpret" else None
   pad = -t % blocks.multiple
+  unread = jnp.zeros((1, 2, 16), jnp.int32)
   if segment_ids is None:
-    segs = (jnp.zeros((1, 16), jnp.int32),) * 4  # never read
+    segs = (*(unread[0],) * 4, unread)  # never read
   else:
     # Padded queries and keys both get -1: they match each other, nothing real sees them.
     ids = lambda x: jnp.pad(x.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
     q_seg = ids(segment_ids)
     q_uni = _uniform_segments(q_seg)
     if kv_segment_ids is None:
-      segs = (q_seg, q_uni, q_seg, q_uni)
-    else:
+      segs = (q_seg, q_uni, q_seg, q_uni, _segment_spans(q_seg))
+    else:  # the keys' own ids: no spans (Options.kv_segmented)
       kv_seg = ids(kv_segment_ids)
-      segs = (q_seg, q_uni, kv_seg, _uniform_segments(kv_seg))
+      segs = (q_seg, q_uni, kv_seg, _uniform_segments(kv_seg), unread)
   win = jnp.asarray(window, jnp.int32).reshape(1)
   rows = ((0, 0), (0, pad), (0, 0), (0, 0))
   q, k, v = (jnp.pad(x, rows) for x in (q, k, v))
@@ -156,6 +158,30 @@ def _uniform_segments(seg):
   blocks = seg.reshape(b, t // SEGMENT_BLOCK, SEGMENT_BLOCK)
   lo, hi = blocks.min(axis=-1), blocks.max(axis=-1)
   return jnp.where(lo == hi, lo, MIXED).astype(jnp.int32)
+
+
+def _segment_spans(seg):
+  """[B, T] ids -> [B, 2, T / 64] int32: for each block of 64 rows, the first position that
+  holds any of its rows' ids, and one past the last such position.
+
+  A query sees no key outside its rows' span, nor a key any query outside its span: the
+  kernels skip those blocks rather than mask them (in packed rows, the other documents).
+  Exact for any ids: a stable sort groups each id's positions in order.
+  """
+  b, t = seg.shape
+  order = jnp.argsort(seg, axis=1, stable=True)
+  ids = jnp.take_along_axis(seg, order, axis=1)
+  step = ids[:, 1:] != ids[:, :-1]
+  edge = jnp.ones((b, 1), jnp.bool_)
+  at = jnp.arange(t, dtype=jnp.int32)
+  starts = lax.cummax(jnp.where(jnp.concatenate([edge, step], 1), at, 0), axis=1)
+  ends = lax.cummin(jnp.where(jnp.concatenate([step, edge], 1), at, t), axis=1, reverse=True)
+  first = jnp.take_along_axis(order, starts, axis=1)  # each sorted row's id's first position
+  last = jnp.take_along_axis(order, ends, axis=1)
+  back = jnp.argsort(order, axis=1)  # sorted index of each position
+  first = jnp.take_along_axis(first, back, axis=1).reshape(b, -1, SEGMENT_BLOCK).min(-1)
+  last = jnp.take_along_axis(last, back, axis=1).reshape(b, -1, SEGMENT_BLOCK).max(-1)
+  return jnp.stack([first, last + 1], axis=1).astype(jnp.int32)
 
 
 def _static_int(x):
