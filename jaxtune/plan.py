@@ -217,8 +217,11 @@ def choose(
   if store is not None:
     found = store.load(args)
     if found is not None:
-      compiled, (remat, loss_chunk, planned, limit, source, rejected) = found
-      rt = runtime.replace(remat=remat, loss_chunk=loss_chunk, candidates=())
+      compiled, (remat, loss_chunk, scan_layers, planned, limit, source, rejected) = found
+      rt = runtime.replace(
+        remat=remat, loss_chunk=loss_chunk, scan_layers=scan_layers, candidates=(),
+        try_unrolled=False,
+      )  # fmt: skip
       took = time.perf_counter() - t0
       return compiled, Plan(rt, planned, limit, source, rejected, took, 0, stored=True)
   compiled, chosen = _choose(build, args, runtime, budget, logits_bytes, floor)
@@ -229,7 +232,7 @@ def choose(
 
 def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Plan]:
   candidates = runtime.candidates or ((runtime.remat, runtime.loss_chunk),)
-  choosing = len(candidates) > 1
+  choosing = len(candidates) > 1 or runtime.try_unrolled
   limit, source = budget
   rejected: list[tuple[str, int, bool]] = []
   _listen_for_cache_hits()
@@ -244,17 +247,22 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
           continue
       if (DOMINATED_BY.get(remat), loss_chunk) in refused:
         continue
-      rt = runtime.replace(remat=remat, loss_chunk=loss_chunk, candidates=())
+      rt = runtime.replace(remat=remat, loss_chunk=loss_chunk, candidates=(), try_unrolled=False)
       if choosing and floor is not None and source != HOST_MEMORY:
         least = floor(rt)
         if not fits(least, limit):
           rejected.append((_setting(rt), least, False))
           refused.add((remat, loss_chunk))
           continue
-      with scan_outputs_unwritten(enabled=rt.mesh is None):  # one device: see its docstring
-        lowered = build(rt).lower(*args)
-      compiled = lowered.compile()
-      planned = planned_bytes(compiled)
+      tries = [rt]
+      if runtime.try_unrolled and remat == "activations" and rt.scan_layers:
+        tries.insert(0, rt.replace(scan_layers=False))  # faster where it fits (--layer-loop)
+      for rt in tries:
+        compiled = _compile(build, rt, args)
+        planned = planned_bytes(compiled)
+        if rt is tries[-1] or planned is None or fits(planned, limit):
+          break
+        rejected.append((_setting(rt), planned, True))
       if not choosing or planned is None or fits(planned, limit):
         plan = Plan(
           rt,
@@ -284,9 +292,17 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
   )
 
 
+def _compile(build, rt: Runtime, args) -> Any:
+  with scan_outputs_unwritten(enabled=rt.mesh is None):  # one device: see its docstring
+    lowered = build(rt).lower(*args)
+  return lowered.compile()
+
+
 def _setting(rt: Runtime) -> str:
   group = f", groups of {rt.remat_group} layers" if rt.remat_group > 1 else ""
-  return f"remat {rt.remat}" + (f", loss chunk {rt.loss_chunk}" if rt.loss_chunk else "") + group
+  unrolled = "" if rt.scan_layers else ", layers unrolled"
+  chunk = f", loss chunk {rt.loss_chunk}" if rt.loss_chunk else ""
+  return f"remat {rt.remat}{chunk}{group}{unrolled}"
 
 
 STORE_NAME = "jaxtune-steps"  # the step store's directory, inside the compilation cache's
@@ -383,8 +399,8 @@ class _StepStore:
     try:
       program, in_tree, out_tree = serialize_executable.serialize(compiled)
       rt = chosen.runtime
-      fields = (rt.remat, rt.loss_chunk, chosen.planned, chosen.budget, chosen.budget_source,
-                chosen.rejected)  # fmt: skip
+      fields = (rt.remat, rt.loss_chunk, rt.scan_layers, chosen.planned, chosen.budget,
+                chosen.budget_source, chosen.rejected)  # fmt: skip
       entry = pickle.dumps(
         {
           "program": program,

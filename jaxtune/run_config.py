@@ -47,6 +47,7 @@ CHOICES = {
   "remat": (*REMAT, "auto"),
   "attention": (*ATTENTION_CHOICES, None),
   "embeddings": ("device", "host"),
+  "layer_loop": ("auto", "scan", "unrolled"),
 }
 # Smallest allowed value of numeric settings (None: any value).
 MINIMUM = {
@@ -183,6 +184,10 @@ class RunConfig:
   # > 1: full, lean and offload keep only the input of every group of this many layers; a
   # group's backward recomputes its layers (long contexts, where layer inputs fill memory)
   remat_group: int = 1
+  # How the layers run: "scan" (one compiled layer, looped), "unrolled" (each layer in the
+  # program: no per-layer copies of what the backward reads, faster on a GPU, more memory and
+  # compile time) or "auto" (unrolled where remat activations fits that way on one GPU)
+  layer_loop: str = "auto"
   microbatches: int = 0  # pipeline micro-batches per step (mesh pipe > 1); 0: automatic
   shard_frozen: bool = False  # also split the frozen NF4 weights over data (FSDP-style)
   sequence_parallel: bool = False  # residual stream's tokens split over tensor between matmuls

@@ -68,7 +68,10 @@ class Runtime:
   sequence_parallel: bool = False  # the residual stream's tokens split over tensor
   shard_frozen: bool = False  # NF4 storage also split over data, gathered per layer
   host_embeddings: bool = False  # the input embedding rows come with the batch (trainer.py)
-  scan_layers: bool = True  # False: a Python loop over the layers (tests, profiles)
+  scan_layers: bool = True  # False: a Python loop over the layers (--layer-loop unrolled)
+  # plan.choose compiles remat "activations" with the layers unrolled first, and keeps that
+  # program where its memory plan fits (--layer-loop auto, one GPU)
+  try_unrolled: bool = False
   # (remat, loss_chunk) settings to choose from by their memory plan, fastest first (plan.py);
   # remat and loss_chunk hold the first until the choice. Empty: nothing to choose.
   candidates: tuple[tuple[str, int], ...] = ()
@@ -90,6 +93,8 @@ class Runtime:
       raise ValueError(f"remat_group > 1 needs remat in {GROUPED_REMAT}, got {self.remat!r}")
     if self.remat_group > 1 and self.pipelined:
       raise ValueError("remat_group > 1 does not run inside a pipeline (a pipe axis)")
+    if not self.scan_layers and self.pipelined:
+      raise ValueError("unrolled layers do not run inside a pipeline (a pipe axis)")
 
   def replace(self, **changes: Any) -> Runtime:
     return dataclasses.replace(self, **changes)
@@ -168,6 +173,8 @@ class Runtime:
       remat += f", loss chunk {self.loss_chunk}"
     if self.remat_group > 1:
       remat += f", groups of {self.remat_group} layers"
+    if not self.scan_layers:
+      remat += ", layers unrolled"
     remat += f" ({remat_note})" if remat_note else ""
     attention = self.attention
     if attention == "ring":
@@ -364,6 +371,12 @@ def resolve(
   if run.remat_group > 1:
     _check_remat_group(run, cfg.num_layers, pp)
   candidates = remat_candidates(run, pipelined=pp > 1, whole_logits=cp > 1)
+  if run.layer_loop == "unrolled" and pp > 1:
+    raise MeshError(
+      f"--layer-loop unrolled does not run inside a pipeline (the pipe axis of --mesh "
+      f"{run.mesh}) yet; drop it or the pipe axis."
+    )
+  try_unrolled = unrolled_first(run, mesh.size, devices[0], candidates)
   if run.embeddings == "host":
     _check_host_embeddings(run, cfg)
   dtype, dtype_note = compute_dtype(run.dtype, devices)
@@ -393,7 +406,25 @@ def resolve(
     sequence_parallel=run.sequence_parallel,
     shard_frozen=run.shard_frozen,
     host_embeddings=run.embeddings == "host",
+    scan_layers=run.layer_loop != "unrolled",
+    try_unrolled=try_unrolled,
     notes=tuple(n for n in (dtype_note, attention_note) if n),
+  )
+
+
+def unrolled_first(
+  run: RunConfig, devices: int, device: jax.Device, candidates: Sequence[tuple[str, int]]
+) -> bool:
+  """Whether plan.choose tries remat activations with the layers unrolled before scanned
+  (--layer-loop auto): on one GPU, where it was measured faster (8B batch 2: 1.05x, 1B batch
+  4: 1.10x on an H100, experiments/RESULTS.md). Not measured under a mesh or in remat groups;
+  on a CPU it would only lengthen compilation."""
+  return (
+    run.layer_loop == "auto"
+    and devices == 1
+    and device.platform == "gpu"
+    and run.remat_group == 1
+    and any(remat == "activations" for remat, _ in candidates)
   )
 
 

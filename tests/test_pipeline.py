@@ -6,6 +6,7 @@ real training steps through trainer.train under 2x2x2: test_train.py.
 """
 
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -195,6 +196,24 @@ def test_remat_groups_are_chosen_among_the_settings_that_take_them_or_refused():
     runtime.resolve(
       RunConfig(remat="full", remat_group=2, mesh="1x1x2"), cfg, devices=jax.devices()[:2]
     )
+
+
+def test_the_layer_loop_is_resolved_and_unrolled_refused_in_a_pipeline():
+  cfg, one = ModelConfig.from_hf(TINY), jax.devices()[:1]
+  auto = runtime.resolve(RunConfig(), cfg, devices=one)
+  assert auto.scan_layers and not auto.try_unrolled  # a CPU: unrolling only costs compile time
+  unrolled = runtime.resolve(RunConfig(layer_loop="unrolled"), cfg, devices=one)
+  assert not unrolled.scan_layers and not unrolled.try_unrolled
+  assert "layers unrolled" in unrolled.describe()
+  gpu, cpu = types.SimpleNamespace(platform="gpu"), types.SimpleNamespace(platform="cpu")
+  both = (("activations", 0), ("full", 0))
+  assert runtime.unrolled_first(RunConfig(), 1, gpu, both)
+  assert not runtime.unrolled_first(RunConfig(), 1, cpu, both)
+  assert not runtime.unrolled_first(RunConfig(), 2, gpu, both)  # a mesh: not measured
+  assert not runtime.unrolled_first(RunConfig(layer_loop="scan"), 1, gpu, both)
+  assert not runtime.unrolled_first(RunConfig(), 1, gpu, (("full", 0),))
+  with pytest.raises(MeshError, match=r"^--layer-loop unrolled does not run inside a pipeline"):
+    runtime.resolve(RunConfig(layer_loop="unrolled", mesh="1x1x2"), cfg, devices=jax.devices()[:2])
 
 
 @pytest.mark.slow

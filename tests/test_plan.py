@@ -31,7 +31,7 @@ class FakeStep:
     self.sizes, self.compiled = sizes, []
 
   def build(self, rt: Runtime):
-    setting = (rt.remat, rt.loss_chunk)
+    setting = (rt.remat, rt.loss_chunk) + (() if rt.scan_layers else ("unrolled",))
 
     def lower(*args):
       def compile():
@@ -174,6 +174,40 @@ def test_nothing_fits_is_one_sentence_naming_the_leanest_and_the_levers():
   grouped = forced.replace(remat_group=2)  # already in groups: not suggested again
   with pytest.raises(UserError, match=r"plans 40 MiB per device; use --remat offload, lower"):
     plan.choose(FakeStep(SIZES).build, (), grouped, (20 * MIB, "H100"))
+
+
+@pytest.mark.parametrize(
+  "budget_mib, chosen, compiled",
+  [
+    (220, (A, 0, "unrolled"), [(A, 0, "unrolled")]),
+    (120, (A, 0), [(A, 0, "unrolled"), (A, 0)]),
+    # unrolled is tried for activations only: the leaner settings stay scanned
+    (60, ("full", 0), [(A, 0, "unrolled"), (A, 0), (A, C, "unrolled"), (A, C), ("full", 0)]),
+  ],
+)
+def test_activations_is_tried_with_its_layers_unrolled_first(budget_mib, chosen, compiled):
+  sizes = {**SIZES, (A, 0, "unrolled"): 190 * MIB, (A, C, "unrolled"): 170 * MIB}
+  fake = FakeStep(sizes)
+  start = AUTO.replace(try_unrolled=True)
+  program, chosen_plan = plan.choose(fake.build, (), start, (budget_mib * MIB, "H100"))
+  assert program.setting == chosen and fake.compiled == compiled
+  rt = chosen_plan.runtime
+  assert rt.scan_layers == ("unrolled" not in chosen) and not rt.try_unrolled
+  if len(compiled) > 1:  # the start line names what did not fit
+    name, size, _ = chosen_plan.rejected[-1]
+    assert size == sizes[compiled[-2]] and name.startswith("remat activations")
+    assert name.endswith("layers unrolled") == ("unrolled" in compiled[-2])
+
+
+def test_a_forced_activations_setting_still_takes_its_layers_unrolled_only_where_they_fit():
+  sizes = {(A, 0): 100 * MIB, (A, 0, "unrolled"): 190 * MIB}
+  forced = Runtime(remat="activations", try_unrolled=True)
+  for budget, chosen in ((220, (A, 0, "unrolled")), (150, (A, 0))):
+    fake = FakeStep(sizes)
+    program, chosen_plan = plan.choose(fake.build, (), forced, (budget * MIB, "H100"))
+    assert program.setting == chosen and chosen_plan.budget == budget * MIB
+  with pytest.raises(UserError, match="the leanest setting tried, remat activations, plans"):
+    plan.choose(FakeStep(sizes).build, (), forced, (50 * MIB, "H100"))
 
 
 def test_a_single_setting_is_compiled_without_a_budget_check():
