@@ -20,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.custom_partitioning import custom_partitioning
 
 from jaxtune import context
@@ -65,19 +66,28 @@ def attention(
       if positions is None:  # the ring masks by them: natural-order ones would be wrong
         raise ValueError("ring attention needs the positions of the zigzag-ordered tokens")
       heads = runtime.spec("batch", "length", "heads", "head_dim")
-      return context.ring_attention(
+      out = context.ring_attention(
         q, k, v, positions, segment_ids, scale=scale, window=window, softcap=softcap,
         mesh=runtime.mesh, specs=(heads, runtime.spec("batch", "length")),
         kernel=_FLASH_KERNEL.get(runtime.ring_blocks),
       )  # fmt: skip
+      return kept(out)
     if impl in FLASH:
       return _flash_sharded(q, k, v, segment_ids, window, scale, softcap, runtime)
-    if impl == "cudnn":
+    if impl == "cudnn":  # remat "activations" keeps its primitive's outputs (decoder.py)
       return jax.nn.dot_product_attention(
         q, k, v, scale=scale, is_causal=True, implementation="cudnn"
       )
     mask = window_mask(make_mask(segment_ids), window)
-    return masked_attention(q, k, v, mask, scale, softcap)
+    return kept(masked_attention(q, k, v, mask, scale, softcap))
+
+
+def kept(out: jax.Array) -> jax.Array:
+  """The attention output, named for remat "activations" ("attention_out"): where the op does
+  not keep it itself. The flash kernel's VJP names its own output, and cuDNN's primitive
+  outputs are kept by the policy; naming those again would make a second value the layer scan
+  saves a second time (8B: 1 GiB)."""
+  return checkpoint_name(out, "attention_out")
 
 
 # Runtime FLASH names -> the flash op's implementation.
@@ -94,12 +104,15 @@ def _flash_sharded(q, k, v, segment_ids, window, scale, softcap, runtime: Runtim
       scale=scale, implementation=kernel,
     )  # fmt: skip
 
+  if kernel == "xla":  # the jnp reference: no VJP of its own to name the output
+    flash = lambda *a, f=flash: kept(f(*a))
   here = jax.sharding.get_abstract_mesh()
   if runtime.mesh is None or (not here.empty and here.are_all_axes_manual):
     return flash(q, k, v, segment_ids, window)  # one device, or a pipeline stage's own rows
   if not here.empty and here.manual_axes:  # a stage manual over pipe only: no nested shard_map
     op = _partitioned_flash(kernel, scale, softcap)
-    return op(q, k, v, segment_ids, jnp.asarray(window, jnp.int32).reshape(1))
+    # The partitioner's op runs the kernel outside its VJP, which names nothing.
+    return kept(op(q, k, v, segment_ids, jnp.asarray(window, jnp.int32).reshape(1)))
   heads = runtime.spec("batch", "length", "heads", "head_dim")
   return jax.shard_map(
     flash,

@@ -416,11 +416,13 @@ def unrolled_first(
   run: RunConfig, devices: int, device: jax.Device, candidates: Sequence[tuple[str, int]]
 ) -> bool:
   """Whether plan.choose tries remat activations with the layers unrolled before scanned
-  (--layer-loop auto): on one GPU, where it was measured faster (8B batch 2: 1.05x, 1B batch
-  4: 1.10x on an H100, experiments/RESULTS.md). Not measured under a mesh or in remat groups;
-  on a CPU it would only lengthen compilation."""
+  (--layer-loop auto): supervised fine-tuning on one GPU, where it was measured faster (8B
+  batch 2: 1.05x, 1B batch 4: 1.10x on an H100, experiments/RESULTS.md). Not measured for
+  the preference and RL steps (two passes a step), under a mesh or in remat groups; on a CPU
+  it would only lengthen compilation."""
   return (
     run.layer_loop == "auto"
+    and run.method == "sft"
     and devices == 1
     and device.platform == "gpu"
     and run.remat_group == 1

@@ -213,7 +213,10 @@ def train(
     announce(None)
   eval_step = None
   if eval_dataset is not None:
-    eval_step = step.make_eval_step(graphdef, runtime, objective)
+    # A forward pass saves nothing for a backward one: the scan costs it nothing, and unrolled
+    # it would only compile longer (unless --layer-loop unrolled asks for it).
+    looped = runtime if run.layer_loop == "unrolled" else runtime.replace(scan_layers=True)
+    eval_step = step.make_eval_step(graphdef, looped, objective)
   history, counts = [], {"skipped_steps": 0, "overflow_steps": 0}
   # The next batch is assembled while the step runs, where batches are a function of the step
   # alone; a stream's position (saved in checkpoints) must not run ahead of the steps taken.

@@ -212,6 +212,7 @@ def test_the_layer_loop_is_resolved_and_unrolled_refused_in_a_pipeline():
   assert not runtime.unrolled_first(RunConfig(), 2, gpu, both)  # a mesh: not measured
   assert not runtime.unrolled_first(RunConfig(layer_loop="scan"), 1, gpu, both)
   assert not runtime.unrolled_first(RunConfig(), 1, gpu, (("full", 0),))
+  assert not runtime.unrolled_first(RunConfig(method="dpo"), 1, gpu, both)  # not measured
   with pytest.raises(MeshError, match=r"^--layer-loop unrolled does not run inside a pipeline"):
     runtime.resolve(RunConfig(layer_loop="unrolled", mesh="1x1x2"), cfg, devices=jax.devices()[:2])
 

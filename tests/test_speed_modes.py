@@ -142,10 +142,11 @@ class _TracedKernel:
     return q * jnp.mean(k) * jnp.mean(v), lse
 
 
-@pytest.mark.parametrize("attention", ["xla", "interpret"])
+@pytest.mark.parametrize("attention", ["xla", "flash_xla", "interpret"])
 def test_the_attention_output_is_kept_once(tmp_path, attention, capsys, monkeypatch):
-  """The flash kernel (and cuDNN) keep their output themselves: the layer does not name it
-  again, which would make a second value the layer scan saves a second time."""
+  """The flash kernel (and cuDNN) keep their output themselves: attention.attention names it
+  only where the op does not, since a second name would make a second value the layer scan
+  saves a second time."""
   from conftest import build_hf_llama
   from jax.ad_checkpoint import print_saved_residuals
 

@@ -60,13 +60,6 @@ SAVED_ACTIVATIONS = (
 )
 
 
-# Attention implementations whose forward already keeps its output for remat="activations"
-# (cuDNN: its primitive's outputs, see _cudnn_attention_outputs; the flash kernel: named
-# "attention_out" inside its custom VJP). Naming the output again would make a second value of
-# it, which the layer scan would save a second time (8B: 1 GiB and a copy a step).
-SAVES_ITS_OUTPUT = ("cudnn", "mosaic", "interpret")
-
-
 def _cudnn_attention_outputs(prim, *_, **__) -> bool:
   return prim.name.startswith("dot_product_attention_fwd")
 
@@ -184,8 +177,6 @@ class Attention(nnx.Module):
         runtime=runtime,
         positions=positions,
       )
-      if runtime.attention not in SAVES_ITS_OUTPUT:
-        out = checkpoint_name(out, "attention_out")
     else:  # the decoder decides where keys are kept and which it attends to
       out, cache = cache(q, k, v, self.scale, self.softcap)
     out = self.o_proj(out.reshape(b, t, -1), keys[3], mm, dequantize_again=again)
