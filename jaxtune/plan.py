@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ _UNWRITTEN_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def scan_outputs_unwritten(enabled: bool = True):
+def scan_outputs_unwritten(enabled: bool = True) -> Iterator[None]:
   """While lowering: lax.scan's stacked outputs start as allocated, unwritten buffers.
 
   JAX makes every stacked output of a scan (in a training step: each residual the layer loop

@@ -42,7 +42,7 @@ CASES = {
   # dK products issued in their own step (Blocks(defer_dk=False)), not with the next step's
   "undeferred-segments-gqa2": (200, 2, 1, 64, {"defer_dk": False, "segments": True}),
   # Short documents: every kernel skips the blocks of the documents before (and after) a tile's
-  "many-segments-gqa2": (400, 2, 1, 64, {"segments": "many"}),
+  "many-segments-gqa2": (256, 2, 1, 64, {"segments": "many"}),
 }
 
 
