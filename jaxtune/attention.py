@@ -99,13 +99,12 @@ def _flash_sharded(q, k, v, segment_ids, window, scale, softcap, runtime: Runtim
   kernel = _FLASH_KERNEL[runtime.attention]
 
   def flash(q, k, v, segment_ids, window):
-    return flash_attention(
+    out = flash_attention(
       q, k, v, segment_ids=segment_ids, causal=True, window=window, softcap=softcap,
       scale=scale, implementation=kernel,
     )  # fmt: skip
+    return kept(out) if kernel == "xla" else out  # the jnp reference has no VJP to name it
 
-  if kernel == "xla":  # the jnp reference: no VJP of its own to name the output
-    flash = lambda *a, f=flash: kept(f(*a))
   here = jax.sharding.get_abstract_mesh()
   if runtime.mesh is None or (not here.empty and here.are_all_axes_manual):
     return flash(q, k, v, segment_ids, window)  # one device, or a pipeline stage's own rows

@@ -67,12 +67,14 @@ def scan_outputs_unwritten(enabled: bool = True) -> Iterator[None]:
   a mesh, where how the partitioner shards an operand-less custom call is not measured).
   Patches a private JAX function for the duration (restored on exit; one thread at a time).
   """
+  if not enabled:
+    yield
+    return
   from jax._src.lax.control_flow import loops  # noqa: PLC0415 (private: scan's output init)
 
   def unwritten(prefix, length_spec, aval):
     if (
-      not enabled
-      or not aval.sharding.mesh.empty
+      not aval.sharding.mesh.empty
       or aval.mat.varying
       or "device" not in str(aval.memory_space).lower()
     ):
@@ -255,7 +257,7 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
       if choosing and floor is not None and source != HOST_MEMORY:
         least = floor(rt)
         if not fits(least, limit):
-          rejected.append((_setting(rt), least, False))
+          rejected.append((f"remat {rt.setting}", least, False))
           refused.add((remat, loss_chunk))
           continue
       tries = [rt]
@@ -268,7 +270,7 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
         planned = planned_bytes(compiled)
         if rt is tries[-1] or planned is None or fits(planned, limit):
           break
-        rejected.append((_setting(rt), planned, True))
+        rejected.append((f"remat {rt.setting}", planned, True))
       if not choosing or planned is None or fits(planned, limit):
         plan = Plan(
           rt,
@@ -280,7 +282,7 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
           _cache_hits - hits,
         )
         return compiled, plan
-      rejected.append((_setting(rt), planned, True))
+      rejected.append((f"remat {rt.setting}", planned, True))
       refused.add((remat, loss_chunk))
       if not loss_chunk:
         whole[remat] = planned
@@ -302,13 +304,6 @@ def _compile(build, rt: Runtime, args) -> Any:
   with scan_outputs_unwritten(enabled=rt.mesh is None):  # one device: see its docstring
     lowered = build(rt).lower(*args)
   return lowered.compile()
-
-
-def _setting(rt: Runtime) -> str:
-  group = f", groups of {rt.remat_group} layers" if rt.remat_group > 1 else ""
-  unrolled = "" if rt.scan_layers else ", layers unrolled"
-  chunk = f", loss chunk {rt.loss_chunk}" if rt.loss_chunk else ""
-  return f"remat {rt.remat}{chunk}{group}{unrolled}"
 
 
 STORE_NAME = "jaxtune-steps"  # the step store's directory, inside the compilation cache's

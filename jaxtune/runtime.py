@@ -165,9 +165,10 @@ class Runtime:
     kept = PartitionSpec(*(None if _names(a) & manual else a for a in spec))
     return jax.lax.with_sharding_constraint(x, NamedSharding(here, kept))
 
-  def describe(self, remat_note: str = "") -> str:
-    """The start line's account of the runtime; ``remat_note``: how the remat setting was
-    chosen (plan.Plan.note), in brackets after it."""
+  @property
+  def setting(self) -> str:
+    """The remat setting in words ("auto" while candidates remain): the start line's, and the
+    name plan.choose gives a setting that did not fit."""
     remat = "auto" if self.candidates else self.remat
     if self.loss_chunk and not self.candidates:
       remat += f", loss chunk {self.loss_chunk}"
@@ -175,7 +176,12 @@ class Runtime:
       remat += f", groups of {self.remat_group} layers"
     if not self.scan_layers:
       remat += ", layers unrolled"
-    remat += f" ({remat_note})" if remat_note else ""
+    return remat
+
+  def describe(self, remat_note: str = "") -> str:
+    """The start line's account of the runtime; ``remat_note``: how the remat setting was
+    chosen (plan.Plan.note), in brackets after it."""
+    remat = self.setting + (f" ({remat_note})" if remat_note else "")
     attention = self.attention
     if attention == "ring":
       attention += f" ({self.ring_blocks} blocks)" if self.ring_blocks != "xla" else " (xla tiles)"
