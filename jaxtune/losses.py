@@ -34,8 +34,11 @@ def loss_sums(
   chunk = runtime.loss_chunk
   if chunk:
     h = _hidden(model, batch, key, runtime)
+    vocab = _vocab(model)
     with jax.named_scope("loss"):
-      return chunked_loss_sums(model.logits_from_hidden, h, labels, chunk, _vocab(model))
+      if vocab is None and not _head_trains(model, lora):
+        return fused_loss_sums(model.logits_from_hidden, h, labels, chunk)
+      return chunked_loss_sums(model.logits_from_hidden, h, labels, chunk, vocab)
   logits = _logits(model, batch, key, runtime)
   with jax.named_scope("loss"):
     mask = labels != IGNORE
@@ -81,6 +84,13 @@ def _logits(model, batch, key, runtime):
     runtime=runtime,
     inputs_embeds=batch.get("inputs_embeds"),
   )
+
+
+def _head_trains(model, lora: nnx.State) -> bool:
+  """Whether the output layer has parameters in ``lora`` (LoRA on lm_head, or a trained
+  embedding table that a tied model's output layer reads)."""
+  head = "lm_head" if model.lm_head is not None else "embed_tokens"
+  return any(path[0] == head for path, _ in nnx.to_flat_state(lora))
 
 
 def _vocab(model):
@@ -130,6 +140,56 @@ def chunked_loss_sums(
 
   zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
   return jax.lax.scan(step, zero, pieces)[0]
+
+
+def fused_loss_sums(
+  head: Callable[[jax.Array], jax.Array], h: jax.Array, labels: jax.Array, chunk: int
+) -> tuple[jax.Array, jax.Array]:
+  """``chunked_loss_sums`` for an output layer ``head`` with no trained parameters, whose
+  backward recomputes nothing: each piece's forward also takes the loss's gradient with
+  respect to its hidden states (softmax minus the label's one-hot, back through ``head``),
+  and the backward only scales those by the loss's cotangent. The same products as the whole
+  logits' forward and backward; at most one piece's [B, c, V] logits and their gradient
+  alive; [B, T, D] kept for the backward. Differentiable with respect to ``h`` only: ``head``
+  must close over frozen values (``_head_trains`` says where it does not)."""
+
+  def piece(h_c, labels_c, grad: bool):
+    mask = labels_c != IGNORE
+    safe = jnp.where(mask, labels_c, 0)
+    logits, back = jax.vjp(lambda x: head(x).astype(jnp.float32), h_c)  # [B, c, V]
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, safe)
+    sums = (jnp.sum(ce * mask), jnp.sum(mask))
+    if not grad:
+      return sums, None
+    # d ce / d logits = softmax - one-hot, for the loss tokens only.
+    g = jax.nn.softmax(logits, axis=-1) - jax.nn.one_hot(safe, logits.shape[-1])
+    (dh,) = back(g * mask[..., None])
+    return sums, dh
+
+  def run(h, labels, grad: bool):
+    def step(carry, xs):
+      (total, count), dh = piece(*xs, grad)
+      return (carry[0] + total, carry[1] + count), dh
+
+    zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+    return jax.lax.scan(step, zero, _pieces(h, labels, chunk))
+
+  @jax.custom_vjp
+  def sums(h, labels):
+    return run(h, labels, False)[0]
+
+  def forward(h, labels):
+    out, dh = run(h, labels, True)  # dh [T / c, B, c, D]
+    return out, dh
+
+  def backward(dh, cotangents):
+    d_total, _ = cotangents
+    n, b, c, d = dh.shape
+    grad = dh.swapaxes(0, 1).reshape(b, n * c, d)
+    return (grad * d_total.astype(grad.dtype), None)
+
+  sums.defvjp(forward, backward)
+  return sums(h, labels)
 
 
 def chunked_token_losses(

@@ -193,6 +193,18 @@ def test_offload_lets_the_pinned_host_pool_use_most_of_the_machine():
   assert env == {HOST_LIMIT_VAR: "20"}  # the user's own limit wins
 
 
+def test_the_command_line_gives_jax_most_of_each_gpu_unless_told_otherwise():
+  from jaxtune.train import MEMORY_FRACTION_VAR, claim_device_memory
+
+  env = {}
+  claim_device_memory(env)
+  assert env == {MEMORY_FRACTION_VAR: "0.9"}  # JAX's own default is 0.75
+  for chosen in ({MEMORY_FRACTION_VAR: "0.5"}, {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}):
+    env = dict(chosen)
+    claim_device_memory(env)
+    assert env == chosen  # the user's choice wins
+
+
 def test_runs_forced_onto_the_kernels_get_their_operands_made_once(tiny_checkpoint):
   """Under --nf4-matmul kernel (here its interpreter) in bfloat16 the frozen state holds the
   NF4 kernels' operands made once for every layer (W^T's codes in word order among them);

@@ -196,7 +196,7 @@ def test_pipeline_run_settings_train_like_one_device(tiny, single, tmp_path):
 
 
 @pytest.mark.slow
-def test_chunked_loss_equals_the_full_logits_loss(tiny):
+def test_chunked_loss_equals_the_full_logits_loss(tiny, monkeypatch):
   """Loss sums and LoRA gradients of the chunked cross-entropy (pieces of 4 tokens, 4 being
   the largest divisor of 24 not above 5) equal those of the full [B, T, V] logits."""
   path = tiny
@@ -227,6 +227,36 @@ def test_chunked_loss_equals_the_full_logits_loss(tiny):
     assert int(got_n) == int(ref_n) > 0
     np.testing.assert_allclose(float(got), float(ref), rtol=1e-5)
     for g, r in zip(jax.tree.leaves(got_g), jax.tree.leaves(ref_g), strict=True):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6)
+
+  # The output layer trains here (LoRA on lm_head): --loss-chunk recomputes each piece's
+  # logits in the backward. Without it, the pieces' forward takes their gradient instead (one
+  # custom VJP, nothing recomputed): the same sums and gradients.
+  def through_step(lora, graphdef, frozen, chunk):
+    return losses.loss_sums(
+      graphdef, lora, frozen, ds_batch, None, runtime.Runtime(loss_chunk=chunk)
+    )
+
+  ds_batch = {"input_ids": ids, "labels": labels, "segment_ids": jnp.ones_like(ids)}
+  frozen_head = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32")
+  frozen_head = jaxtune.apply_lora(frozen_head, rank=4, alpha=8, seed=0, targets=("q_proj",))
+  parts = nnx.split(frozen_head, nnx.LoRAParam, ...)
+  lora_q = jax.tree.map(lambda x: x + 0.01, parts[1])
+  fused_calls = []
+  fused_loss_sums = losses.fused_loss_sums
+  monkeypatch.setattr(
+    losses, "fused_loss_sums", lambda *a: fused_calls.append(1) or fused_loss_sums(*a)
+  )
+  for parts_, lora_, fused in ((parts, lora_q, True), ((graphdef, lora, frozen), lora, False)):
+    g_def, _, g_frozen = parts_
+    fused_calls.clear()
+    jax.make_jaxpr(through_step, static_argnums=(1, 3))(lora_, g_def, g_frozen, 5)
+    assert bool(fused_calls) == fused
+    want, want_g = jax.value_and_grad(through_step, has_aux=True)(lora_, g_def, g_frozen, 0)
+    got, got_g = jax.value_and_grad(through_step, has_aux=True)(lora_, g_def, g_frozen, 5)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
+    assert int(got[1]) == int(want[1]) > 0
+    for g, r in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
       np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6)
 
 
