@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 
 from jaxtune.data import IGNORE
-from jaxtune.runtime import DEFAULT, Runtime
+from jaxtune.runtime import DEFAULT, LARGE_VOCAB, Runtime
 
 
 def loss_sums(
@@ -103,9 +103,8 @@ def _largest_divisor(n: int, most: int) -> int:
   return max(x for x in range(1, min(most, n) + 1) if n % x == 0)
 
 
-# With --loss-chunk, vocabularies larger than this (Gemma's 256k) are also cut into pieces of
-# at most VOCAB_PIECE entries (the largest divisor of V not above it).
-LARGE_VOCAB = 200_000
+# With --loss-chunk, vocabularies larger than LARGE_VOCAB (Gemma's 256k) are also cut into
+# pieces of at most VOCAB_PIECE entries (the largest divisor of V not above it).
 VOCAB_PIECE = 32768
 
 
@@ -157,12 +156,14 @@ def fused_loss_sums(
     mask = labels_c != IGNORE
     safe = jnp.where(mask, labels_c, 0)
     logits, back = jax.vjp(lambda x: head(x).astype(jnp.float32), h_c)  # [B, c, V]
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, safe)
-    sums = (jnp.sum(ce * mask), jnp.sum(mask))
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
+    sums = (jnp.sum((lse - picked) * mask), jnp.sum(mask))
     if not grad:
       return sums, None
-    # d ce / d logits = softmax - one-hot, for the loss tokens only.
-    g = jax.nn.softmax(logits, axis=-1) - jax.nn.one_hot(safe, logits.shape[-1])
+    # d ce / d logits = softmax - one-hot (the softmax from lse: one more pass over the
+    # logits, not three), for the loss tokens only.
+    g = jnp.exp(logits - lse[..., None]) - jax.nn.one_hot(safe, logits.shape[-1])
     (dh,) = back(g * mask[..., None])
     return sums, dh
 

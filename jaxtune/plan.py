@@ -246,6 +246,7 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
   with _DamagedCacheEntries():
     whole: dict[str, int] = {}  # remat -> planned bytes with the logits whole
     refused: set[tuple[str, int]] = set()
+    unrolled_tried: set[str] = set()
     for remat, loss_chunk in candidates:
       if loss_chunk and logits_bytes and remat in whole:
         if not fits(whole[remat] - 4 * logits_bytes, limit):
@@ -261,9 +262,10 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
           refused.add((remat, loss_chunk))
           continue
       tries = [rt]
-      # Faster where it fits (--layer-loop auto); ~1.9x the scan's plan at 8B, so not tried
-      # once the scan with the logits whole has missed.
-      if runtime.try_unrolled and remat == "activations" and remat not in whole:
+      # Faster where it fits (--layer-loop auto); ~1.9x the scan's plan at 8B, so tried with
+      # the first activations candidate only (not again once its scan has missed).
+      if runtime.try_unrolled and remat == "activations" and remat not in unrolled_tried:
+        unrolled_tried.add(remat)
         tries.insert(0, rt.replace(scan_layers=False))
       for rt in tries:
         compiled = _compile(build, rt, args)

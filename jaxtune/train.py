@@ -133,8 +133,9 @@ _HELP = {
   "nf4_matmul": "NF4 linear layers: kernel (Pallas, Hopper GPUs) or xla (dequantize then "
   "dot); unset: the kernel for at most 64 tokens on one Hopper GPU, XLA otherwise",
   "loss_chunk": "compute the loss N tokens per row at a time (the float32 logits of the "
-  "whole sequence never exist; the output layer runs twice); 0: all at once; unset: all at "
-  "once where that fits the device, else 1024",
+  "whole sequence never exist; where the output layer has LoRA, it runs twice); 0: all at "
+  "once; unset: on GPUs, pieces of ~4096 tokens a device where the output layer is frozen "
+  "(sft), else all at once where that fits the device, else 1024",
   "memory_limit": "GiB of device memory per device the training step may plan for (--remat "
   "auto and an unset --loss-chunk choose within it); unset: what the device can allocate",
   "mlp_chunk": "run each MLP N tokens per row at a time, recomputed in the backward pass, so "
