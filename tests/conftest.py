@@ -305,6 +305,13 @@ def _background_runs(request, tmp_path_factory):
         first_use.setdefault(name, i)
   order = sorted(first_use, key=lambda n: (first_use[n], list(_JOBS).index(n)))
   jobs = {name: functools.partial(_JOBS[name], tmp_path_factory.mktemp(name)) for name in order}
+  if jobs:
+    # The jobs read the default checkpoint; written here first, as its tokenizer's import of
+    # transformers in the jobs' thread could race this thread's (a machine with no cache:
+    # "cannot import name 'PreTrainedTokenizerFast'").
+    from jaxtune import default_model
+
+    default_model.ensure_default_checkpoint()
   runs = _Runs(jobs)
   yield runs
   runs.stop()

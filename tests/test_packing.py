@@ -1,11 +1,16 @@
 """Packing: rows of several examples train each example as if it ran alone; the kernel path
 (NF4 and flash attention in Mosaic GPU's interpreter) computes the XLA path's loss."""
 
+import json
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import background_run, build_hf_llama, run_cli
 from flax import nnx
 
 import jaxtune
@@ -111,16 +116,33 @@ def test_packed_rows_give_each_example_its_own_loss(tmp_path, kernels):
   assert np.abs(mixed[second] - got[second]).max() > 10 * tol["atol"]
 
 
-@pytest.mark.slow
-def test_kernel_path_computes_the_xla_loss_and_gradients(hf_llama_dir):
-  """A training micro-batch of packed rows: loss and LoRA gradients of the Mosaic GPU kernels
-  (NF4 matmul forward and backward, flash attention forward and backward, interpreted; the
-  NF4 operands made for the run as the trainer places them) against XLA's
-  dequantize-then-dot and masked softmax attention."""
-  path, _ = hf_llama_dir(
+@background_run("kernel_path")
+def _kernel_path(directory, runs):
+  """``_kernel_path_figures`` in a process of its own, beside the other tests (the
+  interpreted kernels cost ~30 s of one core)."""
+  out = directory / "figures.json"
+  code = "import sys, test_packing as t; t._write_kernel_path(sys.argv[1], sys.argv[2])"
+  proc = run_cli(
+    [sys.executable, "-c", code, str(directory), str(out)], timeout=900, cwd=Path(__file__).parent
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(out.read_text())
+
+
+def _write_kernel_path(directory: str, out: str) -> None:
+  Path(out).write_text(json.dumps(_kernel_path_figures(Path(directory))))
+
+
+def _kernel_path_figures(directory: Path) -> dict:
+  """A training micro-batch of packed rows through the Mosaic GPU kernels (NF4 matmul
+  forward and backward, flash attention forward and backward, interpreted; the NF4 operands
+  made for the run as the trainer places them) and through XLA's dequantize-then-dot and
+  masked softmax attention: what the test compares."""
+  path = directory / "llama"
+  build_hf_llama(
     hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
     head_dim=64, num_hidden_layers=1,
-  )  # fmt: skip
+  ).save_pretrained(path)  # fmt: skip
   model = jaxtune.from_pretrained(path, quantization="nf4", dtype="bfloat16")
   model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
   rng = np.random.default_rng(2)
@@ -132,15 +154,17 @@ def test_kernel_path_computes_the_xla_loss_and_gradients(hf_llama_dir):
     "segment_ids": ds.segment_ids,
     "positions": ds.positions,
   }
-  assert ds.packed
+  figures = {"packed": bool(ds.packed)}
 
   def loss_and_grads(kernels):
     rt = _use_kernels(kernels)
     graphdef, lora, frozen = step.place(model, rt)  # as the trainer does
     # On the kernels the run's operands are made once, in the frozen state, not the model.
     made = [v for p, v in nnx.to_flat_state(frozen) if p[-1] == "kernel_codes_t"]
-    assert len(made) == (7 if kernels else 0), made
-    assert all(lin.kernel_codes_t is None for _, lin in lora_lib.iter_linears(model))
+    figures[f"operands made, kernels {kernels}"] = len(made)
+    figures[f"model keeps none, kernels {kernels}"] = all(
+      lin.kernel_codes_t is None for _, lin in lora_lib.iter_linears(model)
+    )
     lora = jax.tree.map(lambda x: x + 0.02, lora)  # B = 0 would hide the adapters' gradients
 
     def mean_loss(lora):
@@ -152,14 +176,38 @@ def test_kernel_path_computes_the_xla_loss_and_gradients(hf_llama_dir):
 
   (ref, ref_g), ref_jaxpr = loss_and_grads(False)
   (got, got_g), got_jaxpr = loss_and_grads(True)
-  # The kernels really ran: wgmma (both kernels), exp2 (the flash softmax) and int4 codes
-  # (the NF4 kernel reads bnb's bytes as int4) in the interpreted program, none in XLA's.
-  for marker in ("wgmma", "exp2", "i4["):
-    assert marker in got_jaxpr and marker not in ref_jaxpr, marker
-  np.testing.assert_allclose(float(got), float(ref), rtol=1e-2)
-  for g, r in zip(jax.tree.leaves(got_g), jax.tree.leaves(ref_g), strict=True):
-    g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
-    assert np.linalg.norm(g - r) <= 5e-2 * np.linalg.norm(r) + 1e-6
+  # wgmma (both kernels), exp2 (the flash softmax) and int4 codes (the NF4 kernel reads bnb's
+  # bytes as int4): in the interpreted program and in XLA's.
+  figures["markers"] = {m: [m in got_jaxpr, m in ref_jaxpr] for m in ("wgmma", "exp2", "i4[")}
+  figures["loss"] = [float(got), float(ref)]
+  figures["gradients"] = [
+    [float(np.linalg.norm(g - r)), float(np.linalg.norm(r))]
+    for g, r in (
+      (np.asarray(g, np.float32), np.asarray(r, np.float32))
+      for g, r in zip(jax.tree.leaves(got_g), jax.tree.leaves(ref_g), strict=True)
+    )
+  ]
+  return figures
+
+
+@pytest.mark.slow
+@pytest.mark.late
+def test_kernel_path_computes_the_xla_loss_and_gradients(kernel_path):
+  """A training micro-batch of packed rows: loss and LoRA gradients of the Mosaic GPU kernels
+  (interpreted) against XLA's dequantize-then-dot and masked softmax attention
+  (``_kernel_path_figures``, run beside the other tests)."""
+  figures = kernel_path
+  assert figures["packed"]
+  assert figures["operands made, kernels True"] == 7
+  assert figures["operands made, kernels False"] == 0
+  assert figures["model keeps none, kernels True"]
+  # The kernels really ran: their markers in the interpreted program, none in XLA's.
+  assert figures["markers"] == {m: [True, False] for m in ("wgmma", "exp2", "i4[")}
+  got, ref = figures["loss"]
+  np.testing.assert_allclose(got, ref, rtol=1e-2)
+  assert len(figures["gradients"]) == 14  # A and B of seven projections
+  for err, norm in figures["gradients"]:
+    assert err <= 5e-2 * norm + 1e-6, (err, norm)
 
 
 def test_pallas_attention_runs_per_shard_of_a_data_tensor_mesh():
