@@ -80,6 +80,46 @@ def test_candidates_are_fastest_first_and_follow_what_is_set():
   assert remat_candidates(RunConfig(remat="dots", loss_chunk=256)) == (("dots", 256),)
 
 
+def test_the_fused_loss_replaces_the_whole_logits_where_it_applies():
+  """--loss-chunk unset, SFT on a GPU with a frozen output layer: pieces of ~4096 tokens a
+  device (the fused loss) come first in place of the whole logits, then 1024 where larger;
+  the leanest settings take the smaller."""
+  from jaxtune.runtime import FUSED_PIECE_TOKENS, fused_loss_chunk
+
+  gpu, cpu = SimpleNamespace(platform="gpu"), SimpleNamespace(platform="cpu")
+  cfg = SimpleNamespace(vocab_size=128256)
+  run = RunConfig(seq_len=2048)
+  assert FUSED_PIECE_TOKENS == 4096
+  assert fused_loss_chunk(run, cfg, 2, 1, gpu) == 2048
+  assert fused_loss_chunk(run, cfg, 4, 1, gpu) == 1024
+  assert fused_loss_chunk(run, cfg, 1, 1, gpu) == 2048  # at most the row
+  assert fused_loss_chunk(RunConfig(), cfg, 1, 1, gpu) == 4096  # the row's length unset
+  for other, rows, split, device in (
+    (RunConfig(seq_len=2048, lora_targets=("q_proj", "lm_head")), 2, 1, gpu),  # head trains
+    (RunConfig(seq_len=2048, method="dpo"), 2, 1, gpu),
+    (RunConfig(seq_len=2048, loss_chunk=0), 2, 1, gpu),  # the user's choice
+    (run, 2, 2, gpu),  # a pipe or context axis
+    (run, 2, 1, cpu),
+  ):
+    assert fused_loss_chunk(other, cfg, rows, split, device) == 0
+  assert fused_loss_chunk(run, SimpleNamespace(vocab_size=262144), 2, 1, gpu) == 0
+
+  auto = RunConfig(remat="auto")
+  assert remat_candidates(auto, fused_chunk=2048) == (
+    ("activations", 2048),
+    ("activations", AUTO_LOSS_CHUNK),
+    ("dots_no_batch", 2048),
+    ("dots_no_batch", AUTO_LOSS_CHUNK),
+    ("full", 2048),
+    ("full", AUTO_LOSS_CHUNK),
+    ("lean", AUTO_LOSS_CHUNK),
+    ("offload", AUTO_LOSS_CHUNK),
+  )
+  assert remat_candidates(auto, fused_chunk=512)[-2:] == (("lean", 512), ("offload", 512))
+  whole = remat_candidates(RunConfig(remat="auto", loss_chunk=0), fused_chunk=2048)
+  assert whole[0] == ("activations", 0)  # the user's --loss-chunk wins
+
+
 A, C = "activations", AUTO_LOSS_CHUNK
 
 
