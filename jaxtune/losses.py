@@ -36,7 +36,8 @@ def loss_sums(
     h = _hidden(model, batch, key, runtime)
     vocab = _vocab(model)
     with jax.named_scope("loss"):
-      if vocab is None and not _head_trains(model, lora):
+      # Not in float16: the pieces' gradients would be taken before the loss scale.
+      if vocab is None and h.dtype != jnp.float16 and not _head_trains(model, lora):
         return fused_loss_sums(model.logits_from_hidden, h, labels, chunk)
       return chunked_loss_sums(model.logits_from_hidden, h, labels, chunk, vocab)
   logits = _logits(model, batch, key, runtime)
@@ -150,7 +151,8 @@ def fused_loss_sums(
   and the backward only scales those by the loss's cotangent. The same products as the whole
   logits' forward and backward; at most one piece's [B, c, V] logits and their gradient
   alive; [B, T, D] kept for the backward. Differentiable with respect to ``h`` only: ``head``
-  must close over frozen values (``_head_trains`` says where it does not)."""
+  must close over frozen values (``_head_trains`` says where it does not). Not for float16
+  under loss scaling: the gradients are taken unscaled."""
 
   def piece(h_c, labels_c, grad: bool):
     mask = labels_c != IGNORE
@@ -186,8 +188,8 @@ def fused_loss_sums(
   def backward(dh, cotangents):
     d_total, _ = cotangents
     n, b, c, d = dh.shape
-    grad = dh.swapaxes(0, 1).reshape(b, n * c, d)
-    return (grad * d_total.astype(grad.dtype), None)
+    grad = dh.swapaxes(0, 1).reshape(b, n * c, d).astype(jnp.float32) * d_total
+    return (grad.astype(dh.dtype), None)
 
   sums.defvjp(forward, backward)
   return sums(h, labels)

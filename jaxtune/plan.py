@@ -255,6 +255,11 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
       if (DOMINATED_BY.get(remat), loss_chunk) in refused:
         continue
       rt = runtime.replace(remat=remat, loss_chunk=loss_chunk, candidates=(), try_unrolled=False)
+      # Faster where it fits (--layer-loop auto); ~1.9x the scan's plan at 8B, so tried with
+      # the first activations candidate only (not again once it has missed or was refused).
+      unroll = runtime.try_unrolled and remat == "activations" and remat not in unrolled_tried
+      if remat == "activations":
+        unrolled_tried.add(remat)
       if choosing and floor is not None and source != HOST_MEMORY:
         least = floor(rt)
         if not fits(least, limit):
@@ -262,10 +267,7 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
           refused.add((remat, loss_chunk))
           continue
       tries = [rt]
-      # Faster where it fits (--layer-loop auto); ~1.9x the scan's plan at 8B, so tried with
-      # the first activations candidate only (not again once its scan has missed).
-      if runtime.try_unrolled and remat == "activations" and remat not in unrolled_tried:
-        unrolled_tried.add(remat)
+      if unroll:
         tries.insert(0, rt.replace(scan_layers=False))
       for rt in tries:
         compiled = _compile(build, rt, args)

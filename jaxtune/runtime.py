@@ -385,8 +385,8 @@ def resolve(
     _check_context(run, cp, pp, seq_len)
   if run.remat_group > 1:
     _check_remat_group(run, cfg.num_layers, pp)
-  rows = max(1, micro_batch // mesh.shape["data"])
-  fused = fused_loss_chunk(run, cfg, rows, pp * cp, devices[0])
+  dtype, dtype_note = compute_dtype(run.dtype, devices)
+  fused = fused_loss_chunk(run, cfg, micro_batch, mesh.size, devices[0], dtype)
   candidates = remat_candidates(run, pipelined=pp > 1, whole_logits=cp > 1, fused_chunk=fused)
   if run.layer_loop == "unrolled" and pp > 1:
     raise MeshError(
@@ -396,7 +396,6 @@ def resolve(
   try_unrolled = unrolled_first(run, mesh.size, devices[0], candidates)
   if run.embeddings == "host":
     _check_host_embeddings(run, cfg)
-  dtype, dtype_note = compute_dtype(run.dtype, devices)
   ring_blocks = "xla"
   if cp > 1:
     attention = "ring"
@@ -430,19 +429,21 @@ def resolve(
 
 
 def fused_loss_chunk(
-  run: RunConfig, cfg: ModelConfig, rows: int, split: int, device: jax.Device
+  run: RunConfig, cfg: ModelConfig, rows: int, devices: int, device: jax.Device, dtype: str
 ) -> int:
   """The tokens per row of the loss's pieces that ``--loss-chunk`` unset takes first, where
   each piece's forward can take its own gradient (losses.fused_loss_sums): supervised
-  fine-tuning on a GPU, no pipe or context axis (``split`` 1), an output layer without LoRA
-  and a vocabulary of at most LARGE_VOCAB; FUSED_PIECE_TOKENS over the ``rows`` of a
-  micro-batch on one device, at most the row. 0 elsewhere: the logits whole where they fit.
-  Measured on GPUs only; on a CPU it would only change the tests' numerics."""
+  fine-tuning on one GPU, where it was measured (experiments/RESULTS.md, session 23), an
+  output layer without LoRA, a vocabulary of at most LARGE_VOCAB, and not in float16 (the
+  pieces' gradients are taken before the loss scale multiplies them: they would underflow);
+  FUSED_PIECE_TOKENS over the ``rows`` of a micro-batch, at most the row. 0 elsewhere: the
+  logits whole where they fit. On a CPU it would only change the tests' numerics."""
   if (
     run.loss_chunk is not None
     or run.method != "sft"
-    or split > 1
+    or devices > 1
     or device.platform != "gpu"
+    or dtype == "float16"
     or "lm_head" in run.lora_targets
     or cfg.vocab_size > LARGE_VOCAB
   ):

@@ -272,7 +272,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if allow_changes and not resume:
       raise UserError("--allow-changes is for --resume; pass --resume too, or drop it.")
     allow_host_memory_for_offload(run)  # before the GPU client starts
-    claim_device_memory()
     plan.use_compile_cache(not flags.no_compile_cache)
     distributed.initialize()  # before anything asks JAX for its devices
     _start_devices_while_importing()
@@ -295,4 +294,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+  claim_device_memory()  # the command line's process only (main() may run inside another)
   sys.exit(main())

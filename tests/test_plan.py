@@ -89,20 +89,22 @@ def test_the_fused_loss_replaces_the_whole_logits_where_it_applies():
   gpu, cpu = SimpleNamespace(platform="gpu"), SimpleNamespace(platform="cpu")
   cfg = SimpleNamespace(vocab_size=128256)
   run = RunConfig(seq_len=2048)
+  bf16 = "bfloat16"
   assert FUSED_PIECE_TOKENS == 4096
-  assert fused_loss_chunk(run, cfg, 2, 1, gpu) == 2048
-  assert fused_loss_chunk(run, cfg, 4, 1, gpu) == 1024
-  assert fused_loss_chunk(run, cfg, 1, 1, gpu) == 2048  # at most the row
-  assert fused_loss_chunk(RunConfig(), cfg, 1, 1, gpu) == 4096  # the row's length unset
-  for other, rows, split, device in (
-    (RunConfig(seq_len=2048, lora_targets=("q_proj", "lm_head")), 2, 1, gpu),  # head trains
-    (RunConfig(seq_len=2048, method="dpo"), 2, 1, gpu),
-    (RunConfig(seq_len=2048, loss_chunk=0), 2, 1, gpu),  # the user's choice
-    (run, 2, 2, gpu),  # a pipe or context axis
-    (run, 2, 1, cpu),
+  assert fused_loss_chunk(run, cfg, 2, 1, gpu, bf16) == 2048
+  assert fused_loss_chunk(run, cfg, 4, 1, gpu, bf16) == 1024
+  assert fused_loss_chunk(run, cfg, 1, 1, gpu, bf16) == 2048  # at most the row
+  assert fused_loss_chunk(RunConfig(), cfg, 1, 1, gpu, bf16) == 4096  # the row's length unset
+  for other, devices, device, dtype in (
+    (RunConfig(seq_len=2048, lora_targets=("q_proj", "lm_head")), 1, gpu, bf16),  # head trains
+    (RunConfig(seq_len=2048, method="dpo"), 1, gpu, bf16),
+    (RunConfig(seq_len=2048, loss_chunk=0), 1, gpu, bf16),  # the user's choice
+    (run, 2, gpu, bf16),  # measured on one GPU only
+    (run, 1, cpu, bf16),
+    (run, 1, gpu, "float16"),  # loss scaling: the pieces' gradients would underflow
   ):
-    assert fused_loss_chunk(other, cfg, rows, split, device) == 0
-  assert fused_loss_chunk(run, SimpleNamespace(vocab_size=262144), 2, 1, gpu) == 0
+    assert fused_loss_chunk(other, cfg, 2, devices, device, dtype) == 0
+  assert fused_loss_chunk(run, SimpleNamespace(vocab_size=262144), 2, 1, gpu, bf16) == 0
 
   auto = RunConfig(remat="auto")
   assert remat_candidates(auto, fused_chunk=2048) == (

@@ -233,9 +233,10 @@ def test_chunked_loss_equals_the_full_logits_loss(tiny, monkeypatch):
   # logits in the backward. Without it, the pieces' forward takes their gradient instead (one
   # custom VJP, nothing recomputed): the same sums and gradients.
   def through_step(lora, graphdef, frozen, chunk):
-    return losses.loss_sums(
+    s, n = losses.loss_sums(
       graphdef, lora, frozen, ds_batch, None, runtime.Runtime(loss_chunk=chunk)
     )
+    return 3.7 * s, n  # a cotangent other than 1 reaches the pieces' gradients
 
   ds_batch = {"input_ids": ids, "labels": labels, "segment_ids": jnp.ones_like(ids)}
   frozen_head = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32")
@@ -258,6 +259,15 @@ def test_chunked_loss_equals_the_full_logits_loss(tiny, monkeypatch):
     assert int(got[1]) == int(want[1]) > 0
     for g, r in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
       np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6)
+  # float16 (loss scaling) keeps the recomputing pieces: the fused ones take their gradients
+  # before the scale would multiply them.
+  half = jaxtune.from_pretrained(path, quantization="nf4", dtype="float16")
+  half = nnx.split(
+    jaxtune.apply_lora(half, rank=4, alpha=8, seed=0, targets=("q_proj",)), nnx.LoRAParam, ...
+  )
+  fused_calls.clear()
+  jax.make_jaxpr(through_step, static_argnums=(1, 3))(half[1], half[0], half[2], 5)
+  assert not fused_calls
 
 
 @pytest.mark.slow
