@@ -165,7 +165,10 @@ def test_disk_filling_up_mid_run_is_one_sentence_and_leaves_nothing_half_written
 ):
   disk = small_disk(48 << 20)
   out = disk / "run"
-  argv = ["--out", str(out), "--steps", "4", *FLAGS]
+  # Compiled here, not read from the compilation cache: in the whole suite's order (CI of
+  # eb091b2, twice; never alone) the step read back from it lacked a function on XLA:CPU
+  # ("NOT_FOUND: Function add_select_fusion.42 not found"; NOTES.md, session 23).
+  argv = ["--out", str(out), "--steps", "4", "--no-compile-cache", *FLAGS]
   real_save, saves, filler = checkpoint.Checkpoints.save, [], []
 
   def fill_then_save(self, step, state, data=None, rollout=None):
