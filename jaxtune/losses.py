@@ -154,36 +154,26 @@ def fused_loss_sums(
   must close over frozen values (``_head_trains`` says where it does not). Not for float16
   under loss scaling: the gradients are taken unscaled."""
 
-  def piece(h_c, labels_c, grad: bool):
+  def piece(carry, xs):
+    h_c, labels_c = xs
     mask = labels_c != IGNORE
     safe = jnp.where(mask, labels_c, 0)
     logits, back = jax.vjp(lambda x: head(x).astype(jnp.float32), h_c)  # [B, c, V]
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
-    sums = (jnp.sum((lse - picked) * mask), jnp.sum(mask))
-    if not grad:
-      return sums, None
     # d ce / d logits = softmax - one-hot (the softmax from lse: one more pass over the
     # logits, not three), for the loss tokens only.
     g = jnp.exp(logits - lse[..., None]) - jax.nn.one_hot(safe, logits.shape[-1])
     (dh,) = back(g * mask[..., None])
-    return sums, dh
-
-  def run(h, labels, grad: bool):
-    def step(carry, xs):
-      (total, count), dh = piece(*xs, grad)
-      return (carry[0] + total, carry[1] + count), dh
-
-    zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-    return jax.lax.scan(step, zero, _pieces(h, labels, chunk))
+    return (carry[0] + jnp.sum((lse - picked) * mask), carry[1] + jnp.sum(mask)), dh
 
   @jax.custom_vjp
-  def sums(h, labels):
-    return run(h, labels, False)[0]
+  def sums(h, labels):  # not differentiated (evaluation): the plain pieces
+    return chunked_loss_sums(head, h, labels, chunk)
 
   def forward(h, labels):
-    out, dh = run(h, labels, True)  # dh [T / c, B, c, D]
-    return out, dh
+    zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+    return jax.lax.scan(piece, zero, _pieces(h, labels, chunk))  # dh [T / c, B, c, D]
 
   def backward(dh, cotangents):
     d_total, _ = cotangents

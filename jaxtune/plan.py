@@ -246,7 +246,7 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
   with _DamagedCacheEntries():
     whole: dict[str, int] = {}  # remat -> planned bytes with the logits whole
     refused: set[tuple[str, int]] = set()
-    unrolled_tried: set[str] = set()
+    unrolled_tried = False
     for remat, loss_chunk in candidates:
       if loss_chunk and logits_bytes and remat in whole:
         if not fits(whole[remat] - 4 * logits_bytes, limit):
@@ -257,9 +257,8 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
       rt = runtime.replace(remat=remat, loss_chunk=loss_chunk, candidates=(), try_unrolled=False)
       # Faster where it fits (--layer-loop auto); ~1.9x the scan's plan at 8B, so tried with
       # the first activations candidate only (not again once it has missed or was refused).
-      unroll = runtime.try_unrolled and remat == "activations" and remat not in unrolled_tried
-      if remat == "activations":
-        unrolled_tried.add(remat)
+      unroll = runtime.try_unrolled and remat == "activations" and not unrolled_tried
+      unrolled_tried = unrolled_tried or remat == "activations"
       if choosing and floor is not None and source != HOST_MEMORY:
         least = floor(rt)
         if not fits(least, limit):
