@@ -69,7 +69,8 @@ TINY = dict(  # CPU smoke shape: 8 heads and 8 KV heads so tensor=8 divides, 4 l
 )
 START_LINE = re.compile(
   r"(?:(?P<fill>\d+)% tokens|prompts x).*attention (?P<attention>\w+(?: \([\w ]+\))?), "
-  r"remat (?P<remat>\w+(?:, loss chunk \d+)?(?:, groups of \d+ layers)?)"
+  r"remat (?P<remat>\w+(?:, loss chunk \d+)?(?:, groups of \d+ layers)?"
+  r"(?:, activations kept in the first \d+ layers)?(?:, layers unrolled)?)"
   r"(?: \((?:auto: )?planned (?P<plan>[\d.]+ [GM]iB))?"
   r"[^;]*; loaded in (?P<load>[\d.]+)s(?:, compiled in (?P<compile>[\d.]+)s"
   r"(?P<cached> \(from the compilation cache\))?)?"

@@ -48,6 +48,10 @@ DOMINATED_BY = {"dots_no_batch": "activations"}
 # Kept free beside the step's plan: the allocator's fragmentation, the evaluation step, the
 # next batch in flight and the runtime's own buffers.
 MARGIN_FRACTION = 0.08
+# Under full remat, plan.choose keeps the activations of some layers where remat activations
+# does not fit, if at least this fraction of the layers fits (~1/3 of their recomputation
+# saved each: 3% of the step at this fraction, about what the extra compile costs a short run).
+MIN_KEPT_FRACTION = 0.1
 
 
 _UNWRITTEN_LOCK = threading.Lock()
@@ -223,10 +227,10 @@ def choose(
   if store is not None:
     found = store.load(args)
     if found is not None:
-      compiled, (remat, loss_chunk, scan_layers, planned, limit, source, rejected) = found
+      compiled, (remat, loss_chunk, scan_layers, kept, planned, limit, source, rejected) = found
       rt = runtime.replace(
-        remat=remat, loss_chunk=loss_chunk, scan_layers=scan_layers, candidates=(),
-        try_unrolled=False,
+        remat=remat, loss_chunk=loss_chunk, scan_layers=scan_layers, kept_layers=kept,
+        candidates=(), try_unrolled=False, keep_up_to=0,
       )  # fmt: skip
       took = time.perf_counter() - t0
       return compiled, Plan(rt, planned, limit, source, rejected, took, 0, stored=True)
@@ -245,6 +249,7 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
   t0, hits = time.perf_counter(), _cache_hits
   with _DamagedCacheEntries():
     whole: dict[str, int] = {}  # remat -> planned bytes with the logits whole
+    missed: dict[tuple[str, int], int] = {}  # (remat, loss chunk) -> its plan or floor
     refused: set[tuple[str, int]] = set()
     unrolled_tried = False
     for remat, loss_chunk in candidates:
@@ -254,7 +259,9 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
           continue
       if (DOMINATED_BY.get(remat), loss_chunk) in refused:
         continue
-      rt = runtime.replace(remat=remat, loss_chunk=loss_chunk, candidates=(), try_unrolled=False)
+      rt = runtime.replace(
+        remat=remat, loss_chunk=loss_chunk, candidates=(), try_unrolled=False, keep_up_to=0
+      )
       # Faster where it fits (--layer-loop auto); ~1.9x the scan's plan at 8B, so tried with
       # the first activations candidate only (not again once it has missed or was refused).
       unroll = runtime.try_unrolled and remat == "activations" and not unrolled_tried
@@ -264,6 +271,7 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
         if not fits(least, limit):
           rejected.append((f"remat {rt.setting}", least, False))
           refused.add((remat, loss_chunk))
+          missed[remat, loss_chunk] = least
           continue
       tries = [rt]
       if unroll:
@@ -275,6 +283,11 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
           break
         rejected.append((f"remat {rt.setting}", planned, True))
       if not choosing or planned is None or fits(planned, limit):
+        above = missed.get(("activations", loss_chunk))
+        if remat == "full" and runtime.keep_up_to and above is not None and choosing:
+          kept = _keep_layers(build, args, rt, planned, above, limit, runtime.keep_up_to, rejected)
+          if kept is not None:
+            compiled, rt, planned = kept
         plan = Plan(
           rt,
           planned or 0,
@@ -287,6 +300,7 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
         return compiled, plan
       rejected.append((f"remat {rt.setting}", planned, True))
       refused.add((remat, loss_chunk))
+      missed[remat, loss_chunk] = planned
       if not loss_chunk:
         whole[remat] = planned
   name, size, compiled = min(reversed(rejected), key=lambda r: r[1])  # ties: the later
@@ -301,6 +315,30 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
     "--batch-size (with --grad-accum to keep the batch) or --seq-len, or split the model over "
     "more devices with --mesh."
   )
+
+
+def _keep_layers(build, args, rt, full, above, limit, layers, rejected):
+  """(compiled step, runtime, planned bytes) of ``rt`` (remat full, planned ``full`` bytes)
+  with the activations of its first layers kept, as many as fit ``limit`` by a straight line
+  between full and remat activations (``above``: its plan or floor, all ``layers`` kept),
+  then once more by the line through the first try's plan; None where fewer than
+  MIN_KEPT_FRACTION of the layers would fit (the speed gained would not pay the compile)."""
+  room = limit * (1 - MARGIN_FRACTION) - full
+  per_layer, most = (above - full) / layers, layers - 1
+  for _ in range(2):
+    kept = min(most, int(room // per_layer)) if per_layer > 0 else most
+    if kept < max(1, math.ceil(MIN_KEPT_FRACTION * layers)):
+      return None
+    tried = rt.replace(kept_layers=kept)
+    compiled = _compile(build, tried, args)
+    planned = planned_bytes(compiled)
+    if planned is None:
+      return None
+    if fits(planned, limit):
+      return compiled, tried, planned
+    rejected.append((f"remat {tried.setting}", planned, True))
+    per_layer, most = (planned - full) / kept, kept - 1
+  return None
 
 
 def _compile(build, rt: Runtime, args) -> Any:
@@ -363,7 +401,7 @@ class _StepStore:
       entry = pickle.loads(self.path.read_bytes())
       if hashlib.sha256(entry["program"]).hexdigest() != entry["digest"]:
         raise ValueError("its digest does not match")
-      if len(entry["plan"]) != 7:  # (remat, loss_chunk, scan_layers, planned, budget, ...)
+      if len(entry["plan"]) != 8:  # (remat, loss_chunk, scan_layers, kept_layers, planned, ...)
         raise ValueError("its plan has another form")
       in_tree = entry["in_tree"]
       if in_tree != jax.tree.structure((tuple(args), {})):
@@ -405,8 +443,8 @@ class _StepStore:
     try:
       program, in_tree, out_tree = serialize_executable.serialize(compiled)
       rt = chosen.runtime
-      fields = (rt.remat, rt.loss_chunk, rt.scan_layers, chosen.planned, chosen.budget,
-                chosen.budget_source, chosen.rejected)  # fmt: skip
+      fields = (rt.remat, rt.loss_chunk, rt.scan_layers, rt.kept_layers, chosen.planned,
+                chosen.budget, chosen.budget_source, chosen.rejected)  # fmt: skip
       entry = pickle.dumps(
         {
           "program": program,

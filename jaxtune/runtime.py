@@ -73,6 +73,12 @@ class Runtime:
   # > 1: remat keeps the input of every group of this many layers only (models/decoder.py
   # GROUP_POLICIES: full, lean, offload)
   remat_group: int = 1
+  # > 0 (remat full): the first this many layers keep their activations as remat
+  # "activations" does, the others keep only their inputs (models/decoder.py)
+  kept_layers: int = 0
+  # > 0: plan.choose may keep the activations of some of these first layers under full
+  # remat where remat activations does not fit and full does (the model's layer count)
+  keep_up_to: int = 0
   microbatches: int = 1  # pipeline micro-batches per step (1 without a pipe axis)
   sequence_parallel: bool = False  # the residual stream's tokens split over tensor
   shard_frozen: bool = False  # NF4 storage also split over data, gathered per layer
@@ -104,6 +110,11 @@ class Runtime:
       raise ValueError("remat_group > 1 does not run inside a pipeline (a pipe axis)")
     if not self.scan_layers and self.pipelined:
       raise ValueError("unrolled layers do not run inside a pipeline (a pipe axis)")
+    if self.kept_layers and (self.remat != "full" or self.remat_group > 1 or self.pipelined):
+      raise ValueError(
+        "kept_layers > 0 needs remat full, remat_group 1 and no pipe axis, got "
+        f"remat {self.remat!r}, remat_group {self.remat_group}, pipelined {self.pipelined}"
+      )
 
   def replace(self, **changes: Any) -> Runtime:
     return dataclasses.replace(self, **changes)
@@ -183,6 +194,8 @@ class Runtime:
       remat += f", loss chunk {self.loss_chunk}"
     if self.remat_group > 1:
       remat += f", groups of {self.remat_group} layers"
+    if self.kept_layers:
+      remat += f", activations kept in the first {self.kept_layers} layers"
     if not self.scan_layers:
       remat += ", layers unrolled"
     return remat
@@ -394,6 +407,7 @@ def resolve(
       f"{run.mesh}) yet; drop it or the pipe axis."
     )
   try_unrolled = unrolled_first(run, mesh.size, devices[0], candidates)
+  keep_up_to = cfg.num_layers if keeps_layers(run, pp, candidates) else 0
   if run.embeddings == "host":
     _check_host_embeddings(run, cfg)
   ring_blocks = "xla"
@@ -418,6 +432,7 @@ def resolve(
     memory_limit=run.memory_limit,
     mlp_chunk=run.mlp_chunk,
     remat_group=run.remat_group,
+    keep_up_to=keep_up_to,
     microbatches=microbatches,
     sequence_parallel=run.sequence_parallel,
     shard_frozen=run.shard_frozen,
@@ -467,6 +482,16 @@ def unrolled_first(
     and device.platform == "gpu"
     and run.remat_group == 1
     and any(remat == "activations" for remat, _ in candidates)
+  )
+
+
+def keeps_layers(run: RunConfig, pp: int, candidates: Sequence[tuple[str, int]]) -> bool:
+  """Whether plan.choose may keep the activations of some layers under full remat where
+  activations does not fit (``--remat auto``, both settings among the candidates, no remat
+  groups and no pipe axis: the layers then run as one scan each)."""
+  remats = {remat for remat, _ in candidates}
+  return (
+    run.remat == "auto" and run.remat_group == 1 and pp == 1 and {"activations", "full"} <= remats
   )
 
 

@@ -80,6 +80,7 @@ def loss_and_grads(
   microbatches=0,
   attention="xla",
   remat_group=1,
+  kept_layers=0,
 ):
   """(loss, LoRA gradients as numpy, frozen state as placed) of one batch under ``spec``."""
   graphdef, lora, frozen = model_parts
@@ -92,7 +93,7 @@ def loss_and_grads(
     m = pipeline.num_microbatches(len(batch["input_ids"]) // mesh.shape["data"], microbatches)
   rt = runtime.Runtime(
     mesh=mesh if multi else None, remat=remat, shard_frozen=shard_frozen, microbatches=m,
-    attention=attention, remat_group=remat_group,
+    attention=attention, remat_group=remat_group, kept_layers=kept_layers,
   )  # fmt: skip
   graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
   if multi:
@@ -151,6 +152,47 @@ def test_remat_policies_give_the_same_loss(host_model, single, policy):
 def test_remat_groups_give_the_same_loss(host_model, single, remat, group):
   got = loss_and_grads(host_model, "1", remat=remat, remat_group=group)
   _assert_same(got, single, f"{remat} in groups of {group}")
+
+
+def test_activations_kept_in_the_first_layers_give_the_same_loss(host_model, single):
+  got = loss_and_grads(host_model, "1", remat="full", kept_layers=3)
+  _assert_same(got, single, "full, activations kept in the first 3 of 8 layers")
+
+
+def test_activations_kept_in_the_first_layers_cost_each_layer_the_same(host_model):
+  """Full remat keeping the activations of its first k layers saves, for the backward pass,
+  k layers' worth of what remat activations saves in all 8 beside full's own layer inputs: a
+  straight line from full (k = 0) to activations (k = 8), which plan.choose's estimate of k
+  follows. Refused with remat groups, a pipe axis or another remat setting."""
+  from jaxtune import plan
+
+  cfg = ModelConfig.from_hf(TINY)
+  graphdef, lora, frozen = host_model
+  batch = jax.device_put(_batch(t=32))
+
+  def floor(**kw):
+    rt = runtime.Runtime(**kw)
+    loss = lambda lo: losses.loss_sums(graphdef, lo, frozen, batch, None, rt)[0]  # noqa: E731
+    return plan.floor_bytes(loss, lora, (lora, frozen, batch))
+
+  full, act = floor(remat="full"), floor(remat="activations")
+  kept = [floor(remat="full", kept_layers=k) for k in (2, 4, 6)]
+  per_layer = (act - full) / 8
+  assert per_layer > 0
+  for k, got in zip((2, 4, 6), kept, strict=True):
+    assert got == pytest.approx(full + k * per_layer, rel=0.02), (k, got, full, act)
+  for bad in (dict(remat="activations"), dict(remat="full", remat_group=2)):
+    with pytest.raises(ValueError, match="kept_layers > 0 needs remat full"):
+      runtime.Runtime(kept_layers=2, **bad)
+  rt = runtime.resolve(RunConfig(), cfg, devices=jax.devices()[:1])  # --remat auto
+  assert rt.keep_up_to == 8 and rt.kept_layers == 0
+  assert (
+    "remat full, activations kept in the first 3 layers"
+    in rt.replace(remat="full", candidates=(), kept_layers=3).describe()
+  )
+  for run in (RunConfig(remat="full"), RunConfig(remat_group=2), RunConfig(mesh="1x1x2")):
+    devices = jax.devices()[: 2 if run.mesh else 1]
+    assert runtime.resolve(run, cfg, devices=devices).keep_up_to == 0, run
 
 
 def test_remat_groups_keep_only_each_groups_input(host_model):

@@ -32,6 +32,7 @@ class FakeStep:
 
   def build(self, rt: Runtime):
     setting = (rt.remat, rt.loss_chunk) + (() if rt.scan_layers else ("unrolled",))
+    setting += ("kept", rt.kept_layers) if rt.kept_layers else ()
 
     def lower(*args):
       def compile():
@@ -250,6 +251,40 @@ def test_a_forced_activations_setting_takes_its_layers_unrolled_only_where_they_
     fake = FakeStep(sizes)
     program, chosen_plan = plan.choose(fake.build, (), forced, (budget * MIB, "H100"))
     assert program.setting == chosen and chosen_plan.budget is None, budget
+
+
+@pytest.mark.parametrize(
+  "budget_mib, kept, compiled",
+  [
+    # 73.6 MiB usable: 23.6 over full; the line from full (50) to activations (100 over 10
+    # layers: 5 a layer) says 4 layers, which plan 74 (6 a layer): the line through that
+    # plan says 3, which fit.
+    (80, 3, [4, 3]),
+    (120, None, []),  # activations fits: nothing kept
+    (62, 1, [1]),  # 57.04 usable: the line says 1 layer (7.04 / 5), which plans 56
+    (56, None, []),  # 51.5 usable: fewer than one layer in ten fits; full as it was
+  ],
+)
+def test_full_keeps_the_activations_of_as_many_layers_as_fit(budget_mib, kept, compiled):
+  """Where activations misses and full fits, full is tried again keeping the activations of
+  its first k layers, k read off the straight line between the two plans (then once more
+  off the line through the first try), and kept where it fits."""
+  sizes = {**SIZES, **{("full", 0, "kept", k): 50 * MIB + 6 * k * MIB for k in range(1, 10)}}
+  fake = FakeStep(sizes)
+  start = AUTO.replace(keep_up_to=10)
+  program, chosen = plan.choose(fake.build, (), start, (budget_mib * MIB, "H100"))
+  assert [s[3] for s in fake.compiled if "kept" in s] == compiled
+  rt = chosen.runtime
+  if kept is None:
+    assert rt.kept_layers == 0 and program.setting[:2] in ((A, 0), ("full", 0))
+  else:
+    assert rt.remat == "full" and rt.kept_layers == kept and program.setting[-1] == kept
+    assert chosen.planned == sizes[("full", 0, "kept", kept)]
+    assert rt.keep_up_to == 0 and rt.setting == f"full, activations kept in the first {kept} layers"
+  forced = Runtime(remat="full", candidates=(("full", 0), ("full", C)), keep_up_to=10)
+  fake = FakeStep(sizes)
+  plan.choose(fake.build, (), forced, (80 * MIB, "H100"))
+  assert fake.compiled == [("full", 0)]  # no activations plan to draw the line from
 
 
 def test_a_single_setting_is_compiled_without_a_budget_check():

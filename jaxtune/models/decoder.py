@@ -386,7 +386,27 @@ class Decoder(nnx.Module):
       return x
 
     group = runtime.remat_group
-    if group == 1:
+    if group == 1 and runtime.kept_layers:
+      # The first kept_layers layers keep their activations, the rest (remat full) only their
+      # inputs: two scans, each layer indexing the whole stack (no weights sliced into a copy).
+      # (A layer indexes the stack inside its checkpoint: indexed outside, its weights would be
+      # saved for the backward pass.)
+      kept = runtime.kept_layers
+
+      def layer_at(x, i, xs, side):
+        return step(x, jax.tree.map(lambda a: a[i], xs), side)
+
+      policies = (REMAT_POLICIES["activations"], REMAT_POLICIES[runtime.remat])
+      steps = [jax.checkpoint(layer_at, policy=p, prevent_cse=False) for p in policies]
+
+      def run(x, xs, side):
+        layers = jax.tree.leaves(xs)[0].shape[0]
+        if kept >= layers:
+          raise ValueError(f"kept_layers {kept} must be fewer than the {layers} layers")
+        for f, ids in zip(steps, (jnp.arange(kept), jnp.arange(kept, layers)), strict=True):
+          x = scan(lambda x, i, f=f: f(x, i, xs, side), x, ids)
+        return x
+    elif group == 1:
       if runtime.remat != "none":
         step = jax.checkpoint(step, policy=REMAT_POLICIES[runtime.remat], prevent_cse=False)
 
