@@ -103,8 +103,9 @@ _HELP = {
   "skip_nonfinite": "skip steps whose loss is NaN, inf or exactly 0 (counted in metrics) "
   "instead of stopping the run",
   "remat": "activation checkpointing per layer: auto (the fastest of activations, "
-  "dots_no_batch, full, lean and offload whose compiled memory plan fits the device: the "
-  "start line names the choice), activations (fastest: keeps what each layer's backward reads, "
+  "dots_no_batch, full, lean and offload whose compiled memory plan fits the device; where "
+  "activations misses and full fits, full keeping the activations of as many first layers as "
+  "fit: the start line names the choice), activations (fastest: keeps what each layer's backward reads, "
   "recomputes only norms, rope and the activation), full (keeps only each layer's input), "
   "lean (full, and each NF4 weight dequantized again for its backward product: less "
   "memory, ~3% slower than full), none, dots, dots_no_batch, offload (full, with layer "
