@@ -12,8 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Tests fake 8 CPU devices for the mesh tests; must be set before jax initialises.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Tests fake 8 CPU devices for the mesh tests; must be set before jax initialises. Their
+# programs are tiny: LLVM's optimisations cost them more compile time than they save in
+# running (level 0; the command lines the tests start inherit it).
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
@@ -64,11 +67,26 @@ def compile_cache_env(env: dict, lane: str) -> dict:
   return env
 
 
+# Tests marked ``beside`` (heavy, self-contained, in-process) run in a pytest process of their
+# own, a background job beside this one, when the session also holds the test that checks
+# them (BESIDE_CHECK); otherwise (a file or a test run alone) here, as any test. The child
+# knows itself by BESIDE_VAR.
+BESIDE_VAR = "JAXTUNE_TESTS_BESIDE"
+BESIDE_CHECK = "test_beside.py::test_the_tests_marked_beside_pass_in_a_process_of_their_own"
+BESIDE: list[str] = []  # the node ids this session moved to the child
+
+
 def pytest_collection_modifyitems(config, items):
   """Tests marked ``gpu`` are skipped where JAX sees no GPU (CPU machines, CI; and a GPU machine
   unless JAX_PLATFORMS lets JAX use it: this file defaults it to cpu). Tests marked ``late``
   (they only read a background job's results) run after the others, so their job, queued
-  last (jobs go in the order tests first use them), has the whole session to finish."""
+  last (jobs go in the order tests first use them), has the whole session to finish. Tests
+  marked ``beside`` leave this session for the child of BESIDE_CHECK where it is selected."""
+  beside = [item for item in items if item.get_closest_marker("beside")]
+  checked = any(item.nodeid.endswith(BESIDE_CHECK) for item in items)
+  if beside and checked and not os.environ.get(BESIDE_VAR):
+    BESIDE[:] = [item.nodeid for item in beside]
+    items[:] = [item for item in items if not item.get_closest_marker("beside")]
   late = [item for item in items if item.get_closest_marker("late")]
   items[:] = [item for item in items if not item.get_closest_marker("late")] + late
   gpu = [item for item in items if item.get_closest_marker("gpu")]
@@ -246,6 +264,7 @@ class _Runs:
     self._stopping = False
     self.ran_s = 0.0  # the jobs' time
     self.waited_s = 0.0  # the tests' time waiting for them
+    self.took: dict[str, float] = {}  # each job's time
     self._thread = threading.Thread(target=self._run, args=(jobs,), name="background-runs")
     self._thread.daemon = True
     self._thread.start()
@@ -259,7 +278,9 @@ class _Runs:
         self._results[name] = (job(self), None)
       except BaseException as e:  # handed to the test that asks for the result
         self._results[name] = (None, e)
-      self.ran_s += time.perf_counter() - start
+      took = time.perf_counter() - start
+      self.ran_s += took
+      self.took[name] = took
       self._done[name].set()
 
   def result(self, name: str):
@@ -318,7 +339,9 @@ def _background_runs(request, tmp_path_factory):
   if jobs:
     _SUMMARY.append(
       f"background command lines: {len(jobs)} job(s) ran {runs.ran_s:.0f}s beside the tests, "
-      f"which waited {runs.waited_s:.0f}s for them"
+      f"which waited {runs.waited_s:.0f}s for them ("
+      + ", ".join(f"{name} {took:.0f}s" for name, took in runs.took.items())
+      + ")"
     )
 
 
@@ -479,3 +502,18 @@ def mesh_lora_model(path, run, spec: str):
   rt = runtime.resolve(run.replace(mesh=spec), ModelConfig.from_hf(path), devices=devices)
   model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32", mesh=rt.mesh)
   return rt, jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
+
+
+@background_run("tests_beside")
+def _tests_beside(directory, runs):
+  """The tests marked ``beside`` that this session moved (BESIDE), run by pytest in a process
+  of its own: (node ids, exit code, the junit report's path, the output's tail)."""
+  if not BESIDE:
+    return [], None, None, ""
+  report = directory / "report.xml"
+  root = Path(__file__).parent.parent
+  argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+          f"--junitxml={report}", *BESIDE]  # fmt: skip
+  env = compile_cache_env({**os.environ, BESIDE_VAR: "1"}, "background")
+  proc = run_cli(argv, timeout=1800, cwd=root, env=env)
+  return list(BESIDE), proc.returncode, report, (proc.stdout + proc.stderr)[-6000:]

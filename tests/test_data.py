@@ -206,8 +206,10 @@ def test_each_format_and_source_trains(fmt, kind, extra, tmp_path, capsys, tok):
   path = _write(tmp_path / f"{fmt}{suffix}", fmt, kind)
   if extra.get("eval_data") == "SAME":
     extra = {**extra, "eval_data": str(path)}
+  # One row length for every case, so that all share one compiled step (an unset --seq-len
+  # follows each data set's lengths: test_unset_seq_len_holds_99_percent_capped_by_the_model).
   run_dir, model = jaxtune.train(
-    data=path, out=str(tmp_path / "run"), steps=2, export=None, log_every=1, **extra
+    data=path, out=str(tmp_path / "run"), steps=2, export=None, log_every=1, seq_len=128, **extra
   )
   said = capsys.readouterr().out
   shown = "prompt_completion" if fmt == "mapped" else fmt
@@ -223,6 +225,7 @@ def test_each_format_and_source_trains(fmt, kind, extra, tmp_path, capsys, tok):
   assert model.layers.self_attn.q_proj.lora_b is not None
 
 
+@pytest.mark.beside
 def test_train_takes_a_dataset_or_dicts_from_python(tmp_path, capsys):
   import datasets
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import background_run, compile_cache_env, finish, start_cli
+from conftest import TEST_XLA_FLAGS, background_run, compile_cache_env, finish, start_cli
 
 from jaxtune import distributed
 from jaxtune.run_config import RunConfig
@@ -33,7 +33,9 @@ def _env(devices: int, **extra) -> dict:
   """The environment of a process started beside others: its compilation cache of its own."""
   env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXTUNE_", "SLURM_", "OMPI_"))}
   env.update(
-    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", **extra
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {TEST_XLA_FLAGS}",
+    JAX_PLATFORMS="cpu",
+    **extra,
   )
   return compile_cache_env(env, f"multihost-{next(_LANES)}")
 

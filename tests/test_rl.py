@@ -214,6 +214,7 @@ def test_grpo_learns_a_toy_task_and_resumes_exactly(grpo_cli_runs):
 # ---------------------------------------------------------------- meshes
 
 
+@pytest.mark.beside
 def test_dpo_and_grpo_under_meshes_equal_one_device(tmp_path):
   """The DPO loss (pairs packed two to a row) and its LoRA gradients under 2x4 and 1x2x2 (a
   pipeline), and the GRPO loss (fixed completions, the KL on) and gradients under 2x4, equal

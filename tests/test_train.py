@@ -270,6 +270,7 @@ def test_chunked_loss_equals_the_full_logits_loss(tiny, monkeypatch):
   assert not fused_calls
 
 
+@pytest.mark.beside
 @pytest.mark.slow
 def test_chunked_mlp_trains_like_the_whole_mlp_in_less_memory(tiny, hf_llama_dir):
   """--mlp-chunk: the MLP over pieces of 10 tokens (24 = 10 + 10 + 4, zero-padded) under
