@@ -256,6 +256,7 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
       if loss_chunk and logits_bytes and remat in whole:
         if not fits(whole[remat] - 4 * logits_bytes, limit):
           refused.add((remat, loss_chunk))
+          missed[remat, loss_chunk] = whole[remat] - 4 * logits_bytes  # a floor of its plan
           continue
       if (DOMINATED_BY.get(remat), loss_chunk) in refused:
         continue
@@ -284,7 +285,8 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
         rejected.append((f"remat {rt.setting}", planned, True))
       if not choosing or planned is None or fits(planned, limit):
         above = missed.get(("activations", loss_chunk))
-        if remat == "full" and runtime.keep_up_to and above is not None and choosing:
+        keep = remat == "full" and runtime.keep_up_to and choosing
+        if keep and above is not None and planned is not None:
           kept = _keep_layers(build, args, rt, planned, above, limit, runtime.keep_up_to, rejected)
           if kept is not None:
             compiled, rt, planned = kept

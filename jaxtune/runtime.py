@@ -110,6 +110,8 @@ class Runtime:
       raise ValueError("remat_group > 1 does not run inside a pipeline (a pipe axis)")
     if not self.scan_layers and self.pipelined:
       raise ValueError("unrolled layers do not run inside a pipeline (a pipe axis)")
+    if self.kept_layers < 0:
+      raise ValueError(f"kept_layers must be at least 0, got {self.kept_layers}")
     if self.kept_layers and (self.remat != "full" or self.remat_group > 1 or self.pipelined):
       raise ValueError(
         "kept_layers > 0 needs remat full, remat_group 1 and no pipe axis, got "
@@ -488,10 +490,14 @@ def unrolled_first(
 def keeps_layers(run: RunConfig, pp: int, candidates: Sequence[tuple[str, int]]) -> bool:
   """Whether plan.choose may keep the activations of some layers under full remat where
   activations does not fit (``--remat auto``, both settings among the candidates, no remat
-  groups and no pipe axis: the layers then run as one scan each)."""
+  groups, no pipe axis and the layers in a scan: they then run as two scans)."""
   remats = {remat for remat, _ in candidates}
   return (
-    run.remat == "auto" and run.remat_group == 1 and pp == 1 and {"activations", "full"} <= remats
+    run.remat == "auto"
+    and run.remat_group == 1
+    and pp == 1
+    and run.layer_loop != "unrolled"
+    and {"activations", "full"} <= remats
   )
 
 

@@ -184,13 +184,17 @@ def test_activations_kept_in_the_first_layers_cost_each_layer_the_same(host_mode
   for bad in (dict(remat="activations"), dict(remat="full", remat_group=2)):
     with pytest.raises(ValueError, match="kept_layers > 0 needs remat full"):
       runtime.Runtime(kept_layers=2, **bad)
+  with pytest.raises(ValueError, match="kept_layers must be at least 0"):
+    runtime.Runtime(remat="full", kept_layers=-1)
   rt = runtime.resolve(RunConfig(), cfg, devices=jax.devices()[:1])  # --remat auto
   assert rt.keep_up_to == 8 and rt.kept_layers == 0
   assert (
     "remat full, activations kept in the first 3 layers"
     in rt.replace(remat="full", candidates=(), kept_layers=3).describe()
   )
-  for run in (RunConfig(remat="full"), RunConfig(remat_group=2), RunConfig(mesh="1x1x2")):
+  not_kept = (RunConfig(remat="full"), RunConfig(remat_group=2), RunConfig(mesh="1x1x2"),
+              RunConfig(layer_loop="unrolled"))  # fmt: skip
+  for run in not_kept:
     devices = jax.devices()[: 2 if run.mesh else 1]
     assert runtime.resolve(run, cfg, devices=devices).keep_up_to == 0, run
 

@@ -287,6 +287,34 @@ def test_full_keeps_the_activations_of_as_many_layers_as_fit(budget_mib, kept, c
   assert fake.compiled == [("full", 0)]  # no activations plan to draw the line from
 
 
+def test_kept_layers_from_a_refused_twin_at_the_fraction_floor_and_when_both_tries_miss():
+  start = AUTO.replace(keep_up_to=10)
+  # Activations in pieces refused without compiling (the whole plan less 4 logits of 2 MiB:
+  # 92 MiB, a floor): that floor draws the line. 46 MiB usable: full whole (50) misses, full
+  # in pieces (40) fits; (92 - 40) / 10 = 5.2 a layer, 6 MiB of room: 1 layer, planning 45.
+  sizes = {**SIZES, ("full", C, "kept", 1): 45 * MIB}
+  fake = FakeStep(sizes)
+  program, chosen = plan.choose(fake.build, (), start, (50 * MIB, "H100"), logits_bytes=2 * MIB)
+  assert fake.compiled == [(A, 0), ("full", 0), ("full", C), ("full", C, "kept", 1)]
+  assert chosen.runtime.kept_layers == 1 and chosen.runtime.loss_chunk == C
+  # 20 layers, 2.5 MiB a layer by the line, 2.99 MiB of room: one layer would fit, fewer than
+  # MIN_KEPT_FRACTION (2 of 20): none is tried.
+  fake = FakeStep(SIZES)
+  program, chosen = plan.choose(fake.build, (), AUTO.replace(keep_up_to=20), (57.6 * MIB, "H100"))
+  assert program.setting == ("full", 0) and not any("kept" in s for s in fake.compiled)
+  # Every kept layer costs 20 MiB more than the line says: 4 layers plan 94, then (44 / 4 =
+  # 11 a layer) 2 plan 82; both miss, full runs as it was, and the note names the last try.
+  sizes = {**SIZES, **{("full", 0, "kept", k): (70 + 6 * k) * MIB for k in range(1, 10)}}
+  fake = FakeStep(sizes)
+  program, chosen = plan.choose(fake.build, (), start, (80 * MIB, "H100"))
+  assert [s[3] for s in fake.compiled if "kept" in s] == [4, 2]
+  assert program.setting == ("full", 0) and chosen.runtime.kept_layers == 0
+  assert chosen.planned == 50 * MIB
+  assert chosen.note().endswith(
+    "remat full, activations kept in the first 2 layers would plan 82 MiB"
+  )
+
+
 def test_a_single_setting_is_compiled_without_a_budget_check():
   fake = FakeStep({("full", 0): 500 * MIB})
   compiled, chosen = plan.choose(fake.build, (), Runtime(remat="full"), (MIB, "test"))
