@@ -106,10 +106,9 @@ _HELP = {
   "dots_no_batch, full, lean and offload whose compiled memory plan fits the device; where "
   "activations misses and full fits, full keeping the activations of as many first layers as "
   "fit: the start line names the choice), activations (fastest: keeps what each layer's "
-  "backward reads, "
-  "recomputes only norms, rope and the activation), full (keeps only each layer's input), "
-  "lean (full, and each NF4 weight dequantized again for its backward product: less "
-  "memory, ~3% slower than full), none, dots, dots_no_batch, offload (full, with layer "
+  "backward reads, recomputes only norms, rope and the activation), full (keeps only each "
+  "layer's input), lean (full, and each NF4 weight dequantized again for its backward product: "
+  "less memory, ~3% slower than full), none, dots, dots_no_batch, offload (full, with layer "
   "inputs kept in host memory)",
   "remat_group": "with --remat full, lean or offload (or auto, then among those): keep only "
   "the input of every group of N layers (in host memory under offload), recomputing a group's "

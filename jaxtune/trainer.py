@@ -216,8 +216,8 @@ def train(
     # A forward pass saves nothing for a backward one: the scan costs it nothing, and unrolled
     # (or in two scans keeping layers' activations) it would only compile longer (unless
     # --layer-loop unrolled asks for it).
-    looped = runtime.replace(kept_layers=0)
-    looped = looped if run.layer_loop == "unrolled" else looped.replace(scan_layers=True)
+    scan = run.layer_loop != "unrolled" or runtime.scan_layers
+    looped = runtime.replace(kept_layers=0, scan_layers=scan)
     eval_step = step.make_eval_step(graphdef, looped, objective)
   history, counts = [], {"skipped_steps": 0, "overflow_steps": 0}
   # The next batch is assembled while the step runs, where batches are a function of the step

@@ -385,17 +385,16 @@ class Decoder(nnx.Module):
         x = body(x, jax.tree.map(lambda a, i=i: a[i], xs))
       return x
 
+    def layer_at(x, i, xs, side):
+      """Layer ``i``, indexing the whole stack: no weights sliced out into a copy. Indexed
+      inside a checkpoint, so its weights are not saved for the backward pass."""
+      return step(x, jax.tree.map(lambda a: a[i], xs), side)
+
     group = runtime.remat_group
     if group == 1 and runtime.kept_layers:
       # The first kept_layers layers keep their activations, the rest (remat full) only their
-      # inputs: two scans, each layer indexing the whole stack (no weights sliced into a copy).
-      # (A layer indexes the stack inside its checkpoint: indexed outside, its weights would be
-      # saved for the backward pass.)
+      # inputs: two scans.
       kept = runtime.kept_layers
-
-      def layer_at(x, i, xs, side):
-        return step(x, jax.tree.map(lambda a: a[i], xs), side)
-
       policies = (REMAT_POLICIES["activations"], REMAT_POLICIES[runtime.remat])
       steps = [jax.checkpoint(layer_at, policy=p, prevent_cse=False) for p in policies]
 
@@ -415,12 +414,7 @@ class Decoder(nnx.Module):
     else:
       # Layers in groups of ``group``: only each group's input is kept (on the host under
       # offload); a group's backward recomputes its layers from it, keeping their inputs.
-      # Every layer indexes the whole stack (as the plain scan does), so no group's weights
-      # are sliced out into a copy.
-      def group_layer(x, layer, xs, side):
-        return step(x, jax.tree.map(lambda a: a[layer], xs), side)
-
-      group_layer = jax.checkpoint(group_layer, policy=_IN_GROUP, prevent_cse=False)
+      group_layer = jax.checkpoint(layer_at, policy=_IN_GROUP, prevent_cse=False)
 
       def one_group(x, first, xs, side):
         x = checkpoint_name(x, "group_input")
