@@ -1,6 +1,7 @@
 """Shared helpers: tiny, seeded transformers checkpoints written to disk as users have them."""
 
 import functools
+import itertools
 import os
 import shutil
 import subprocess
@@ -14,7 +15,12 @@ from typing import Any
 
 # Tests fake 8 CPU devices for the mesh tests; must be set before jax initialises. Their
 # programs are tiny: LLVM's optimisations cost them more compile time than they save in
-# running (level 0; the command lines the tests start inherit it).
+# running (level 0). Not for the jaxtune command lines they start (command_line_env): those
+# run tens of steps and mostly load their programs from the compilation cache, so level 0's
+# slower code costs more than its compile saves (the default run, 40 steps: 89 s of CPU at
+# level 0, 46 s at the default level; 4 steps: 26 s and 23 s). The tests' own code in a
+# child (interpreted kernels) keeps level 0: flash_cases took 126 s of CPU at level 0, 161 s
+# at the default.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -230,11 +236,26 @@ def background_run(name: str):
   return register
 
 
+def command_line_env(env: dict) -> dict:
+  """``env`` for a command line of jaxtune's the tests start: XLA_FLAGS less TEST_XLA_FLAGS."""
+  flags = env.get("XLA_FLAGS", "").replace(TEST_XLA_FLAGS, "").split()
+  return {**env, "XLA_FLAGS": " ".join(flags)}
+
+
+def _runs_a_command_line(argv: list[str]) -> bool:
+  """Whether ``argv`` runs ``python -m jaxtune.<entry>`` (itself or as a wrapper's child)."""
+  return any(a == "-m" and b.startswith("jaxtune.") for a, b in itertools.pairwise(argv))
+
+
 def start_cli(argv: list[str], **kwargs) -> subprocess.Popen:
   """Popen, by default with text pipes for stdout and stderr and the background compilation
-  cache lane; killed if the session ends first."""
+  cache lane (a jaxtune command line in command_line_env; the tests' own code, as in
+  ``python -c``, as this process compiles); killed if the session ends first."""
   kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **kwargs}
-  kwargs.setdefault("env", compile_cache_env(dict(os.environ), "background"))
+  env = dict(os.environ)
+  if _runs_a_command_line(argv):
+    env = command_line_env(env)
+  kwargs.setdefault("env", compile_cache_env(env, "background"))
   proc = subprocess.Popen(argv, **kwargs)
   _RUNNING.add(proc)
   return proc
