@@ -52,6 +52,10 @@ MARGIN_FRACTION = 0.08
 # does not fit, if at least this fraction of the layers fits (~1/3 of their recomputation
 # saved each: 3% of the step at this fraction, about what the extra compile costs a short run).
 MIN_KEPT_FRACTION = 0.1
+# The unrolled layer loop planned 1.57-1.9x the scan's memory wherever measured (Llama 8B
+# batches 2 and 4, experiments/RESULTS.md): not compiled where this many times the scan's
+# floor already misses (Llama 70B: its compile alone ran past 200 s).
+UNROLLED_GROWTH = 1.5
 
 
 _UNWRITTEN_LOCK = threading.Lock()
@@ -210,7 +214,8 @@ def choose(
   (the logits, their gradient and the softmax's temporaries are what chunking saves), and a
   DOMINATED_BY setting is not compiled once the setting that dominates it was refused.
   ``floor(runtime)``: a floor of that candidate's plan found without compiling
-  (``floor_bytes``); a candidate whose floor misses the budget is not compiled. Not traced
+  (``floor_bytes``); a candidate whose floor misses the budget is not compiled, nor its
+  layers unrolled where UNROLLED_GROWTH times the floor misses. Not traced
   against host memory (a CPU backend without --memory-limit): there the first candidate nearly
   always fits, and the trace cost a second per run (CPU tests: ~40 runs).
 
@@ -274,6 +279,7 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
           refused.add((remat, loss_chunk))
           missed[remat, loss_chunk] = least
           continue
+        unroll = unroll and fits(UNROLLED_GROWTH * least, limit)
       tries = [rt]
       if unroll:
         tries.insert(0, rt.replace(scan_layers=False))

@@ -242,6 +242,22 @@ def test_activations_is_tried_with_its_layers_unrolled_first(budget_mib, chosen,
     assert name.endswith("layers unrolled") == ("unrolled" in compiled[-2])
 
 
+def test_layers_are_not_unrolled_where_the_scans_floor_says_they_cannot_fit():
+  """The unrolled loop planned 1.57-1.9x the scan's memory where measured: where
+  UNROLLED_GROWTH times the scan's floor misses the budget, only the scan is compiled."""
+  sizes = {**SIZES, (A, 0, "unrolled"): 190 * MIB}
+  start = AUTO.replace(try_unrolled=True)
+  assert plan.UNROLLED_GROWTH == 1.5
+  # 220 MiB: 202.4 usable. A floor of 140 MiB (x 1.5 = 210) skips the unrolled compile; one
+  # of 130 (195) does not, and the unrolled loop (190) is taken.
+  for least, compiled in ((140, [(A, 0)]), (130, [(A, 0, "unrolled")])):
+    fake = FakeStep(sizes)
+    program, _ = plan.choose(
+      fake.build, (), start, (220 * MIB, "H100"), floor=lambda rt, least=least: least * MIB
+    )
+    assert fake.compiled == compiled and program.setting == compiled[-1], least
+
+
 def test_a_forced_activations_setting_takes_its_layers_unrolled_only_where_they_fit():
   """The budget picks the loop; the forced setting itself is not checked against it (as any
   single setting), so a scan that misses still runs."""
