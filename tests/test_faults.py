@@ -78,6 +78,7 @@ def _sigterm_and_resume(directory, runs):
 
 
 @pytest.mark.slow
+@pytest.mark.late
 def test_sigterm_saves_then_resume_reproduces_the_run(sigterm_and_resume):
   """Preemption: SIGTERM mid-run saves a checkpoint at the step it reached (not a --save-every
   multiple) and exits; --resume then gives exactly the losses of an uninterrupted run."""

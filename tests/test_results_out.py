@@ -10,39 +10,39 @@ import subprocess
 import sys
 
 import pytest
+from conftest import background_run, command_line_env, compile_cache_env, run_cli
 
-import jaxtune
 from converters import hub, model_card
 from jaxtune.errors import ExportError
 from jaxtune.export import main as export_main
 
+# The run the tests below read, made from Python (jaxtune.train) in a process of its own
+# beside the other tests: its umask 022, W&B in offline mode.
+_TRAIN_FROM_PYTHON = """
+import os, sys
+import jaxtune
+os.umask(0o022)
+jaxtune.train(out=sys.argv[1], steps=3, eval_split=0.1, eval_prompts=sys.argv[2],
+              report_to="tensorboard,wandb")
+"""
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-  """A short run of the built-in model with its merged export (in this process), reported to
-  TensorBoard and to W&B in offline mode, with an eval generation."""
-  old = os.umask(0o022)
-  env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_PROJECT": "jaxtune-tests"}
-  saved = {k: os.environ.get(k) for k in env}
-  os.environ.update(env)
-  try:
-    root = tmp_path_factory.mktemp("results")
-    (root / "prompts.txt").write_text("What is 2 plus 3?\n")
-    run_dir, _ = jaxtune.train(
-      out=str(root / "run"),
-      steps=3,
-      eval_split=0.1,
-      eval_prompts=str(root / "prompts.txt"),
-      report_to="tensorboard,wandb",
-    )
-  finally:
-    os.umask(old)
-    for k, v in saved.items():
-      if v is None:
-        os.environ.pop(k, None)
-      else:
-        os.environ[k] = v
-  return run_dir
+
+@background_run("results_run")
+def _results_run(directory, runs):
+  """A short run of the built-in model with its merged export, reported to TensorBoard and to
+  W&B in offline mode, with an eval generation: its run directory."""
+  (directory / "prompts.txt").write_text("What is 2 plus 3?\n")
+  env = command_line_env(dict(os.environ))
+  env.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_PROJECT="jaxtune-tests")
+  argv = [sys.executable, "-c", _TRAIN_FROM_PYTHON, str(directory / "run")]
+  proc = run_cli([*argv, str(directory / "prompts.txt")], env=compile_cache_env(env, "background"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return directory / "run"
+
+
+@pytest.fixture
+def trained(results_run):
+  return results_run
 
 
 def test_every_export_has_a_model_card_with_metadata_and_results(trained):
