@@ -2,6 +2,7 @@
 (plan.py), the refusal when none does, and the persistent compilation cache of the command
 lines. The real step's plans are checked in test_train (a run under --memory-limit)."""
 
+import math
 import os
 import re
 import sys
@@ -126,6 +127,23 @@ def test_the_fused_loss_replaces_the_whole_logits_where_it_applies():
 A, C = "activations", AUTO_LOSS_CHUNK
 
 
+def test_the_margin_is_a_fraction_of_the_budget_and_at_most_a_few_gib():
+  """8% of the budget, at most MARGIN_MOST (4 GiB, from 50 GiB up): a 16 GiB card keeps
+  1.28 GiB free, an 80 GB H100's 75.2 GiB pool 4 GiB (not 6), a 141 GB H200's 4 GiB."""
+  assert (plan.MARGIN_FRACTION, plan.MARGIN_MOST) == (0.08, 4 * GIB)
+  for budget_gib, free_gib in ((16, 1.28), (50, 4), (75.2, 4), (132, 4)):
+    budget = int(budget_gib * GIB)
+    assert budget - plan.usable(budget) == pytest.approx(free_gib * GIB, abs=1), budget_gib
+    assert plan.fits(budget - math.ceil(free_gib * GIB), budget)
+    assert not plan.fits(budget - math.ceil(free_gib * GIB) + MIB, budget)
+  # With a 75.2 GiB budget, a setting planning 70 GiB is taken (8% would have refused it).
+  sizes = {**SIZES, (A, 0): 70 * GIB}
+  fake = FakeStep(sizes)
+  program, _ = plan.choose(fake.build, (), AUTO, (int(75.2 * GIB), "H100"))
+  assert program.setting == (A, 0) and fake.compiled == [(A, 0)]
+  assert 70 * GIB > 75.2 * GIB * (1 - plan.MARGIN_FRACTION)
+
+
 @pytest.mark.parametrize(
   "budget_mib, chosen, compiled",
   [
@@ -146,8 +164,8 @@ def test_the_first_setting_that_fits_is_compiled_once_and_kept(budget_mib, chose
   assert program.setting == chosen == (chosen_plan.runtime.remat, chosen_plan.runtime.loss_chunk)
   assert chosen_plan.runtime.candidates == ()
   assert fake.compiled == compiled  # nothing after the chosen one
-  assert SIZES[chosen] <= budget * (1 - plan.MARGIN_FRACTION)
-  assert all(SIZES[s] > budget * (1 - plan.MARGIN_FRACTION) for s in fake.compiled[:-1])
+  assert SIZES[chosen] <= plan.usable(budget)
+  assert all(SIZES[s] > plan.usable(budget) for s in fake.compiled[:-1])
   assert chosen_plan.planned == SIZES[chosen]
   note = chosen_plan.note()
   assert note.startswith(f"auto: planned {SIZES[chosen] // MIB} MiB of {budget_mib} MiB"), note

@@ -198,7 +198,7 @@ def test_the_command_line_gives_jax_most_of_each_gpu_unless_told_otherwise():
 
   env = {}
   claim_device_memory(env)
-  assert env == {MEMORY_FRACTION_VAR: "0.9"}  # JAX's own default is 0.75
+  assert env == {MEMORY_FRACTION_VAR: "0.95"}  # JAX's own default is 0.75
   for chosen in ({MEMORY_FRACTION_VAR: "0.5"}, {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}):
     env = dict(chosen)
     claim_device_memory(env)
