@@ -200,7 +200,6 @@ TRAINED = [
 ]
 
 
-@pytest.mark.beside
 @pytest.mark.parametrize("fmt,kind,extra", TRAINED, ids=[f"{f}-{k}" for f, k, _ in TRAINED])
 def test_each_format_and_source_trains(fmt, kind, extra, tmp_path, capsys, tok):
   suffix = {"saved": "", "splits": ""}.get(kind, "." + kind)
