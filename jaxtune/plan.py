@@ -55,10 +55,11 @@ MARGIN_MOST = 4 * GIB
 # does not fit, if at least this fraction of the layers fits (~1/3 of their recomputation
 # saved each: 3% of the step at this fraction, about what the extra compile costs a short run).
 MIN_KEPT_FRACTION = 0.1
-# The unrolled layer loop planned 1.57-1.9x the scan's memory wherever measured (Llama 8B
-# batches 2 and 4, experiments/RESULTS.md): not compiled where this many times the scan's
-# floor already misses (Llama 70B: its compile alone ran past 200 s).
-UNROLLED_GROWTH = 1.5
+# The unrolled layer loop planned 1.4-1.9x the scan's memory wherever measured (Llama 1B
+# batch 4, 8B batches 2 and 4; experiments/RESULTS.md), and a floor is at most its plan: not
+# compiled where this many times the scan's floor already misses (Llama 70B: that compile ran
+# for minutes).
+UNROLLED_GROWTH = 1.3
 
 
 _UNWRITTEN_LOCK = threading.Lock()
@@ -223,7 +224,8 @@ def choose(
   DOMINATED_BY setting is not compiled once the setting that dominates it was refused.
   ``floor(runtime)``: a floor of that candidate's plan found without compiling
   (``floor_bytes``); a candidate whose floor misses the budget is not compiled, nor its
-  layers unrolled where UNROLLED_GROWTH times the floor misses. Not traced
+  layers unrolled (also for a forced setting) where UNROLLED_GROWTH times the floor misses.
+  Not traced
   against host memory (a CPU backend without --memory-limit): there the first candidate nearly
   always fits, and the trace cost a second per run (CPU tests: ~40 runs).
 
@@ -280,9 +282,9 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
       # the first activations candidate only (not again once it has missed or was refused).
       unroll = runtime.try_unrolled and remat == "activations" and not unrolled_tried
       unrolled_tried = unrolled_tried or remat == "activations"
-      if choosing and floor is not None and source != HOST_MEMORY:
+      if (choosing or unroll) and floor is not None and source != HOST_MEMORY:
         least = floor(rt)
-        if not fits(least, limit):
+        if choosing and not fits(least, limit):
           rejected.append((f"remat {rt.setting}", least, False))
           refused.add((remat, loss_chunk))
           missed[remat, loss_chunk] = least

@@ -18,7 +18,8 @@ from typing import Any
 # running (level 0). Not for the jaxtune command lines they start (command_line_env): those
 # run tens of steps and mostly load their programs from the compilation cache, so level 0's
 # slower code costs more than its compile saves (the default run, 40 steps: 89 s of CPU at
-# level 0, 46 s at the default level; 4 steps: 26 s and 23 s). The tests' own code in a
+# level 0, 46 s at the default level; 4 steps: 26 s and 23 s), nor for a run made from Python
+# in a child (test_results_out, given command_line_env). The tests' own code in a
 # child (interpreted kernels) keeps level 0: flash_cases took 126 s of CPU at level 0, 161 s
 # at the default.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
@@ -250,7 +251,9 @@ def _runs_a_command_line(argv: list[str]) -> bool:
 def start_cli(argv: list[str], **kwargs) -> subprocess.Popen:
   """Popen, by default with text pipes for stdout and stderr and the background compilation
   cache lane (a jaxtune command line in command_line_env; the tests' own code, as in
-  ``python -c``, as this process compiles); killed if the session ends first."""
+  ``python -c``, as this process compiles); ``env=`` given is used as it is (test_multihost
+  keeps TEST_XLA_FLAGS: it compares losses with a run in this process). Killed if the session
+  ends first."""
   kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **kwargs}
   env = dict(os.environ)
   if _runs_a_command_line(argv):

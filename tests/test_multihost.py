@@ -30,7 +30,9 @@ _LANES = itertools.count()
 
 
 def _env(devices: int, **extra) -> dict:
-  """The environment of a process started beside others: its compilation cache of its own."""
+  """The environment of a process started beside others: its compilation cache of its own.
+  TEST_XLA_FLAGS stay (unlike other command lines, conftest.command_line_env): the losses are
+  compared with a run in this process at rtol 1e-6."""
   env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXTUNE_", "SLURM_", "OMPI_"))}
   env.update(
     XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {TEST_XLA_FLAGS}",
