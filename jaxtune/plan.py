@@ -225,9 +225,8 @@ def choose(
   ``floor(runtime)``: a floor of that candidate's plan found without compiling
   (``floor_bytes``); a candidate whose floor misses the budget is not compiled, nor its
   layers unrolled (also for a forced setting) where UNROLLED_GROWTH times the floor misses.
-  Not traced
-  against host memory (a CPU backend without --memory-limit): there the first candidate nearly
-  always fits, and the trace cost a second per run (CPU tests: ~40 runs).
+  Not traced against host memory (a CPU backend without --memory-limit): there the first
+  candidate nearly always fits, and the trace cost a second per run (CPU tests: ~40 runs).
 
   ``identity``: what decides the program ``build`` makes besides ``args``' shapes and
   placement, ``runtime`` and ``budget`` (the model's graphdef, the run's optimizer settings,

@@ -19,7 +19,7 @@ from typing import Any
 # run tens of steps and mostly load their programs from the compilation cache, so level 0's
 # slower code costs more than its compile saves (the default run, 40 steps: 89 s of CPU at
 # level 0, 46 s at the default level; 4 steps: 26 s and 23 s), nor for a run made from Python
-# in a child (test_results_out, given command_line_env). The tests' own code in a
+# in a child (test_results_out's `trained`, given command_line_env). The tests' own code in a
 # child (interpreted kernels) keeps level 0: flash_cases took 126 s of CPU at level 0, 161 s
 # at the default.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
@@ -255,10 +255,9 @@ def start_cli(argv: list[str], **kwargs) -> subprocess.Popen:
   keeps TEST_XLA_FLAGS: it compares losses with a run in this process). Killed if the session
   ends first."""
   kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **kwargs}
-  env = dict(os.environ)
-  if _runs_a_command_line(argv):
-    env = command_line_env(env)
-  kwargs.setdefault("env", compile_cache_env(env, "background"))
+  if "env" not in kwargs:
+    env = command_line_env(dict(os.environ)) if _runs_a_command_line(argv) else dict(os.environ)
+    kwargs["env"] = compile_cache_env(env, "background")
   proc = subprocess.Popen(argv, **kwargs)
   _RUNNING.add(proc)
   return proc

@@ -27,8 +27,8 @@ jaxtune.train(out=sys.argv[1], steps=3, eval_split=0.1, eval_prompts=sys.argv[2]
 """
 
 
-@background_run("results_run")
-def _results_run(directory, runs):
+@background_run("trained")
+def _trained(directory, runs):
   """A short run of the built-in model with its merged export, reported to TensorBoard and to
   W&B in offline mode, with an eval generation: its run directory."""
   (directory / "prompts.txt").write_text("What is 2 plus 3?\n")
@@ -38,11 +38,6 @@ def _results_run(directory, runs):
   proc = run_cli([*argv, str(directory / "prompts.txt")], env=compile_cache_env(env, "background"))
   assert proc.returncode == 0, proc.stderr[-3000:]
   return directory / "run"
-
-
-@pytest.fixture
-def trained(results_run):
-  return results_run
 
 
 def test_every_export_has_a_model_card_with_metadata_and_results(trained):
