@@ -124,10 +124,12 @@ class Plan:
   def note(self) -> str:
     """What the start line says of the choice, after the remat setting it names."""
     if self.budget is None:
-      return f"planned {size_text(self.planned)}"
-    note = (
-      f"auto: planned {size_text(self.planned)} of {size_text(self.budget)} ({self.budget_source})"
-    )
+      note = f"planned {size_text(self.planned)}"
+    else:
+      note = (
+        f"auto: planned {size_text(self.planned)} of {size_text(self.budget)} "
+        f"({self.budget_source})"
+      )
     if self.rejected:
       name, size, compiled = self.rejected[-1]
       note += f", {name} would " + (
@@ -262,7 +264,9 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
   _listen_for_cache_hits()
   t0, hits = time.perf_counter(), _cache_hits
   with _DamagedCacheEntries():
-    whole: dict[str, int] = {}  # remat -> planned bytes with the logits whole
+    # remat -> compiled plan with the logits whole (missed holds traced floors too: the
+    # loss-chunk check below reads compiled plans only)
+    whole: dict[str, int] = {}
     missed: dict[tuple[str, int], int] = {}  # (remat, loss chunk) -> its plan or floor
     refused: set[tuple[str, int]] = set()
     unrolled_tried = False
@@ -288,7 +292,10 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
           refused.add((remat, loss_chunk))
           missed[remat, loss_chunk] = least
           continue
-        unroll = unroll and fits(UNROLLED_GROWTH * least, limit)
+        if unroll and not fits(UNROLLED_GROWTH * least, limit):
+          unrolled = rt.replace(scan_layers=False)  # named on the start line as not tried
+          rejected.append((f"remat {unrolled.setting}", math.ceil(UNROLLED_GROWTH * least), False))
+          unroll = False
       tries = [rt]
       if unroll:
         tries.insert(0, rt.replace(scan_layers=False))

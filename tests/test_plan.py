@@ -272,10 +272,15 @@ def test_layers_are_not_unrolled_where_the_scans_floor_says_they_cannot_fit():
   for start in (AUTO.replace(try_unrolled=True), forced):
     for least, compiled in ((215, [(A, 0)]), (190, [(A, 0, "unrolled")])):
       fake = FakeStep(sizes)
-      program, _ = plan.choose(
+      program, chosen = plan.choose(
         fake.build, (), start, (300 * MIB, "H100"), floor=lambda rt, least=least: least * MIB
       )
       assert fake.compiled == compiled and program.setting == compiled[-1], (start, least)
+      # the start line says the unrolled loop was left out, and the size that left it out
+      skipped = ("remat activations, layers unrolled", math.ceil(1.3 * 215 * MIB), False)
+      assert chosen.rejected == ((skipped,) if least == 215 else ()), (start, least)
+      said = "layers unrolled would need 280 MiB+" in chosen.note()
+      assert said == (least == 215), chosen.note()
 
 
 def test_a_forced_activations_setting_takes_its_layers_unrolled_only_where_they_fit():
@@ -287,6 +292,8 @@ def test_a_forced_activations_setting_takes_its_layers_unrolled_only_where_they_
     fake = FakeStep(sizes)
     program, chosen_plan = plan.choose(fake.build, (), forced, (budget * MIB, "H100"))
     assert program.setting == chosen and chosen_plan.budget is None, budget
+    missed = chosen != (A, 0, "unrolled")  # the start line says the unrolled loop's plan
+    assert chosen_plan.note().endswith("layers unrolled would plan 190 MiB") == missed
 
 
 @pytest.mark.parametrize(
