@@ -9,6 +9,7 @@ down.
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -30,27 +31,57 @@ from jaxtune.runtime import DEFAULT, Runtime, free_device_bytes
 from pallas_kernels.nf4_matmul import training_operands
 
 
-def make_optimizer(run: RunConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """AdamW on the adapters with the run's schedule; ``run.steps`` resolved (session._steps)."""
+def optimizer_numbers(run: RunConfig) -> dict[str, np.ndarray]:
+  """The optimizer's numbers as arrays: the training step takes them as its last argument, so
+  that runs differing only in the learning rate, the step count, the warmup, the weight decay
+  or the clipping norm share one compiled step (JAX's compilation cache and plan's step
+  store). The schedule's kind stays in the program. ``run.steps`` resolved (session._steps)."""
   if run.steps is None:
     raise ValueError("run.steps is unset; resolve it from the data first (session._steps)")
   warmup = max(0, min(run.warmup_steps, run.steps - 1))
-  decay_steps = max(1, run.steps - warmup)
-  if run.schedule == "cosine":
-    decay = optax.cosine_decay_schedule(run.learning_rate, decay_steps)
-  elif run.schedule == "linear":
-    decay = optax.linear_schedule(run.learning_rate, 0.0, decay_steps)
-  elif run.schedule == "constant":
-    decay = optax.constant_schedule(run.learning_rate)
-  else:
+  return {
+    "learning_rate": np.float32(run.learning_rate),
+    "warmup": np.int32(warmup),
+    "decay_steps": np.int32(max(1, run.steps - warmup)),
+    "weight_decay": np.float32(run.weight_decay),
+    "max_grad_norm": np.float32(run.max_grad_norm),
+  }
+
+
+def make_optimizer(
+  run: RunConfig, numbers: dict[str, Any] | None = None
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """AdamW on the adapters, after clipping by the global norm, with the run's schedule (a
+  linear warmup from 0, then ``run.schedule``'s decay): (transformation, schedule).
+  ``numbers``: ``optimizer_numbers(run)`` (the default), or the training step's argument of
+  that form (traced), so that no number of them is a constant of the step's program."""
+  if run.schedule not in ("cosine", "linear", "constant"):
     raise RunConfigError(f"--schedule must be cosine, linear or constant, got {run.schedule!r}.")
-  schedule = optax.join_schedules(
-    [optax.linear_schedule(0.0, run.learning_rate, warmup), decay], [warmup]
-  )
+  numbers = optimizer_numbers(run) if numbers is None else numbers
+  schedule = functools.partial(_learning_rate, run.schedule, numbers)
   return optax.chain(
-    optax.clip_by_global_norm(run.max_grad_norm),
-    optax.adamw(schedule, weight_decay=run.weight_decay),
+    optax.clip_by_global_norm(numbers["max_grad_norm"]),
+    optax.adamw(schedule, weight_decay=numbers["weight_decay"]),
   ), schedule
+
+
+def _learning_rate(kind: str, numbers: dict[str, Any], count: Any) -> jax.Array:
+  """The learning rate at step ``count``: optax's join of linear_schedule(0, lr, warmup) and
+  cosine_decay_schedule(lr, decay_steps), linear_schedule(lr, 0, decay_steps) or
+  constant_schedule(lr), written out with the numbers as arrays (optax's schedules take Python
+  numbers: they branch on them), in optax's operations and order (tests compare them)."""
+  lr, warmup, decay = numbers["learning_rate"], numbers["warmup"], numbers["decay_steps"]
+  up = jnp.clip(count, 0, warmup)
+  warm = (0.0 - lr) * (1 - up / jnp.maximum(warmup, 1)) + lr  # warmup 0: never taken
+  t = count - warmup
+  if kind == "cosine":
+    t = jnp.minimum(t, decay)
+    after = lr * ((1 - 0.0) * (0.5 * (1 + jnp.cos(jnp.pi * t / decay))) ** 1.0 + 0.0)
+  elif kind == "linear":
+    after = (lr - 0.0) * (1 - jnp.clip(t, 0, decay) / decay) + 0.0
+  else:
+    after = jnp.broadcast_to(lr, jnp.shape(t))
+  return jnp.where(count < warmup, warm, after)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,10 +157,16 @@ def make_train_step(
   loss_scale: LossScale | None = None,
   out_shardings: Any = None,
   objective: Objective = sft_objective,
+  run: RunConfig | None = None,
 ) -> Callable[..., tuple[nnx.State, optax.OptState, dict[str, jax.Array]]]:
   """The jitted step, computed as ``runtime`` says, minimising ``objective`` (default: SFT's
   cross-entropy; preference.Preference for DPO/IPO/ORPO). ``loss_scale``: dynamic loss
   scaling (float16); None: no scaling.
+
+  With ``run``, the step takes a sixth argument, ``optimizer_numbers(run)`` or those of
+  another run of the same schedule kind, and builds the optimizer from it
+  (``make_optimizer(run, numbers)``, of which ``tx`` must be one): none of those numbers is a
+  constant of the program. Without it, ``tx`` as it is.
 
   With ``loss_scale`` the optimizer state is ``{"tx": tx's state, "loss_scale": ...}``
   (``init_opt_state``), so the scale is saved and restored with it.
@@ -138,8 +175,9 @@ def make_train_step(
   says the step was skipped for loss scaling (an overflow the lowered scale will fix).
   """
 
-  def train_step(lora, opt_state, frozen, batch, key):
+  def train_step(lora, opt_state, frozen, batch, key, numbers=None):
     """batch leaves are [accum, micro, T]; the loss is normalised over all of them."""
+    opt = tx if numbers is None else make_optimizer(run, numbers)[0]
     if loss_scale is not None:
       tx_state, scale_state = opt_state["tx"], opt_state["loss_scale"]
       scale = scale_state["scale"]
@@ -175,7 +213,7 @@ def make_train_step(
     loss_ok = jnp.isfinite(loss) & ((loss != 0) | zero_ok)
     overflow = ~jnp.isfinite(grad_norm)
     good = loss_ok & ~overflow
-    updates, new_tx_state = tx.update(grads, tx_state, lora)
+    updates, new_tx_state = opt.update(grads, tx_state, lora)
     new_lora = optax.apply_updates(lora, updates)
     keep = lambda new, old: jnp.where(good, new, old)  # noqa: E731
     new_lora = jax.tree.map(keep, new_lora, lora)

@@ -166,6 +166,12 @@ def train(
   if loss_scale is None and runtime.dtype == "float16":
     loss_scale = step.LossScale()
   tx, schedule = step.make_optimizer(run)
+  # The step's last argument, so that none of them is a constant of its program; on every
+  # device of the mesh, as the key.
+  numbers = step.optimizer_numbers(run)
+  numbers = jax.device_put(
+    numbers, None if runtime.mesh is None else NamedSharding(runtime.mesh, PartitionSpec())
+  )
   lora, opt_state, key, start, where = _start(
     lora, tx, runtime, loss_scale, checkpoints, run.seed, dataset, rollouts
   )
@@ -198,8 +204,10 @@ def train(
     # by their memory plan where the settings leave a choice (plan.py).
     first = next_batch(start)
     step_fn, chosen = plan.choose(
-      lambda rt: step.make_train_step(graphdef, tx, rt, loss_scale, out_shardings, objective),
-      (lora, opt_state, frozen, first, jax.random.fold_in(key, start)),
+      lambda rt: step.make_train_step(
+        graphdef, tx, rt, loss_scale, out_shardings, objective, run=run
+      ),
+      (lora, opt_state, frozen, first, jax.random.fold_in(key, start), numbers),
       runtime,
       plan.device_budget(runtime.memory_limit),
       logits_bytes=_logits_bytes(model, first, runtime),
@@ -275,7 +283,9 @@ def train(
       batch, first = first if first is not None else next_batch(i), None
       rolled = figures
       t_step = time.perf_counter()
-      lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jax.random.fold_in(key, i))
+      lora, opt_state, m = step_fn(
+        lora, opt_state, frozen, batch, jax.random.fold_in(key, i), numbers
+      )
       if prefetch and i + 1 < run.steps:  # built on the host while the device runs step i
         first = next_batch(i + 1)
       read_pending()
@@ -364,11 +374,13 @@ def _floor(graphdef, lora, opt_state, frozen, batch, key, runtime: Runtime, obje
 
 
 # Run settings that never reach the step's program (where data comes from, what is kept and
-# reported); every other one is part of the step store's key (plan.choose's identity).
+# reported, and the optimizer's numbers: the step's argument, step.optimizer_numbers); every
+# other one is part of the step store's key (plan.choose's identity).
 _NOT_IN_STEP = frozenset(
   "out data data_config data_split data_format data_columns data_streaming long_examples "
   "eval_data eval_data_split eval_every eval_prompts log_every report_to save_every "
-  "keep_checkpoints export gguf_type push_to_hub hub_private".split()
+  "keep_checkpoints export gguf_type push_to_hub hub_private "
+  "steps epochs learning_rate warmup_steps weight_decay max_grad_norm".split()
 )
 
 

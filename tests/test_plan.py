@@ -758,9 +758,10 @@ def test_the_step_store_key_follows_the_source_of_every_package_a_step_runs(tmp_
 
 
 def test_the_step_identity_names_every_setting_that_reaches_the_step():
-  """trainer._step_identity (the store's key besides arguments and runtime): the optimizer's
-  settings, the objective's fields and the loss scale change it; where the run writes and
-  how often it saves do not; a function from outside jaxtune gives no identity at all."""
+  """trainer._step_identity (the store's key besides arguments and runtime): the schedule's
+  kind, the adapters' settings, the objective's fields and the loss scale change it; where
+  the run writes, how often it saves and the optimizer's numbers (the step's argument) do
+  not; a function from outside jaxtune gives no identity at all."""
   from jaxtune import preference, step, trainer
   from jaxtune.config import ModelConfig
 
@@ -774,8 +775,9 @@ def test_the_step_identity_names_every_setting_that_reaches_the_step():
   base = identity()
   assert base is not None
   assert identity(run.replace(out="b", save_every=7, report_to="none")) == base
-  for changed in (dict(learning_rate=1e-3), dict(steps=99), dict(max_grad_norm=0.5),
-                  dict(lora_alpha=32.0), dict(grad_accum=2)):  # fmt: skip
+  numbers = dict(learning_rate=1e-3, steps=99, epochs=2.0, warmup_steps=9, weight_decay=0.1)
+  assert identity(run.replace(**numbers, max_grad_norm=0.5)) == base
+  for changed in (dict(schedule="linear"), dict(lora_alpha=32.0), dict(grad_accum=2)):
     assert identity(run.replace(**changed)) != base, changed
   dpo = preference.Preference("dpo", beta=0.1)
   assert identity(objective=dpo) != base

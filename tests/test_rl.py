@@ -199,6 +199,9 @@ def test_grpo_learns_a_toy_task_and_resumes_exactly(grpo_cli_runs):
   # At (almost) zero learning rate the reward stays at its starting level: the check can fail.
   still = [r["reward"] for r in _metrics(grpo_cli_runs["still"][0])]
   assert max(still) < 0.7, still
+  # Another learning rate and step count: the same compiled step (the numbers are its
+  # argument), read back instead of compiled.
+  assert "(from the compilation cache)" in grpo_cli_runs["still"][1].stdout
   # Two updates per rollout, resumed from step 3, between the two updates of the second
   # rollout: step 4 trains on the rollout the checkpoint kept (sampling it again from the
   # step-3 adapters would give other completions), step 5 samples the third rollout from

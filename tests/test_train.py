@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 import sys
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -564,6 +565,95 @@ def test_float16_skips_overflowing_steps_and_keeps_float32_master(tiny, tmp_path
   counts = {int(x) for x in jax.tree.leaves(state["opt_state"]["tx"]) if x.ndim == 0}
   assert counts == {len(history) - int(skipped.sum())}
   assert float(state["opt_state"]["loss_scale"]["scale"]) == history[-1]["loss_scale"]
+
+
+def _optax_optimizer(run: RunConfig):
+  """make_optimizer's (transformation, schedule) as optax's own schedules build them, from the
+  run's Python numbers: the reference."""
+  warmup = max(0, min(run.warmup_steps, run.steps - 1))
+  span = max(1, run.steps - warmup)
+  decay = {
+    "cosine": lambda: optax.cosine_decay_schedule(run.learning_rate, span),
+    "linear": lambda: optax.linear_schedule(run.learning_rate, 0.0, span),
+    "constant": lambda: optax.constant_schedule(run.learning_rate),
+  }[run.schedule]()
+  warm = optax.linear_schedule(0.0, run.learning_rate, warmup)
+  schedule = optax.join_schedules([warm, decay], [warmup])
+  clip = optax.clip_by_global_norm(run.max_grad_norm)
+  return optax.chain(clip, optax.adamw(schedule, weight_decay=run.weight_decay)), schedule
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear", "constant"])
+def test_the_learning_rate_schedule_is_optaxs_from_arrays(kind):
+  """The schedule written out for numbers that are arrays gives optax's values at every
+  step and past the end: bit for bit from the run's numbers, within float32 rounding with
+  them traced (the training step's case)."""
+  for steps, warmup, lr in ((10, 0, 2e-4), (10, 4, 3e-3), (1, 5, 1.0), (37, 36, 5e-5)):
+    run = RunConfig(steps=steps, warmup_steps=warmup, learning_rate=lr, schedule=kind)
+    counts = jnp.arange(steps + 3, dtype=jnp.int32)
+    want = np.asarray(jax.vmap(_optax_optimizer(run)[1])(counts))
+    assert want.max() > 0, (steps, warmup)
+    np.testing.assert_array_equal(jax.vmap(step.make_optimizer(run)[1])(counts), want)
+    traced = jax.jit(lambda n, c, run=run: jax.vmap(step.make_optimizer(run, n)[1])(c))
+    # Traced, XLA divides by a number it no longer sees: within float32 rounding of the peak
+    # (near the cosine's end 1 + cos cancels, so relative to the peak, not to the value).
+    got = traced(step.optimizer_numbers(run), counts)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * lr)
+
+
+def _least_squares(graphdef, lora, frozen, mb, key, rt):
+  """A toy objective for the optimizer's part of the step: sum of squared errors of x @ w."""
+  residual = mb["x"] @ lora["w"] - mb["y"]
+  return jnp.sum(residual**2), jnp.int32(residual.size), {}
+
+
+_least_squares.figures = {}
+
+
+def test_runs_differing_in_the_optimizers_numbers_share_one_step():
+  """The learning rate, step count, warmup, weight decay and clipping norm are the step's
+  last argument, not constants of its program: two runs that differ in all of them lower to
+  the same program (one entry of the compilation cache) and have one step store key, while
+  the schedule's kind still changes both; and the shared program trains as optax's AdamW
+  built from the second run's numbers. (The objective is a toy: what is checked is the
+  optimizer's part of the step.)"""
+  base = RunConfig(steps=3, learning_rate=1e-2, warmup_steps=0)
+  other = base.replace(steps=7, learning_rate=3e-3, warmup_steps=2, weight_decay=0.1)
+  other = other.replace(max_grad_norm=0.05)  # clipped: the gradients' norm is larger
+  linear = base.replace(schedule="linear")
+  rng = np.random.default_rng(0)
+  lora = {"w": jnp.asarray(rng.standard_normal((8, 4)), jnp.float32)}
+  batch = {
+    "input_ids": jnp.zeros((2, 3, 1), jnp.int32),  # [accum, micro, T]: the step reads accum
+    "x": jnp.asarray(rng.standard_normal((2, 3, 8)), jnp.float32),
+    "y": jnp.asarray(rng.standard_normal((2, 3, 4)), jnp.float32),
+  }
+  opt_state = step.init_opt_state(step.make_optimizer(base)[0], lora)
+  key, rt = jax.random.key(0), runtime.Runtime()
+
+  def program(run, numbers_of):
+    tx = step.make_optimizer(run)[0]
+    fn = step.make_train_step(None, tx, rt, objective=_least_squares, run=run)
+    numbers = step.optimizer_numbers(numbers_of)
+    return fn, fn.lower(lora, opt_state, None, batch, key, numbers).as_text()
+
+  shared, text = program(base, base)
+  assert text == program(base, other)[1] != program(linear, linear)[1]
+  model = SimpleNamespace(config="a model")
+  identity = lambda run: trainer._step_identity(None, model, run, step.sft_objective, None, None)  # noqa: E731
+  assert identity(base) == identity(other) != identity(linear)
+
+  reference = step.make_train_step(None, _optax_optimizer(other)[0], rt, objective=_least_squares)
+  got = want = None
+  for fn, extra in ((shared, (step.optimizer_numbers(other),)), (reference, ())):
+    state = jax.tree.map(jnp.copy, (lora, opt_state))  # donated by each step
+    for i in range(4):
+      *state, metrics = fn(*state, None, batch, jax.random.fold_in(key, i), *extra)
+    got, want = want, (state, float(metrics["grad_norm"]))
+  assert want[1] > 0.05  # the clipping norm is met
+  assert float(jnp.abs(want[0][0]["w"] - lora["w"]).max()) > 1e-4  # it trained
+  for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0]), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
 
 
 def test_adapters_made_in_bfloat16_train_in_float32(tiny):
