@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -111,7 +112,8 @@ class Plan:
   budget: int | None  # bytes per device it had to fit; None: nothing to choose between
   budget_source: str
   # (setting, bytes, compiled) that did not fit: bytes is the compiled plan, or (compiled
-  # False) the traced floor that already missed the budget
+  # False) the traced floor that already missed the budget (for layers unrolled and not
+  # compiled: UNROLLED_GROWTH x the scan's floor)
   rejected: tuple[tuple[str, int, bool], ...]
   compile_s: float
   cache_hits: int  # programs read from the persistent compilation cache while compiling
@@ -231,10 +233,10 @@ def choose(
   candidate nearly always fits, and the trace cost a second per run (CPU tests: ~40 runs).
 
   ``identity``: what decides the program ``build`` makes besides ``args``' shapes and
-  placement, ``runtime`` and ``budget`` (the model's graphdef, the run's optimizer settings,
-  the objective), as text: with it, and the step store on (``use_compile_cache``), the chosen
-  step is kept whole, and a later process with the same key reads it back without tracing,
-  lowering or choosing (``_StepStore``).
+  placement, ``runtime`` and ``budget`` (the model's graphdef, the run's settings that reach
+  the program, e.g. the schedule's kind, the objective), as text: with it, and the step
+  store on (``use_compile_cache``), the chosen step is kept whole, and a later process with
+  the same key reads it back without tracing, lowering or choosing (``_StepStore``).
 
   Raises a ``UserError`` naming the leanest plan and the levers when none fits.
   """
@@ -327,7 +329,9 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
       missed[remat, loss_chunk] = planned
       if not loss_chunk:
         whole[remat] = planned
-  name, size, compiled = min(reversed(rejected), key=lambda r: r[1])  # ties: the later
+  # The leanest tried (an unrolled loop left out by its scan's floor was not: its twin was)
+  tried = [r for r in rejected if r[2] or not r[0].endswith("layers unrolled")]
+  name, size, compiled = min(reversed(tried or rejected), key=lambda r: r[1])  # ties: later
   levers = [] if any(r == "offload" for r, _ in candidates) else ["--remat offload"]
   if runtime.remat_group == 1:  # fewer kept layer inputs (long rows)
     levers.append("--remat-group 2 (with full, lean or offload)")
@@ -365,10 +369,21 @@ def _keep_layers(build, args, rt, full, above, limit, layers, rejected):
   return None
 
 
+# Programs that JAX read back from its persistent compilation cache (on the CPU, such a program
+# serialized again loses functions: loaded from the step store it fails when it runs, "Function
+# multiply_select_fusion not found", jax 0.11.2; the store does not keep them there).
+_FROM_CACHE: weakref.WeakSet = weakref.WeakSet()
+
+
 def _compile(build, rt: Runtime, args) -> Any:
   with scan_outputs_unwritten(enabled=rt.mesh is None):  # one device: see its docstring
     lowered = build(rt).lower(*args)
-  return lowered.compile()
+  _listen_for_cache_hits()
+  hits = _cache_hits
+  compiled = lowered.compile()
+  if _cache_hits > hits:
+    _FROM_CACHE.add(compiled)
+  return compiled
 
 
 STORE_NAME = "jaxtune-steps"  # the step store's directory, inside the compilation cache's
@@ -463,6 +478,8 @@ class _StepStore:
 
     unloaded = getattr(compiled._executable, "_unloaded_executable", None)
     if unloaded is None or unloaded.host_callbacks or unloaded.keepalive:
+      return
+    if compiled in _FROM_CACHE and jax.devices()[0].platform == "cpu":  # see _FROM_CACHE
       return
     try:
       program, in_tree, out_tree = serialize_executable.serialize(compiled)

@@ -31,11 +31,12 @@ from jaxtune.runtime import DEFAULT, Runtime, free_device_bytes
 from pallas_kernels.nf4_matmul import training_operands
 
 
-def optimizer_numbers(run: RunConfig) -> dict[str, np.ndarray]:
-  """The optimizer's numbers as arrays: the training step takes them as its last argument, so
-  that runs differing only in the learning rate, the step count, the warmup, the weight decay
-  or the clipping norm share one compiled step (JAX's compilation cache and plan's step
-  store). The schedule's kind stays in the program. ``run.steps`` resolved (session._steps)."""
+def optimizer_numbers(run: RunConfig) -> dict[str, np.generic]:
+  """The optimizer's numbers as NumPy scalars: the training step takes them as its last
+  argument, so that runs differing only in the learning rate, the step count, the warmup, the
+  weight decay or the clipping norm share one compiled step (JAX's compilation cache and
+  plan's step store). The schedule's kind stays in the program. ``run.steps`` resolved
+  (session._steps)."""
   if run.steps is None:
     raise ValueError("run.steps is unset; resolve it from the data first (session._steps)")
   warmup = max(0, min(run.warmup_steps, run.steps - 1))
@@ -54,34 +55,46 @@ def make_optimizer(
   """AdamW on the adapters, after clipping by the global norm, with the run's schedule (a
   linear warmup from 0, then ``run.schedule``'s decay): (transformation, schedule).
   ``numbers``: ``optimizer_numbers(run)`` (the default), or the training step's argument of
-  that form (traced), so that no number of them is a constant of the step's program."""
+  that form (traced), so that no number of them is a constant of the step's program. (A
+  weight decay of 0 is then added as 0 x the adapters, where optax skips a Python 0: the same
+  values, one more elementwise pass over the adapters.)"""
   if run.schedule not in ("cosine", "linear", "constant"):
     raise RunConfigError(f"--schedule must be cosine, linear or constant, got {run.schedule!r}.")
   numbers = optimizer_numbers(run) if numbers is None else numbers
-  schedule = functools.partial(_learning_rate, run.schedule, numbers)
+  schedule = functools.partial(_learning_rate, run.schedule, numbers, jnp)
   return optax.chain(
     optax.clip_by_global_norm(numbers["max_grad_norm"]),
     optax.adamw(schedule, weight_decay=numbers["weight_decay"]),
   ), schedule
 
 
-def _learning_rate(kind: str, numbers: dict[str, Any], count: Any) -> jax.Array:
+def host_learning_rate(run: RunConfig) -> Callable[[int], float]:
+  """The schedule's learning rate at a step, in NumPy (float32): for the rows and lines the
+  loop writes, which must not queue work on the device behind the step just dispatched (a
+  jnp schedule would, and reading it would wait for that step)."""
+  numbers = optimizer_numbers(run)
+  return lambda count: float(_learning_rate(run.schedule, numbers, np, np.int32(count)))
+
+
+def _learning_rate(kind: str, numbers: dict[str, Any], xp: Any, count: Any) -> Any:
   """The learning rate at step ``count``: optax's join of linear_schedule(0, lr, warmup) and
   cosine_decay_schedule(lr, decay_steps), linear_schedule(lr, 0, decay_steps) or
   constant_schedule(lr), written out with the numbers as arrays (optax's schedules take Python
-  numbers: they branch on them), in optax's operations and order (tests compare them)."""
+  numbers: they branch on them), in optax's operations and order (tests compare them), in
+  float32 with ``xp`` jax.numpy or NumPy."""
   lr, warmup, decay = numbers["learning_rate"], numbers["warmup"], numbers["decay_steps"]
-  up = jnp.clip(count, 0, warmup)
-  warm = (0.0 - lr) * (1 - up / jnp.maximum(warmup, 1)) + lr  # warmup 0: never taken
+  f32 = lambda x: xp.asarray(x, xp.float32)  # noqa: E731  (jnp divides integers so)
+  up = f32(xp.clip(count, 0, warmup))
+  warm = (0.0 - lr) * (1 - up / f32(xp.maximum(warmup, 1))) + lr  # warmup 0: never taken
   t = count - warmup
   if kind == "cosine":
-    t = jnp.minimum(t, decay)
-    after = lr * ((1 - 0.0) * (0.5 * (1 + jnp.cos(jnp.pi * t / decay))) ** 1.0 + 0.0)
+    t = f32(xp.minimum(t, decay))
+    after = lr * ((1 - 0.0) * (0.5 * (1 + xp.cos(xp.pi * t / f32(decay)))) ** 1.0 + 0.0)
   elif kind == "linear":
-    after = (lr - 0.0) * (1 - jnp.clip(t, 0, decay) / decay) + 0.0
+    after = (lr - 0.0) * (1 - f32(xp.clip(t, 0, decay)) / f32(decay)) + 0.0
   else:
-    after = jnp.broadcast_to(lr, jnp.shape(t))
-  return jnp.where(count < warmup, warm, after)
+    after = xp.broadcast_to(lr, xp.shape(t))
+  return xp.where(count < warmup, warm, after)
 
 
 @dataclasses.dataclass(frozen=True)

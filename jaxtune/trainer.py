@@ -165,7 +165,8 @@ def train(
     frozen = rows.frozen
   if loss_scale is None and runtime.dtype == "float16":
     loss_scale = step.LossScale()
-  tx, schedule = step.make_optimizer(run)
+  tx, _ = step.make_optimizer(run)
+  learning_rate = step.host_learning_rate(run)  # for the rows: nothing queued on the device
   # The step's last argument, so that none of them is a constant of its program; on every
   # device of the mesh, as the key.
   numbers = step.optimizer_numbers(run)
@@ -176,7 +177,7 @@ def train(
     lora, tx, runtime, loss_scale, checkpoints, run.seed, dataset, rollouts
   )
   if start and distributed.is_main():
-    print(_resume_line(start, run, schedule, previous_steps), file=sys.stderr, flush=True)
+    print(_resume_line(start, run, learning_rate, previous_steps), file=sys.stderr, flush=True)
   replicated = runtime.sharding()
   out_shardings = None if replicated is None else (where["lora"], where["opt_state"], replicated)
   batch_at = runtime.sharding("accum", "batch", "length")
@@ -261,7 +262,7 @@ def train(
     """Step ``i``'s row: its figures (waiting for them), a bad step counted or raised, logged."""
     nonlocal read_at
     # A step dispatched before the previous one was read starts when that one ends.
-    row = _row(i, m, schedule, tokens, t0 if read_at is None else max(t0, read_at))
+    row = _row(i, m, learning_rate, tokens, t0 if read_at is None else max(t0, read_at))
     read_at = time.perf_counter()
     if rollouts is not None:
       row.update(rolled, update_s=read_at - t_step)
@@ -419,18 +420,18 @@ def _place(host: dict, batch_at, row_at, rows=None) -> dict[str, jax.Array]:
   }
 
 
-def _resume_line(start: int, run: RunConfig, schedule, previous_steps: int | None) -> str:
+def _resume_line(start: int, run: RunConfig, learning_rate, previous_steps: int | None) -> str:
   """ "resuming from step N of M", and where the learning-rate schedule continues."""
   line = f"jaxtune: resuming from step {start} of {run.steps}"
   if start >= run.steps:
     return line + "; nothing left to train."
-  lr = float(schedule(start))
+  lr = learning_rate(start)
   line += f"; the {run.schedule} schedule continues at learning rate {lr:.3g}"
   if previous_steps is not None and previous_steps != run.steps:
-    _, before = step.make_optimizer(run.replace(steps=previous_steps))
+    before = step.host_learning_rate(run.replace(steps=previous_steps))
     line += (
       f" (the run was for {previous_steps} steps, where step {start + 1} had "
-      f"{float(before(start)):.3g}: the schedule now spans {run.steps} steps)"
+      f"{before(start):.3g}: the schedule now spans {run.steps} steps)"
     )
   return line + "."
 
@@ -443,12 +444,12 @@ def _hardware() -> str:
 _STEP_KEYS = ("loss", "grad_norm", "tokens", "good", "scale_skip", "loss_scale")
 
 
-def _row(i: int, m: dict, schedule, tokens: int, t0: float) -> dict:
+def _row(i: int, m: dict, learning_rate, tokens: int, t0: float) -> dict:
   loss = float(m["loss"])  # waits for the step
   return {
     "step": i + 1,
     "loss": loss,
-    "lr": float(schedule(i)),
+    "lr": learning_rate(i),
     "grad_norm": float(m["grad_norm"]),
     "tokens": int(m["tokens"]),
     "tokens_per_s": tokens / (time.perf_counter() - t0),

@@ -587,7 +587,7 @@ def _optax_optimizer(run: RunConfig):
 def test_the_learning_rate_schedule_is_optaxs_from_arrays(kind):
   """The schedule written out for numbers that are arrays gives optax's values at every
   step and past the end: bit for bit from the run's numbers, within float32 rounding with
-  them traced (the training step's case)."""
+  them traced (the training step's case) and in NumPy (the rows' figure)."""
   for steps, warmup, lr in ((10, 0, 2e-4), (10, 4, 3e-3), (1, 5, 1.0), (37, 36, 5e-5)):
     run = RunConfig(steps=steps, warmup_steps=warmup, learning_rate=lr, schedule=kind)
     counts = jnp.arange(steps + 3, dtype=jnp.int32)
@@ -599,6 +599,9 @@ def test_the_learning_rate_schedule_is_optaxs_from_arrays(kind):
     # (near the cosine's end 1 + cos cancels, so relative to the peak, not to the value).
     got = traced(step.optimizer_numbers(run), counts)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * lr)
+    # The rows' figure, computed in NumPy (nothing queued on the device): the same there.
+    host = [step.host_learning_rate(run)(int(c)) for c in counts]
+    np.testing.assert_allclose(host, want, rtol=1e-6, atol=1e-6 * lr)
 
 
 def _least_squares(graphdef, lora, frozen, mb, key, rt):
@@ -638,7 +641,8 @@ def test_runs_differing_in_the_optimizers_numbers_share_one_step():
     return fn, fn.lower(lora, opt_state, None, batch, key, numbers).as_text()
 
   shared, text = program(base, base)
-  assert text == program(base, other)[1] != program(linear, linear)[1]
+  # each run's own step (as the trainer builds it) and the shared one with the other's numbers
+  assert text == program(other, other)[1] == program(base, other)[1] != program(linear, linear)[1]
   model = SimpleNamespace(config="a model")
   identity = lambda run: trainer._step_identity(None, model, run, step.sft_objective, None, None)  # noqa: E731
   assert identity(base) == identity(other) != identity(linear)
