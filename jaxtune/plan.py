@@ -369,9 +369,11 @@ def _keep_layers(build, args, rt, full, above, limit, layers, rejected):
   return None
 
 
-# Programs that JAX read back from its persistent compilation cache (on the CPU, such a program
-# serialized again loses functions: loaded from the step store it fails when it runs, "Function
-# multiply_select_fusion not found", jax 0.11.2; the store does not keep them there).
+# Programs that JAX read back from its persistent compilation cache. On the CPU such a program,
+# serialized again, loses functions: loaded from the step store it fails when it runs
+# ("Function multiply_select_fusion not found", jax 0.11.2), and the store would only notice
+# at the step. Not checked on GPUs, so the store keeps none of them anywhere (the cost: a warm
+# start traces and lowers where only the compilation cache holds the step).
 _FROM_CACHE: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -406,7 +408,9 @@ class _StepStore:
   An entry is written whole or not at all (a temporary file renamed), holds a digest of the
   program that is checked when it is read, and one that cannot be read is removed with one
   line; the program is compiled then.
-  Programs with host callbacks (interpreted Pallas kernels) are not kept."""
+  Programs with host callbacks (interpreted Pallas kernels) are not kept, nor programs that
+  JAX read back from its compilation cache (``_FROM_CACHE``): only steps compiled in the
+  process are."""
 
   def __init__(self, path: Path):
     self.path = path
@@ -473,13 +477,14 @@ class _StepStore:
     return compiled, entry["plan"]
 
   def save(self, compiled: Any, chosen: Plan) -> None:
-    """Keep ``compiled`` (best effort: a program that cannot be serialized is not kept)."""
+    """Keep ``compiled`` (best effort: a program that cannot be serialized, or that JAX read
+    back from its compilation cache, is not kept)."""
     from jax.experimental import serialize_executable
 
     unloaded = getattr(compiled._executable, "_unloaded_executable", None)
     if unloaded is None or unloaded.host_callbacks or unloaded.keepalive:
       return
-    if compiled in _FROM_CACHE and jax.devices()[0].platform == "cpu":  # see _FROM_CACHE
+    if compiled in _FROM_CACHE:  # see _FROM_CACHE
       return
     try:
       program, in_tree, out_tree = serialize_executable.serialize(compiled)

@@ -663,13 +663,14 @@ def _store_args(devices, n=8):
   return w, jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))
 
 
-def test_a_step_read_back_from_the_compilation_cache_is_not_kept_in_the_store_on_cpus(
+def test_a_step_read_back_from_the_compilation_cache_is_not_kept_in_the_store(
   tmp_path, monkeypatch
 ):
   """On the CPU, a program that JAX read back from its persistent compilation cache loses
   functions when it is serialized again (jax 0.11.2: "Function ... not found" when the copy
-  runs; shown below): the store keeps only the steps compiled in the process, and a run that
-  read its step from the cache trains on that step as it was read."""
+  runs; shown below): the store keeps only the steps compiled in the process (on every
+  backend: not checked on GPUs), and a run that read its step from the cache trains on that
+  step as it was read."""
   if jax.config.jax_compilation_cache_dir is None:
     pytest.skip("the persistent compilation cache is off (JAXTUNE_TEST_COMPILE_CACHE=0)")
   from jax.experimental import serialize_executable
@@ -686,7 +687,8 @@ def test_a_step_read_back_from_the_compilation_cache_is_not_kept_in_the_store_on
   assert not list((tmp_path / "steps").glob("*.step"))
   want = np.asarray(fresh(*_store_args(devices))[1]["loss"])
   np.testing.assert_array_equal(np.asarray(cached(*_store_args(devices))[1]["loss"]), want)
-  # What the store would have read back:
+  # What the store would have read back (where a jax release mends this, the test fails here:
+  # plan._FROM_CACHE can then go):
   copy = serialize_executable.deserialize_and_load(
     *serialize_executable.serialize(cached), execution_devices=devices
   )
