@@ -271,6 +271,7 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
     whole: dict[str, int] = {}
     missed: dict[tuple[str, int], int] = {}  # (remat, loss chunk) -> its plan or floor
     refused: set[tuple[str, int]] = set()
+    left_out: list[tuple[str, int, bool]] = []  # unrolled loops not tried: their estimates
     unrolled_tried = False
     for remat, loss_chunk in candidates:
       if loss_chunk and logits_bytes and remat in whole:
@@ -296,7 +297,8 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
           continue
         if unroll and not fits(UNROLLED_GROWTH * least, limit):
           unrolled = rt.replace(scan_layers=False)  # named on the start line as not tried
-          rejected.append((f"remat {unrolled.setting}", math.ceil(UNROLLED_GROWTH * least), False))
+          left_out.append((f"remat {unrolled.setting}", math.ceil(UNROLLED_GROWTH * least), False))
+          rejected.append(left_out[-1])
           unroll = False
       tries = [rt]
       if unroll:
@@ -330,7 +332,7 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
       if not loss_chunk:
         whole[remat] = planned
   # The leanest tried (an unrolled loop left out by its scan's floor was not: its twin was)
-  tried = [r for r in rejected if r[2] or not r[0].endswith("layers unrolled")]
+  tried = [r for r in rejected if r not in left_out]
   name, size, compiled = min(reversed(tried or rejected), key=lambda r: r[1])  # ties: later
   levers = [] if any(r == "offload" for r, _ in candidates) else ["--remat offload"]
   if runtime.remat_group == 1:  # fewer kept layer inputs (long rows)

@@ -165,11 +165,11 @@ def train(
     frozen = rows.frozen
   if loss_scale is None and runtime.dtype == "float16":
     loss_scale = step.LossScale()
-  tx, _ = step.make_optimizer(run)
-  learning_rate = step.host_learning_rate(run)  # for the rows: nothing queued on the device
   # The step's last argument, so that none of them is a constant of its program; on every
   # device of the mesh, as the key.
   numbers = step.optimizer_numbers(run)
+  tx, _ = step.make_optimizer(run, numbers)
+  learning_rate = step.host_learning_rate(run)  # for the rows: nothing queued on the device
   numbers = jax.device_put(
     numbers, None if runtime.mesh is None else NamedSharding(runtime.mesh, PartitionSpec())
   )
