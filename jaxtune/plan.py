@@ -374,8 +374,10 @@ def _keep_layers(build, args, rt, full, above, limit, layers, rejected):
 # Programs that JAX read back from its persistent compilation cache. On the CPU such a program,
 # serialized again, loses functions: loaded from the step store it fails when it runs
 # ("Function multiply_select_fusion not found", jax 0.11.2), and the store would only notice
-# at the step. Not checked on GPUs, so the store keeps none of them anywhere (the cost: a warm
-# start traces and lowers where only the compilation cache holds the step).
+# at the step. On a GPU a Mosaic GPU kernel's program fails to load the same way ("Failed to
+# lookup host symbol: ... body_mosaic_gpu", H100, experiments/check_cache_store.py), so the
+# store keeps none of them on any backend (the cost: a warm start traces and lowers where only
+# the compilation cache holds the step).
 _FROM_CACHE: weakref.WeakSet = weakref.WeakSet()
 
 

@@ -668,8 +668,8 @@ def test_a_step_read_back_from_the_compilation_cache_is_not_kept_in_the_store(
 ):
   """On the CPU, a program that JAX read back from its persistent compilation cache loses
   functions when it is serialized again (jax 0.11.2: "Function ... not found" when the copy
-  runs; shown below): the store keeps only the steps compiled in the process (on every
-  backend: not checked on GPUs), and a run that read its step from the cache trains on that
+  runs; shown below; on an H100 a Mosaic GPU program so read does not load): the store keeps
+  only the steps compiled in the process, and a run that read its step from the cache trains on that
   step as it was read."""
   if jax.config.jax_compilation_cache_dir is None:
     pytest.skip("the persistent compilation cache is off (JAXTUNE_TEST_COMPILE_CACHE=0)")
