@@ -30,17 +30,15 @@ CASES = {
   # name: (T, N, K, H, options); segments: True (3 packed documents), "many" (14), "one" (one
   # document), "kv" (packed, and keys with ids of their own)
   "causal-gqa2-pad": (200, 2, 1, 64, {}),
-  "noncausal-mha": (100, 2, 2, 64, {"causal": False}),  # one tile: the others step
-  "softcap-scale-gqa4": (200, 4, 1, 64, {"softcap": 5.0, "scale": 0.3}),
+  "noncausal-mha-scale": (100, 2, 2, 64, {"causal": False, "scale": 0.3}),  # one tile
   "kv-segments-window-softcap": (200, 2, 1, 64, {"segments": "kv", "window": 48, "softcap": 3.0}),
   "noncausal-kv-window": (200, 2, 1, 64, {"causal": False, "segments": "kv", "window": 50}),
-  "h128-segments-gqa2": (130, 2, 1, 128, {"segments": True}),
+  # dK products issued in their own step (Blocks(defer_dk=False)), not with the next step's
+  "h128-segments-gqa2-undeferred": (130, 2, 1, 128, {"segments": True, "defer_dk": False}),
   # A window whose edge, middle and diagonal are all met by one query tile in each kernel
   "one-segment-window": (330, 2, 1, 64, {"segments": "one", "window": 256}),
   "h256-softcap-window": (200, 2, 1, 256, {"softcap": 4.0, "window": 64}),
   "h256-kv-segments-noncausal-gqa4": (128, 4, 1, 256, {"segments": "kv", "causal": False}),
-  # dK products issued in their own step (Blocks(defer_dk=False)), not with the next step's
-  "undeferred-segments-gqa2": (200, 2, 1, 64, {"defer_dk": False, "segments": True}),
   # Short documents: every kernel skips the blocks of the documents before (and after) a tile's
   "many-segments-gqa2": (256, 2, 1, 64, {"segments": "many"}),
 }

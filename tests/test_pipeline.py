@@ -121,7 +121,7 @@ def _assert_same(got, want, what):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["2x2x2", "1x1x8", "1x2x4"])
+@pytest.mark.parametrize("spec", ["2x2x2", "1x1x8"])  # (1x2x4 added 8 s and no new axis)
 def test_pipeline_meshes_equal_single_device(host_model, single, spec):
   got = loss_and_grads(host_model, spec)
   _assert_same(got, single, spec)
@@ -143,7 +143,7 @@ def test_shard_frozen_equals_single_device(host_model, single, spec):
   assert codes.addressable_shards[0].data.shape == want
 
 
-@pytest.mark.parametrize("policy", sorted(REMAT_POLICIES))
+@pytest.mark.parametrize("policy", sorted(set(REMAT_POLICIES) - {"full"}))  # single's: full
 def test_remat_policies_give_the_same_loss(host_model, single, policy):
   _assert_same(loss_and_grads(host_model, "1", remat=policy), single, policy)
 
