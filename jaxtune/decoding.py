@@ -56,6 +56,11 @@ def init_cache(model: Decoder, batch: int, length: int) -> dict:
   return {"global": zeros(n_global, length), "local": zeros(n_local, ring)}
 
 
+# How many layers one iteration of forward_cached's layer loop runs (jax.lax.scan's unroll;
+# True: every layer in the program). experiments/check_decode_unroll.py measures it.
+LAYER_UNROLL: int | bool = 1
+
+
 def forward_cached(
   model: Decoder,
   input_ids: jax.Array,
@@ -137,7 +142,10 @@ def forward_cached(
     return (x, cache), None
 
   (x, cache), _ = jax.lax.scan(
-    step, (x, cache), (state, jnp.asarray(is_sliding), type_index, jnp.asarray(local))
+    step,
+    (x, cache),
+    (state, jnp.asarray(is_sliding), type_index, jnp.asarray(local)),
+    unroll=LAYER_UNROLL,
   )
   logits = model.logits_from_hidden(model.norm(x[:, -1:]))
   return logits[:, -1].astype(jnp.float32), cache

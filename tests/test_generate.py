@@ -95,6 +95,41 @@ def test_sliding_window_model_past_its_window(tmp_path):
   assert both == [generate_ids(model, [p], max_new_tokens=8)[0] for p in (prompt, long_prompt)]
 
 
+def test_decode_layers_unrolled_compute_what_the_scan_computes(hf_llama_dir, monkeypatch):
+  """forward_cached with its layers unrolled (``decoding.LAYER_UNROLL``) and as a loop of one
+  layer an iteration: the same logits and KV cache after a prompt and after one more token
+  (NF4 weights, float32; on an H100 the unrolled loop decodes 1.09x faster)."""
+  from flax import nnx
+
+  from jaxtune import decoding
+
+  path, _ = hf_llama_dir(seed=36)
+  model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32")
+  graphdef, state = nnx.split(model)
+  ids = jnp.asarray([[5, 17, 99, 3, 42, 7], [1, 2, 3, 4, 5, 6]], jnp.int32)
+
+  def two_calls(unroll):
+    monkeypatch.setattr(decoding, "LAYER_UNROLL", unroll)
+
+    @jax.jit
+    def f(state, ids):
+      m = nnx.merge(graphdef, state)
+      cache, valid = init_cache(m, 2, 16), jnp.ones((2, 16), bool)
+      pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+      first, cache = decoding.forward_cached(m, ids, pos, cache, 0, valid)
+      nxt = jnp.argmax(first, axis=-1)[:, None]
+      second, cache = decoding.forward_cached(m, nxt, pos[:, -1:] + 1, cache, 6, valid)
+      return first, second, cache
+
+    return jax.tree.leaves(f(state, ids))
+
+  scanned, unrolled = two_calls(1), two_calls(True)
+  assert len(scanned) == len(unrolled) == 4  # two logits, the global cache's keys and values
+  for got, want in zip(unrolled, scanned, strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+  assert float(jnp.abs(scanned[3]).max()) > 0  # the cache was written
+
+
 def test_batched_left_padding_equals_one_by_one(hf_llama_dir):
   path, _ = hf_llama_dir(seed=33)
   model = jaxtune.from_pretrained(path, quantization=None, dtype="float32")

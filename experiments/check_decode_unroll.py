@@ -1,0 +1,126 @@
+"""Decode speed with forward_cached's layer loop as a scan (one layer a loop iteration) against
+the layers unrolled (``decoding.LAYER_UNROLL``), NF4, alternated in one process.
+
+  python experiments/check_decode_unroll.py --shape llama-3.1-8b --batches 1,16
+Writes a random checkpoint, loads it in NF4, and for each batch and setting times
+generate_ids with 1 and 1 + N new tokens (decode tokens/s = batch * N / difference), in the
+order scan, unrolled, scan, unrolled (each compiled anew); checks that both settings generate
+the same tokens.
+"""
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jaxtune  # noqa: E402
+from experiments.measure import wall_ms  # noqa: E402
+from experiments.record import record  # noqa: E402
+from experiments.write_checkpoint import write  # noqa: E402
+from jaxtune import decoding  # noqa: E402
+
+SETTINGS = {"scan": 1, "unrolled": True, "unroll4": 4, "unroll8": 8}
+
+
+def prompt_logits(model, prompts) -> np.ndarray:
+  """Logits [B, V] after the prompts (one forward_cached call), float64, as the setting now
+  in decoding.LAYER_UNROLL computes them."""
+  b, t = len(prompts), len(prompts[0])
+  graphdef = nnx.graphdef(model)
+
+  @jax.jit
+  def f(state, ids):
+    m = nnx.merge(graphdef, state)
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    cache, valid = decoding.init_cache(m, b, t), jnp.ones((b, t), bool)
+    return decoding.forward_cached(m, ids, pos, cache, 0, valid)[0]
+
+  return np.asarray(f(nnx.state(model), jnp.asarray(prompts, jnp.int32)), np.float64)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__)
+  ap.add_argument("--shape", default="llama-3.2-1b")
+  ap.add_argument("--batches", default="1,16")
+  ap.add_argument("--prompt-len", type=int, default=128)
+  ap.add_argument("--new-tokens", type=int, default=128)
+  ap.add_argument("--bnb-4bit", action="store_true", help="write the checkpoint as *-bnb-4bit")
+  ap.add_argument("--lookup", default=None, help="generate_ids' word_lookup: none, inplace, word")
+  ap.add_argument("--order", default="scan,unrolled,scan,unrolled", help="settings, timed in turn")
+  ap.add_argument("--skip-logits", action="store_true", help="no prompt-logits comparison")
+  ap.add_argument(
+    "--logits-only",
+    action="store_true",
+    help="only the prompt logits of both settings against the float32 model (same NF4 codes)",
+  )
+  ap.add_argument("--results-dir", default=None)
+  args = ap.parse_args()
+  path = write(Path(tempfile.mkdtemp()) / args.shape, args.shape, bnb_4bit=args.bnb_4bit)
+  lookup = {None: None, "none": None, "inplace": "inplace", "word": True}[args.lookup]
+  order = args.order.split(",")
+  model = jaxtune.from_pretrained(path, quantization="nf4")
+  vocab = model.config.vocab_size
+  rows = []
+  for b in map(int, args.batches.split(",")):
+    rng = np.random.default_rng(b)
+    prompts = rng.integers(3, vocab, (b, args.prompt_len)).tolist()
+    tokens, first, speeds = {}, {}, {name: [] for name in dict.fromkeys(order)}
+    logits = {name: np.zeros(1) for name in SETTINGS}
+    for name in () if args.skip_logits else ("scan", "unrolled"):
+      decoding.LAYER_UNROLL = SETTINGS[name]
+      jax.clear_caches()
+      logits[name] = prompt_logits(model, prompts)
+    err = np.linalg.norm(logits["unrolled"] - logits["scan"]) / np.linalg.norm(logits["scan"])
+    err = None if args.skip_logits else err
+    print(b, "prompt logits, unrolled against scan: relative L2", err, flush=True)
+    if args.logits_only:
+      ref_model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32")
+      ref = prompt_logits(ref_model, prompts)
+      del ref_model
+      for name in ("scan", "unrolled"):
+        rel = np.linalg.norm(logits[name] - ref) / np.linalg.norm(ref)
+        print(b, f"prompt logits, {name} (bfloat16) against float32: relative L2 {rel:.4g}")
+        rows.append({"model": args.shape, "batch": b, "layers": name, "against": "float32",
+                     "prompt_logits_rel_err": float(rel)})  # fmt: skip
+      continue
+    for name in order:
+      decoding.LAYER_UNROLL = SETTINGS[name]
+      jax.clear_caches()  # the setting is read when the loop is traced
+      t = time.perf_counter()
+      tokens[name] = decoding.generate_ids(
+        model, prompts, max_new_tokens=args.new_tokens, word_lookup=lookup
+      )
+      first.setdefault(name, time.perf_counter() - t)
+      gen = lambda p, n: decoding.generate_ids(model, p, max_new_tokens=n, word_lookup=lookup)  # noqa: E731
+      t1, tn = wall_ms(gen, prompts, 1, reps=3), wall_ms(gen, prompts, 1 + args.new_tokens, reps=3)
+      speeds[name].append(b * args.new_tokens / ((tn - t1) / 1e3))
+      print(b, name, round(speeds[name][-1], 1), flush=True)
+    same = tokens.get("scan") == tokens.get("unrolled")
+    for name in speeds:
+      rows.append({
+        "model": args.shape, "quantization": "nf4", "batch": b, "layers": name,
+        "decode_tokens_per_s": float(np.median(speeds[name])),
+        "runs": [round(x, 1) for x in speeds[name]], "same_tokens": same,
+        "prompt_logits_rel_err_unrolled_vs_scan": err and float(err), "lookup": args.lookup,
+        "first_call_s": round(first[name], 1),
+        "ratio_to_scan": float(np.median(speeds[name]) / np.median(speeds.get("scan", [np.nan]))),
+      })  # fmt: skip
+  decoding.LAYER_UNROLL = 1
+  title = f"Decode, layers scanned vs unrolled, {args.shape}, NF4"
+  record("check_decode_unroll", rows, title, out_dir=args.results_dir)
+  print("\n| batch | layers | decode tok/s | runs | ratio to scan | same tokens | first call s |")
+  for r in rows:
+    print(f"| {r['batch']} | {r['layers']} | {r['decode_tokens_per_s']:.0f} | {r['runs']} | "
+          f"{r['ratio_to_scan']:.3f} | {r['same_tokens']} | {r['first_call_s']} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+  main()
