@@ -1,5 +1,5 @@
 """Decode speed with forward_cached's layer loop as a scan (one layer a loop iteration) against
-the layers unrolled (``decoding.LAYER_UNROLL``), NF4, alternated in one process.
+the layers unrolled (``decoding.UNROLL_LAYERS_UP_TO``), NF4, alternated in one process.
 
   python experiments/check_decode_unroll.py --shape llama-3.1-8b --batches 1,16
 Writes a random checkpoint, loads it in NF4, and for each batch and setting times
@@ -27,12 +27,17 @@ from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
 from jaxtune import decoding  # noqa: E402
 
-SETTINGS = {"scan": 1, "unrolled": True, "unroll4": 4, "unroll8": 8}
+# decoding.UNROLL_LAYERS_UP_TO for each setting. (Session 27 also timed 4 and 8 layers an
+# iteration, jax.lax.scan's unroll=4 / 8, with this script at commit 8ce8f56.)
+SETTINGS = {"scan": 0, "unrolled": 1 << 20}
+
+
+UNROLL_DEFAULT = decoding.UNROLL_LAYERS_UP_TO
 
 
 def prompt_logits(model, prompts) -> np.ndarray:
   """Logits [B, V] after the prompts (one forward_cached call), float64, as the setting now
-  in decoding.LAYER_UNROLL computes them."""
+  in decoding.UNROLL_LAYERS_UP_TO computes them."""
   b, t = len(prompts), len(prompts[0])
   graphdef = nnx.graphdef(model)
 
@@ -75,7 +80,7 @@ def main():
     tokens, first, speeds = {}, {}, {name: [] for name in dict.fromkeys(order)}
     logits = {name: np.zeros(1) for name in SETTINGS}
     for name in () if args.skip_logits else ("scan", "unrolled"):
-      decoding.LAYER_UNROLL = SETTINGS[name]
+      decoding.UNROLL_LAYERS_UP_TO = SETTINGS[name]
       jax.clear_caches()
       logits[name] = prompt_logits(model, prompts)
     err = np.linalg.norm(logits["unrolled"] - logits["scan"]) / np.linalg.norm(logits["scan"])
@@ -92,7 +97,7 @@ def main():
                      "prompt_logits_rel_err": float(rel)})  # fmt: skip
       continue
     for name in order:
-      decoding.LAYER_UNROLL = SETTINGS[name]
+      decoding.UNROLL_LAYERS_UP_TO = SETTINGS[name]
       jax.clear_caches()  # the setting is read when the loop is traced
       t = time.perf_counter()
       tokens[name] = decoding.generate_ids(
@@ -113,7 +118,7 @@ def main():
         "first_call_s": round(first[name], 1),
         "ratio_to_scan": float(np.median(speeds[name]) / np.median(speeds.get("scan", [np.nan]))),
       })  # fmt: skip
-  decoding.LAYER_UNROLL = 1
+  decoding.UNROLL_LAYERS_UP_TO = UNROLL_DEFAULT
   title = f"Decode, layers scanned vs unrolled, {args.shape}, NF4"
   record("check_decode_unroll", rows, title, out_dir=args.results_dir)
   print("\n| batch | layers | decode tok/s | runs | ratio to scan | same tokens | first call s |")

@@ -96,9 +96,9 @@ def test_sliding_window_model_past_its_window(tmp_path):
 
 
 def test_decode_layers_unrolled_compute_what_the_scan_computes(hf_llama_dir, monkeypatch):
-  """forward_cached with its layers unrolled (``decoding.LAYER_UNROLL``) and as a loop of one
-  layer an iteration: the same logits and KV cache after a prompt and after one more token
-  (NF4 weights, float32; on an H100 the unrolled loop decodes 1.09x faster)."""
+  """forward_cached with its layers unrolled (``decoding.UNROLL_LAYERS_UP_TO``: the default
+  for this model) and as a loop of one layer an iteration: the same logits and KV cache after
+  a prompt and after one more token (NF4 weights, float32)."""
   from flax import nnx
 
   from jaxtune import decoding
@@ -108,8 +108,10 @@ def test_decode_layers_unrolled_compute_what_the_scan_computes(hf_llama_dir, mon
   graphdef, state = nnx.split(model)
   ids = jnp.asarray([[5, 17, 99, 3, 42, 7], [1, 2, 3, 4, 5, 6]], jnp.int32)
 
-  def two_calls(unroll):
-    monkeypatch.setattr(decoding, "LAYER_UNROLL", unroll)
+  assert model.config.num_layers <= decoding.UNROLL_LAYERS_UP_TO
+
+  def two_calls(up_to):
+    monkeypatch.setattr(decoding, "UNROLL_LAYERS_UP_TO", up_to)
 
     @jax.jit
     def f(state, ids):
@@ -123,7 +125,7 @@ def test_decode_layers_unrolled_compute_what_the_scan_computes(hf_llama_dir, mon
 
     return jax.tree.leaves(f(state, ids))
 
-  scanned, unrolled = two_calls(1), two_calls(True)
+  scanned, unrolled = two_calls(0), two_calls(model.config.num_layers)
   assert len(scanned) == len(unrolled) == 4  # two logits, the global cache's keys and values
   for got, want in zip(unrolled, scanned, strict=True):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
