@@ -4,15 +4,19 @@ serialized again (the step store's format) and loaded in a fresh process? On XLA
 so plan._StepStore skips such programs (plan._FROM_CACHE) on every backend. This checks
 the GPU, with the Mosaic GPU flash attention of check_step_store.py and an XLA MLP step.
 
-  python experiments/check_cache_store.py
+  python experiments/check_cache_store.py --results-dir DIR
 Three children share one cache directory: (1) compiles and runs, filling the cache; (2)
-compiles again (a cache hit, counted), serializes the program and keeps its output; (3)
-loads it and runs. Prints, per program, the hits of (2) and the largest difference of (3)'s
-output against (2)'s.
+compiles each program again (a cache hit, counted) and, as the control, once more with the
+cache off (no hit), serializes both and keeps their outputs; (3) imports
+jax.experimental.mosaic.gpu first (as _StepStore.load does), then loads each and runs it.
+Prints and records, per program and compile, whether it loaded, whether it ran, and the
+largest difference of (3)'s output against (2)'s.
 """
 
+import argparse
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -63,41 +67,79 @@ def child(stage: str, cache: str, blob_path: str) -> None:
 
   jax.monitoring.register_event_listener(listen)
   if stage == "load":
-    saved = pickle.loads(Path(blob_path).read_bytes())
-    for name, (_fn, args) in programs().items():
-      blob, in_tree, out_tree, want, n = saved[name]
-      try:
-        compiled = serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
-        got = [np.asarray(x, np.float32) for x in compiled(*args)]
-        diff = max(float(np.abs(g - w).max()) for g, w in zip(got, want, strict=True))
-        print(f"{name}: cache hits while compiling {n}; loaded, ran, max |diff| {diff:.3g}")
-      except Exception as e:  # noqa: BLE001
-        print(f"{name}: cache hits while compiling {n}; FAILED {type(e).__name__}: {str(e)[:200]}")
+    import importlib
+
+    importlib.import_module("jax.experimental.mosaic.gpu")  # as _StepStore.load
+    saved, rows = pickle.loads(Path(blob_path).read_bytes()), []
+    for name, (_, args) in programs().items():
+      for how in ("read from the cache", "compiled (cache off)"):
+        blob, in_tree, out_tree, want, n = saved[name, how]
+        row = {"program": name, "compile": how, "cache_hits": n, "loaded": False, "ran": False}
+        try:
+          compiled = serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
+          row["loaded"] = True
+          got = [np.asarray(x, np.float32) for x in compiled(*args)]
+          row["ran"] = True
+          row["max_abs_diff"] = max(
+            float(np.abs(g - w).max()) for g, w in zip(got, want, strict=True)
+          )
+        except Exception as e:  # noqa: BLE001 (reported, not raised: the figure is the point)
+          row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+        print(row, flush=True)
+    Path(blob_path).with_suffix(".rows").write_bytes(pickle.dumps(rows))
     return
   saved = {}
   for name, (fn, args) in programs().items():
     before = hits[0]
     compiled = fn.lower(*args).compile()
     out = [np.asarray(x, np.float32) for x in compiled(*args)]
-    if stage == "serialize":
-      blob, in_tree, out_tree = serialize_executable.serialize(compiled)
-      saved[name] = (blob, in_tree, out_tree, out, hits[0] - before)
+    if stage != "serialize":
+      continue
+    saved[name, "read from the cache"] = (
+      *serialize_executable.serialize(compiled),
+      out,
+      hits[0] - before,
+    )
+    jax.config.update("jax_enable_compilation_cache", False)
+    before = hits[0]
+    fresh = fn.lower(*args).compile()
+    out = [np.asarray(x, np.float32) for x in fresh(*args)]
+    saved[name, "compiled (cache off)"] = (
+      *serialize_executable.serialize(fresh),
+      out,
+      hits[0] - before,
+    )
+    jax.config.update("jax_enable_compilation_cache", True)
   if stage == "serialize":
     Path(blob_path).write_bytes(pickle.dumps(saved))
 
 
-if __name__ == "__main__":
-  if len(sys.argv) == 4:
-    child(*sys.argv[1:])
-    sys.exit(0)
+def main():
+  ap = argparse.ArgumentParser(description=__doc__)
+  ap.add_argument("--results-dir", default=None)
+  args = ap.parse_args()
   work = Path(tempfile.mkdtemp())
   cache, blob = work / "cache", work / "programs.pkl"
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-  for stage in ("fill", "serialize", "load"):
-    proc = subprocess.run([sys.executable, __file__, stage, str(cache), str(blob)], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    if proc.returncode:
-      print(f"{stage}: rc {proc.returncode} {proc.stderr[-600:]}")
-      break
-    if proc.stdout.strip():
+  try:
+    for stage in ("fill", "serialize", "load"):
+      argv = [sys.executable, __file__, stage, str(cache), str(blob)]
+      proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
       print(proc.stdout.strip())
+      if proc.returncode:
+        raise SystemExit(f"{stage}: rc {proc.returncode} {proc.stderr[-600:]}")
+    rows = pickle.loads(blob.with_suffix(".rows").read_bytes())
+  finally:
+    shutil.rmtree(work, ignore_errors=True)
+  from experiments.record import record
+
+  title = "A program read back from the compilation cache, serialized again and loaded"
+  record("check_cache_store", rows, title, out_dir=args.results_dir)
+
+
+if __name__ == "__main__":
+  if len(sys.argv) == 4 and sys.argv[1] in ("fill", "serialize", "load"):
+    child(*sys.argv[1:])
+    sys.exit(0)
+  main()

@@ -78,7 +78,7 @@ def main():
     rng = np.random.default_rng(b)
     prompts = rng.integers(3, vocab, (b, args.prompt_len)).tolist()
     tokens, first, speeds = {}, {}, {name: [] for name in dict.fromkeys(order)}
-    logits = {name: np.zeros(1) for name in SETTINGS}
+    logits = {name: np.ones(1) for name in SETTINGS}
     for name in () if args.skip_logits else ("scan", "unrolled"):
       decoding.UNROLL_LAYERS_UP_TO = SETTINGS[name]
       jax.clear_caches()
@@ -94,7 +94,8 @@ def main():
         rel = np.linalg.norm(logits[name] - ref) / np.linalg.norm(ref)
         print(b, f"prompt logits, {name} (bfloat16) against float32: relative L2 {rel:.4g}")
         rows.append({"model": args.shape, "batch": b, "layers": name, "against": "float32",
-                     "prompt_logits_rel_err": float(rel)})  # fmt: skip
+                     "prompt_logits_rel_err": float(rel),
+                     "prompt_logits_rel_err_unrolled_vs_scan": float(err)})  # fmt: skip
       continue
     for name in order:
       decoding.UNROLL_LAYERS_UP_TO = SETTINGS[name]
@@ -108,7 +109,8 @@ def main():
       t1, tn = wall_ms(gen, prompts, 1, reps=3), wall_ms(gen, prompts, 1 + args.new_tokens, reps=3)
       speeds[name].append(b * args.new_tokens / ((tn - t1) / 1e3))
       print(b, name, round(speeds[name][-1], 1), flush=True)
-    same = tokens.get("scan") == tokens.get("unrolled")
+    both = {"scan", "unrolled"} <= set(tokens)
+    same = tokens["scan"] == tokens["unrolled"] if both else None
     for name in speeds:
       rows.append({
         "model": args.shape, "quantization": "nf4", "batch": b, "layers": name,
@@ -121,6 +123,8 @@ def main():
   decoding.UNROLL_LAYERS_UP_TO = UNROLL_DEFAULT
   title = f"Decode, layers scanned vs unrolled, {args.shape}, NF4"
   record("check_decode_unroll", rows, title, out_dir=args.results_dir)
+  if args.logits_only:
+    return
   print("\n| batch | layers | decode tok/s | runs | ratio to scan | same tokens | first call s |")
   for r in rows:
     print(f"| {r['batch']} | {r['layers']} | {r['decode_tokens_per_s']:.0f} | {r['runs']} | "

@@ -57,12 +57,13 @@ def init_cache(model: Decoder, batch: int, length: int) -> dict:
 
 
 # forward_cached puts every layer in its program (the layer loop unrolled) for models of at
-# most this many layers, and loops over one layer an iteration above it. One H100, NF4,
-# experiments/check_decode_unroll.py: 8B (32 layers) decodes 1.06x / 1.09-1.12x faster
-# unrolled at batch 1 / 16, its first call 23-27 s against 8-12 s; 70B (80 layers) 1.03x at
-# batch 1 for a first call of 52 s against 14 s, so it keeps the loop. Unrolled and looped
-# logits are one float32 program apart (test_generate) and equally far from float32 in
-# bfloat16 (2.2%, random weights). 4 or 8 layers an iteration ran 0.56-0.65x the loop.
+# most this many layers, and loops over one layer an iteration above it. One H100, NF4, Llama
+# shapes, experiments/check_decode_unroll.py: 8B (32 layers) decodes 1.05-1.09x / 1.09-1.12x
+# faster unrolled at batch 1 / 16, its first call 23-27 s against 8-12 s; 70B (80 layers)
+# 1.03x at batch 1 for a first call of 52 s against 14 s, so it keeps the loop. 48 is a cut
+# between those two sizes, not measured. Unrolled and looped logits are one float32 program
+# apart (test_generate) and equally far from float32 in bfloat16 (2.1-2.2%, random weights).
+# 4 or 8 layers an iteration ran 0.56-0.65x the loop.
 UNROLL_LAYERS_UP_TO = 48
 
 

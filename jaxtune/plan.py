@@ -374,10 +374,10 @@ def _keep_layers(build, args, rt, full, above, limit, layers, rejected):
 # Programs that JAX read back from its persistent compilation cache. On the CPU such a program,
 # serialized again, loses functions: loaded from the step store it fails when it runs
 # ("Function multiply_select_fusion not found", jax 0.11.2), and the store would only notice
-# at the step. On a GPU a Mosaic GPU kernel's program fails to load the same way ("Failed to
-# lookup host symbol: ... body_mosaic_gpu", H100, experiments/check_cache_store.py), so the
-# store keeps none of them on any backend (the cost: a warm start traces and lowers where only
-# the compilation cache holds the step).
+# at the step, so the store keeps none of them there (a warm start then traces and lowers
+# where only the compilation cache holds the step). On an H100 such programs (a Mosaic GPU
+# kernel's, an XLA step's) loaded and ran with the same outputs as when first compiled
+# (experiments/check_cache_store.py, session 27), so GPUs keep them.
 _FROM_CACHE: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -412,9 +412,8 @@ class _StepStore:
   An entry is written whole or not at all (a temporary file renamed), holds a digest of the
   program that is checked when it is read, and one that cannot be read is removed with one
   line; the program is compiled then.
-  Programs with host callbacks (interpreted Pallas kernels) are not kept, nor programs that
-  JAX read back from its compilation cache (``_FROM_CACHE``): only steps compiled in the
-  process are."""
+  Programs with host callbacks (interpreted Pallas kernels) are not kept, nor, on CPUs,
+  programs that JAX read back from its compilation cache (``_FROM_CACHE``)."""
 
   def __init__(self, path: Path):
     self.path = path
@@ -481,14 +480,14 @@ class _StepStore:
     return compiled, entry["plan"]
 
   def save(self, compiled: Any, chosen: Plan) -> None:
-    """Keep ``compiled`` (best effort: a program that cannot be serialized, or that JAX read
-    back from its compilation cache, is not kept)."""
+    """Keep ``compiled`` (best effort: a program that cannot be serialized, or on a CPU one
+    that JAX read back from its compilation cache, is not kept)."""
     from jax.experimental import serialize_executable
 
     unloaded = getattr(compiled._executable, "_unloaded_executable", None)
     if unloaded is None or unloaded.host_callbacks or unloaded.keepalive:
       return
-    if compiled in _FROM_CACHE:  # see _FROM_CACHE
+    if compiled in _FROM_CACHE and jax.default_backend() == "cpu":  # see _FROM_CACHE
       return
     try:
       program, in_tree, out_tree = serialize_executable.serialize(compiled)

@@ -29,9 +29,15 @@ TOL = 1e-2
 CASES = {
   # name: (T, N, K, H, options); segments: True (3 packed documents), "many" (14), "one" (one
   # document), "kv" (packed, and keys with ids of their own)
-  "causal-gqa2-pad": (200, 2, 1, 64, {}),
+  "causal-gqa4-pad": (200, 4, 1, 64, {}),
   "noncausal-mha-scale": (100, 2, 2, 64, {"causal": False, "scale": 0.3}),  # one tile
-  "kv-segments-window-softcap": (200, 2, 1, 64, {"segments": "kv", "window": 48, "softcap": 3.0}),
+  "kv-segments-window-softcap-scale": (
+    200,
+    2,
+    1,
+    64,
+    {"segments": "kv", "window": 48, "softcap": 3.0, "scale": 0.3},
+  ),
   "noncausal-kv-window": (200, 2, 1, 64, {"causal": False, "segments": "kv", "window": 50}),
   # dK products issued in their own step (Blocks(defer_dk=False)), not with the next step's
   "h128-segments-gqa2-undeferred": (130, 2, 1, 128, {"segments": True, "defer_dk": False}),

@@ -95,20 +95,25 @@ def test_sliding_window_model_past_its_window(tmp_path):
   assert both == [generate_ids(model, [p], max_new_tokens=8)[0] for p in (prompt, long_prompt)]
 
 
-def test_decode_layers_unrolled_compute_what_the_scan_computes(hf_llama_dir, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_decode_layers_unrolled_compute_what_the_scan_computes(
+  family, hf_llama_dir, tmp_path, monkeypatch
+):
   """forward_cached with its layers unrolled (``decoding.UNROLL_LAYERS_UP_TO``: the default
-  for this model) and as a loop of one layer an iteration: the same logits and KV cache after
-  a prompt and after one more token (NF4 weights, float32)."""
+  for these models) and as a loop of one layer an iteration (70B's): the same logits and KV
+  caches after a prompt and after one more token (NF4 weights, float32). Gemma 2 alternates
+  sliding-window layers (a ring of 8 slots, the prompt longer) with global ones."""
   from flax import nnx
+  from test_packing import _gemma2_dir
 
   from jaxtune import decoding
 
-  path, _ = hf_llama_dir(seed=36)
+  path = hf_llama_dir(seed=36)[0] if family == "llama" else _gemma2_dir(tmp_path)
   model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32")
-  graphdef, state = nnx.split(model)
-  ids = jnp.asarray([[5, 17, 99, 3, 42, 7], [1, 2, 3, 4, 5, 6]], jnp.int32)
-
   assert model.config.num_layers <= decoding.UNROLL_LAYERS_UP_TO
+  graphdef, state = nnx.split(model)
+  rng = np.random.default_rng(0)
+  ids = jnp.asarray(rng.integers(1, 256, (2, 10)), jnp.int32)
 
   def two_calls(up_to):
     monkeypatch.setattr(decoding, "UNROLL_LAYERS_UP_TO", up_to)
@@ -117,19 +122,20 @@ def test_decode_layers_unrolled_compute_what_the_scan_computes(hf_llama_dir, mon
     def f(state, ids):
       m = nnx.merge(graphdef, state)
       cache, valid = init_cache(m, 2, 16), jnp.ones((2, 16), bool)
-      pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+      pos = jnp.broadcast_to(jnp.arange(10), (2, 10))
       first, cache = decoding.forward_cached(m, ids, pos, cache, 0, valid)
-      nxt = jnp.argmax(first, axis=-1)[:, None]
-      second, cache = decoding.forward_cached(m, nxt, pos[:, -1:] + 1, cache, 6, valid)
+      nxt = jnp.asarray([[3], [200]], jnp.int32)
+      second, cache = decoding.forward_cached(m, nxt, pos[:, -1:] + 1, cache, 10, valid)
       return first, second, cache
 
     return jax.tree.leaves(f(state, ids))
 
   scanned, unrolled = two_calls(0), two_calls(model.config.num_layers)
-  assert len(scanned) == len(unrolled) == 4  # two logits, the global cache's keys and values
+  # Two logits, then keys and values of the global cache (and of the local ring: Gemma 2).
+  assert len(scanned) == len(unrolled) == (4 if family == "llama" else 6)
   for got, want in zip(unrolled, scanned, strict=True):
+    assert float(jnp.abs(want).max()) > 0  # every cache was written
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
-  assert float(jnp.abs(scanned[3]).max()) > 0  # the cache was written
 
 
 def test_batched_left_padding_equals_one_by_one(hf_llama_dir):
