@@ -22,7 +22,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jaxtune  # noqa: E402
-from experiments.measure import wall_ms  # noqa: E402
+from experiments.bench_decode import timed  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
 from jaxtune import decoding  # noqa: E402
@@ -105,9 +105,9 @@ def main():
         model, prompts, max_new_tokens=args.new_tokens, word_lookup=lookup
       )
       first.setdefault(name, time.perf_counter() - t)
-      gen = lambda p, n: decoding.generate_ids(model, p, max_new_tokens=n, word_lookup=lookup)  # noqa: E731
-      t1, tn = wall_ms(gen, prompts, 1, reps=3), wall_ms(gen, prompts, 1 + args.new_tokens, reps=3)
-      speeds[name].append(b * args.new_tokens / ((tn - t1) / 1e3))
+      t1 = timed(model, prompts, 1, word=lookup)
+      tn = timed(model, prompts, 1 + args.new_tokens, word=lookup)
+      speeds[name].append(b * args.new_tokens / (tn - t1))
       print(b, name, round(speeds[name][-1], 1), flush=True)
     both = {"scan", "unrolled"} <= set(tokens)
     same = tokens["scan"] == tokens["unrolled"] if both else None

@@ -68,11 +68,14 @@ def make_optimizer(
   ), schedule
 
 
-def host_learning_rate(run: RunConfig) -> Callable[[int], float]:
+def host_learning_rate(
+  run: RunConfig, numbers: dict[str, np.generic] | None = None
+) -> Callable[[int], float]:
   """The schedule's learning rate at a step, in NumPy (float32): for the rows and lines the
   loop writes, which must not queue work on the device behind the step just dispatched (a
-  jnp schedule would, and reading it would wait for that step)."""
-  numbers = optimizer_numbers(run)
+  jnp schedule would, and reading it would wait for that step). ``numbers``:
+  ``optimizer_numbers(run)`` (the default) where the caller has them."""
+  numbers = optimizer_numbers(run) if numbers is None else numbers
   return lambda count: float(_learning_rate(run.schedule, numbers, np, np.int32(count)))
 
 

@@ -169,7 +169,7 @@ def train(
   # device of the mesh, as the key.
   numbers = step.optimizer_numbers(run)
   tx, _ = step.make_optimizer(run, numbers)
-  learning_rate = step.host_learning_rate(run)  # for the rows: nothing queued on the device
+  learning_rate = step.host_learning_rate(run, numbers)  # rows: nothing queued on the device
   numbers = jax.device_put(
     numbers, None if runtime.mesh is None else NamedSharding(runtime.mesh, PartitionSpec())
   )
