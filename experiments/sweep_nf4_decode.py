@@ -35,8 +35,18 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--ms", default="1,16")
   ap.add_argument("--reps", type=int, default=10)
-  ap.add_argument("--lookup", default="word", choices=("word", "prmt", "lut"))
-  ap.add_argument("--wgs", default="2", help="compute warpgroups per cell, comma-separated")
+  ap.add_argument(
+    "--lookup", default="word", help="comma-separated: word, prmt, lut, plut (each timed)"
+  )
+  ap.add_argument("--tiled", default="0", help="tiled_codes values (0, 1 or both)")
+  ap.add_argument(
+    "--columns", default="0",
+    help="blocks_as_columns values (0, 1 or both; 1 at M = 1 only: 8-token tile, no wgmmas "
+    "in flight across steps)",
+  )  # fmt: skip
+  ap.add_argument(
+    "--wgs", default="2", help="compute warpgroups per cell, comma-separated ('d': dispatch's)"
+  )
   ap.add_argument("--split-factors", default="1,0.5,2")
   ap.add_argument("--subs", default="1,2,4")
   ap.add_argument("--delays", default="0", help="delay_release values: 0, 1 or both")
@@ -64,32 +74,49 @@ def main():
       ref = np.asarray(reference.nf4_matmul_reference(x, *qs[0]))
       bf16 = time_per_call(jax.jit(lambda a, w: a @ w.T), x, dense, args.reps)
       base = ops._forward_config(m, n, k, False)
-      word_order = args.lookup in ops.WORD_ORDER
-      codes = kernel.word_codes if word_order else kernel.kernel_codes
-      kw = {} if word_order else {"swap_nibbles": False}
-      prepared = [(codes(q[0], **kw), kernel_scales(*q[1:])) for q in qs]
       found, seen = [], set()
       block_ms = _ints(args.block_ms) if args.block_ms else [base.block_m]
       grid = itertools.product(
-        _ints(args.wgs), _floats(args.split_factors), _ints(args.subs), _ints(args.delays),
-        _ints(args.stages), block_ms,
+        args.lookup.split(","), _ints(args.columns), _wgs(args.wgs), _floats(args.split_factors),
+        _ints(args.subs), _ints(args.delays), _ints(args.stages), block_ms, _ints(args.tiled),
       )  # fmt: skip
-      for wgs, split_f, sub, delay, stages, bm in grid:
+      grid = [(lk, c, base.compute_wgs if w == "d" else w, *rest) for lk, c, w, *rest in grid]
+      for lookup, cols, wgs, split_f, sub, delay, stages, bm, tiled in grid:
+        if cols:  # one token spread over the 8 columns; nothing in flight across steps
+          bm, delay = kernel.COLUMNS, 0
+          if m != 1 or kernel.COLUMNS % sub:
+            continue
         if n % (kernel.WG_ROWS * wgs) or bm < m or (delay and bm > 16):
           continue
+        word_order = lookup in ops.WORD_ORDER
+        codes = kernel.word_codes if word_order else kernel.kernel_codes
+        kw = {} if word_order else {"swap_nibbles": False}
+        if tiled:
+          shape_cfg = kernel.Config(compute_wgs=wgs, k_sub=sub)
+          order = reference.word_bytes if word_order else (lambda c: c)
+          prepared = [
+            (kernel.tile_codes(order(q[0]), shape_cfg), kernel_scales(*q[1:])) for q in qs
+          ]
+        else:
+          prepared = [(codes(q[0], **kw), kernel_scales(*q[1:])) for q in qs]
         split = max(1, int(base.split_k * split_f * wgs / base.compute_wgs))
         if k % (64 * sub * split) or k // split < 64 * sub:
           continue
         cfg = kernel.Config(
           block_m=bm, compute_wgs=wgs, split_k=split, k_sub=sub,
-          max_concurrent_steps=stages, delay_release=delay,
+          max_concurrent_steps=stages, delay_release=delay, blocks_as_columns=bool(cols),
+          tiled_codes=bool(tiled),
         )  # fmt: skip
-        if kernel.forward_smem_bytes(cfg, lookup=args.lookup) > kernel.SMEM_BYTES or cfg in seen:
+        if kernel.forward_smem_bytes(cfg, lookup=lookup) > kernel.SMEM_BYTES:
+          continue
+        if (cfg, lookup) in seen:
           continue  # (split factors that round to the same split: timed once)
-        seen.add(cfg)
-        xp = ops._pad_rows(x, cfg.block_m)
+        seen.add((cfg, lookup))
+        xp = kernel.spread_blocks(x, sub) if cols else ops._pad_rows(x, cfg.block_m)
         f = jax.jit(
-          lambda a, w4, s, cfg=cfg: kernel.forward(a, w4, s, config=cfg, lookup=args.lookup)
+          lambda a, w4, s, cfg=cfg, lookup=lookup: kernel.forward(
+            a, w4, s, config=cfg, lookup=lookup
+          )
         )
         try:
           err = rel_err(f(xp, *prepared[0])[:m], ref)
@@ -97,9 +124,10 @@ def main():
         except Exception:  # a configuration that does not lower is reported and skipped
           traceback.print_exc(limit=2)
           continue
-        now = cfg == base  # dispatch's own configuration
+        now = cfg == base and lookup == ops.PREPARED_LOOKUP  # dispatch's own configuration
         row = {
-          "M": m, "K": k, "N": n, "lookup": args.lookup, "wgs": wgs, "split_k": split,
+          "M": m, "K": k, "N": n, "lookup": lookup, "columns": cols, "tiled": tiled, "wgs": wgs,
+          "split_k": split,
           "k_sub": sub, "delay_release": delay, "stages": stages, "block_m": bm, "dispatch": now,
           "err": err,
           "kernel_ms": ms, "bf16_ms": bf16, "kernel_vs_bf16": ms / bf16,
@@ -107,7 +135,9 @@ def main():
         rows.append(row)
         found.append(row)
         print(
-          f"M={m} K={k} N={n} bm={bm} wgs={wgs} split={split} k_sub={sub} delay={delay} "
+          f"M={m} K={k} N={n} {lookup} cols={cols} tiled={tiled} bm={bm} wgs={wgs} split={split} "
+          f"k_sub={sub} "
+          f"delay={delay} "
           f"stages={stages}: "
           f"{ms * 1e3:.1f} us = {ms / bf16:.3f}x bf16, err {err:.1e}"
           + (" (dispatch)" if now else ""),
@@ -127,16 +157,22 @@ def main():
     out_dir=args.results_dir,
   )
   print(
-    "\n|    M     K     N | dispatch / bf16 | best / bf16 | best (bm, wgs, split, k_sub, delay,"
-    " stages) |"
+    "\n|    M     K     N | dispatch / bf16 | best / bf16 | best (lookup, columns, tiled, bm, wgs, "
+    "split, k_sub, delay, stages) |"
   )
   for m, k, n, top, now in best:
     cur = f"{now['kernel_vs_bf16']:.3f}" if now else "-"
     print(
       f"| {m:>4} {k:>5} {n:>5} | {cur:>15} | {top['kernel_vs_bf16']:>11.3f} | "
-      f"({top['block_m']}, {top['wgs']}, {top['split_k']}, {top['k_sub']}, "
+      f"({top['lookup']}, {top['columns']}, {top['tiled']}, {top['block_m']}, {top['wgs']}, "
+      f"{top['split_k']}, "
+      f"{top['k_sub']}, "
       f"{top['delay_release']}, {top['stages']}) |"
     )
+
+
+def _wgs(text):
+  return [v if v == "d" else int(v) for v in text.split(",")]
 
 
 def _ints(text):

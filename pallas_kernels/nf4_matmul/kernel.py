@@ -97,6 +97,15 @@ class Config:
   # group after another, instead of one row of tiles at a time: the cells in flight then share
   # fewer distinct operand tiles (L2 reuse). 1: row by row.
   group_m: int = 1
+  # Forward, one token: x comes as ``spread_blocks(x, k_sub)`` (block_m = COLUMNS), so each of a
+  # step's k blocks multiplies into its own column of a fresh accumulator; the tiles go to the
+  # tensor cores unscaled and each column is scaled by its block's scales after the product (a
+  # multiply per row and block, not per weight), summed over the columns at the end.
+  blocks_as_columns: bool = False
+  # Forward: the codes come tiled (``tile_codes``): each pipeline step's [64 * wgs, 64 * k_sub]
+  # tile is one contiguous run of memory, so a step's copy streams it instead of reading a
+  # short piece of each of its rows.
+  tiled_codes: bool = False
 
 
 def forward_smem_bytes(config: Config, x_itemsize: int = 2, lookup: str = "word") -> int:
@@ -109,9 +118,9 @@ def forward_smem_bytes(config: Config, x_itemsize: int = 2, lookup: str = "word"
   bm, wgs, sub = config.block_m, config.compute_wgs, config.k_sub
   bk, cta_n = BLOCK_K * sub, WG_ROWS * config.compute_wgs
   stage = bm * bk * x_itemsize + cta_n * bk // 2 + sub * cta_n * 2
-  out = wgs * WG_ROWS * bm * (4 if config.split_k > 1 else x_itemsize)
+  out = wgs * WG_ROWS * bm * (4 if config.split_k > 1 or config.blocks_as_columns else x_itemsize)
   staged = (wgs * sub if config.a_from_smem else 0) * WG_ROWS * BLOCK_K * x_itemsize
-  table = 256 * LUT_COPIES * 4 if lookup == "lut" else 0
+  table = lookup_table(lookup).nbytes if lookup in TABLE_LOOKUPS else 0
   return config.max_concurrent_steps * stage + out + staged + table + 1024
 
 
@@ -149,6 +158,16 @@ def word_codes(codes: jax.Array) -> jax.Array:
   A pass over the codes: made once where one weight serves many calls (decoding), per call at
   training sizes; x and the scales keep their order."""
   return kernel_codes(word_bytes(codes), swap_nibbles=False)
+
+
+def tile_codes(codes: jax.Array, config: Config) -> jax.Array:
+  """The forward kernel's codes for ``Config.tiled_codes``: codes uint8 [N, K/2] (in the order
+  the lookup reads) -> int4 [N * K / bk, bk] whose rows (ni * K / bk + step) * cta_n onwards
+  hold tile (ni, step) of W, cta_n = 64 * compute_wgs rows by bk = 64 * k_sub columns."""
+  cta_n, bk = WG_ROWS * config.compute_wgs, BLOCK_K * config.k_sub
+  n, half = codes.shape
+  tiles = codes.reshape(n // cta_n, cta_n, 2 * half // bk, bk // 2).transpose(0, 2, 1, 3)
+  return kernel_codes(tiles.reshape(-1, bk // 2), swap_nibbles=False)
 
 
 def _bf16_bits(values: np.ndarray) -> np.ndarray:
@@ -342,7 +361,47 @@ def lut_asm() -> str:
   return f"{{\n  .reg .b32 t0, t1, t2, t3;\n  {body}\n}}"
 
 
-def _lookup_lut(w, table):
+# The "plut" lookup: the same pairs, one table row of 256 bytes per byte value (lane l's copy at
+# byte 4l of the first 128, the rest unused), so that a byte's address is one byte permute of the
+# code word and the lane's offset: [4 x lane, byte b, 0, 0] = byte b x 256 + 4 x lane.
+PLUT_ROW_WORDS = 64
+PLUT_SELECTORS = tuple(0x5504 | (b << 4) for b in range(4))  # out bytes: $5.b0, $4.b<b>, 0, 0
+
+
+@functools.cache
+def plut_table() -> np.ndarray:
+  """The "plut" lookup's table, uint32 [256, PLUT_ROW_WORDS]: ``lut_table``'s rows, each padded
+  to 256 bytes with zeros (never read)."""
+  table = np.zeros((256, PLUT_ROW_WORDS), np.uint32)
+  table[:, :LUT_COPIES] = lut_table()
+  table.flags.writeable = False
+  return table
+
+
+def plut_asm() -> str:
+  """The "plut" lookup as PTX, operands as ``lut_asm``'s: per byte one prmt (the byte times 256
+  plus this lane's offset, both read from the operands) and a load: 8 instructions per 8 values
+  against lut's 12 (its shift and lop3 per byte), for a table twice as large (64 KiB)."""
+  lines = []
+  for b, sel in enumerate(PLUT_SELECTORS):
+    lines += [
+      f"prmt.b32 t{b}, $4, $5, {sel:#x};",
+      f"add.u32 t{b}, t{b}, $6;",
+      f"ld.shared.b32 ${b}, [t{b}];",
+    ]
+  body = "\n  ".join(lines)
+  return f"{{\n  .reg .b32 t0, t1, t2, t3;\n  {body}\n}}"
+
+
+def lookup_table(lookup: str) -> np.ndarray | None:
+  """The shared-memory table a lookup reads (None: it reads none)."""
+  return {"lut": lut_table, "plut": plut_table}.get(lookup, lambda: None)()
+
+
+TABLE_LOOKUPS = ("lut", "plut")
+
+
+def _lookup_lut(w, table, asm=None):
   """int4 codes of ``word_codes`` in WGMMA_LAYOUT_UPCAST_4X -> bfloat16 NF4 levels in
   WGMMA_LAYOUT (as ``_lookup_word``), each byte's pair loaded from ``table`` (shared memory,
   ``lut_table``)."""
@@ -351,7 +410,7 @@ def _lookup_lut(w, table):
   from jax.experimental import mosaic as _  # noqa: F401, PLC0415
   from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
 
-  asm = lut_asm()
+  asm = asm or lut_asm()
 
   @plgpu.inline_mgpu(
     arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA_UPCAST_4X),
@@ -378,17 +437,69 @@ def _lookup_lut(w, table):
   return lookup(table, w)
 
 
+COLUMNS = 8  # accumulator columns of ``Config.blocks_as_columns`` (wgmma's narrowest N)
+
+
+def spread_blocks(x: jax.Array, sub: int) -> jax.Array:
+  """x [1, K] -> [COLUMNS, K] for ``Config.blocks_as_columns`` with ``sub`` k blocks a step: row c
+  holds x's values in the k blocks b with b % sub == c, zeros elsewhere."""
+  if x.shape[0] != 1 or COLUMNS % sub:
+    raise ValueError(f"spread_blocks: one row and k blocks a step dividing {COLUMNS}: {x.shape}")
+  block = (jnp.arange(x.shape[1]) // BLOCK_K) % sub
+  return jnp.where(block[None, :] == jnp.arange(COLUMNS)[:, None], x, 0).astype(x.dtype)
+
+
+def _column_scales(s_rows, sub: int, interpret: bool):
+  """[sub, 64] scales in SMEM (a step's k blocks x a warpgroup's rows) -> f32 [64, COLUMNS] in
+  the WGMMA layout, element (r, c) = s[c % sub, r]: each accumulator column's scale. On the GPU
+  each thread loads the (at most 4) scales of its own elements."""
+  if interpret:
+    s = s_rows[...].T.astype(jnp.float32)
+    return jnp.concatenate([s] * (COLUMNS // sub), axis=1)
+  from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only exists where Mosaic GPU lowers)
+  from jax._src.lib.mlir.dialects import arith, memref, vector  # noqa: PLC0415
+  from jax.experimental import mosaic as _  # noqa: F401, PLC0415
+  from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
+
+  shape = (WG_ROWS, COLUMNS)
+
+  @plgpu.inline_mgpu(
+    arg_types=(plgpu.RefType(),),
+    return_type=plgpu.ShapeDtypeStruct(shape, jnp.float32, layout=plgpu.Layout.WGMMA),
+  )
+  def load(ctx, ref):
+    del ctx
+    f32, index = ir.F32Type.get(), ir.IndexType.get()
+    one = ir.VectorType.get((1,), f32)
+    layout = plgpu.Layout.WGMMA.to_mgpu()
+    regs = np.empty(layout.registers_shape(shape), dtype=object)
+    for idx, (row, col) in zip(np.ndindex(regs.shape), layout.thread_idxs(shape), strict=True):
+      parts = []
+      for e in range(layout.vector_length):  # the register's elements: columns col, col + 1
+        c = arith.remui(arith.addi(col, arith.constant(index, e)), arith.constant(index, sub))
+        parts.append(vector.broadcast(one, arith.extf(f32, memref.load(ref, [c, row]))))
+      regs[idx] = mgpu.utils.vector_concat(parts)
+    return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+  return load(s_rows)
+
+
 def _dequant_tile(w_smem, s_smem, lookup: str, along: int = 0, table=None):
   """[64, 64] codes in SMEM and their [64] scales in SMEM, one per row (``along`` 0) or per
-  column (1) -> bf16 tile in the WGMMA layout. ``table``: the "lut" lookup's (SMEM)."""
+  column (1) -> bf16 tile in the WGMMA layout (``s_smem`` None: the levels unscaled).
+  ``table``: the "lut" lookup's (SMEM)."""
   w = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
   if lookup == "word":
     w = _lookup_word(w)
   elif lookup == "lut":
     w = _lookup_lut(w, table)
+  elif lookup == "plut":
+    w = _lookup_lut(w, table, plut_asm())
   else:
     w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
     w = _lookup_prmt(w) if lookup == "prmt" else _lookup_select(w)
+  if s_smem is None:
+    return w
   s = plgpu.load(s_smem, (), layout=plgpu.Layout.WGMMA.reduce(1 - along))
   return w * lax.broadcast_in_dim(s, w.shape, [along])
 
@@ -413,10 +524,12 @@ def forward(
   interpret: Any = None,
 ) -> jax.Array:
   """y [M, N] = x [M, K] @ dequant(w4, scales)^T; M a multiple of block_m, N of 64 * wgs,
-  K of 64 * split_k. With ``config.transposed``: w4 holds W^T [N, K] of a weight W [K, N] and
-  scales are W's [N/64, K], so y = x @ W (x being dy: the input gradient)."""
+  K of 64 * split_k. With ``config.blocks_as_columns``: x is ``spread_blocks`` of one token and
+  y [1, N] that token's product. With ``config.transposed``: w4 holds W^T [N, K] of a weight
+  W [K, N] and scales are W's [N/64, K], so y = x @ W (x being dy: the input gradient)."""
   m, k = x.shape
-  n = w4.shape[0]
+  tiled = config.tiled_codes
+  n = w4.shape[0] * w4.shape[1] // k if tiled else w4.shape[0]
   bm, wgs, splits, sub = config.block_m, config.compute_wgs, config.split_k, config.k_sub
   cta_n = WG_ROWS * wgs
   k_part = k // splits
@@ -444,21 +557,32 @@ def forward(
     # Pinning the dequantized tiles into the next step (an optimization barrier after its
     # wait) did not cure the wide tiles (tried).
     raise ValueError("nf4 forward kernel: delay_release is measured correct up to 16 tokens")
-  if lookup == "lut" and interpret is not None:
-    raise ValueError("nf4 forward kernel: the lut lookup (inline PTX) runs on the GPU only")
-  if lookup == "lut" and forward_smem_bytes(config, x.dtype.itemsize, lookup) > SMEM_BYTES:
+  if lookup in TABLE_LOOKUPS and interpret is not None:
+    raise ValueError(f"nf4 forward kernel: the {lookup} lookup (inline PTX) runs on the GPU only")
+  if lookup in TABLE_LOOKUPS and forward_smem_bytes(config, x.dtype.itemsize, lookup) > SMEM_BYTES:
     raise ValueError(
-      "nf4 forward kernel: the lut lookup's table does not fit in shared memory beside "
+      f"nf4 forward kernel: the {lookup} lookup's table does not fit in shared memory beside "
       f"{config}; take fewer stages or k blocks a step, or another lookup"
     )
-  out_dtype = x.dtype if splits == 1 else jnp.float32
+  if tiled and (config.transposed or w4.shape[1] != bk):
+    raise ValueError(f"nf4 forward kernel: tiled codes are [N * K / {bk}, {bk}]: {w4.shape}")
+  columns = config.blocks_as_columns
+  if columns and (
+    bm != COLUMNS or COLUMNS % sub or config.transposed or config.out_rows or config.delay_release
+  ):
+    raise ValueError(
+      f"nf4 forward kernel: blocks_as_columns takes block_m {COLUMNS}, k_sub dividing it, and "
+      f"no transposed, out_rows or delay_release: {config}"
+    )
+  # Partial sums, and the narrow tiles of blocks_as_columns (8 bf16 are too narrow to swizzle).
+  out_dtype = x.dtype if splits == 1 and not columns else jnp.float32
   hold = config.delay_release
 
   n_tiles, m_tiles, group = n // cta_n, m // bm, config.group_m
   if m_tiles % group:
     raise ValueError(f"nf4 forward kernel: {m_tiles} rows of tiles do not group by {group}")
 
-  lut = lookup == "lut"
+  lut = lookup in TABLE_LOOKUPS
 
   def body(x_gmem, w_gmem, s_gmem, *refs, o_smem, a_smem=None, lut_smem=None, lut_bar=None):
     lut_gmem, o_gmem = refs if lut else (None, *refs)
@@ -477,38 +601,58 @@ def forward(
     along = int(config.transposed)
 
     def compute_context(run_pipeline):
+      if lut:  # the table into shared memory once, by the first compute warpgroup's copy
+
+        @pl.when(wg == 0)
+        def _():
+          plgpu.copy_gmem_to_smem(lut_gmem, lut_smem, lut_bar)
+
+        plgpu.barrier_wait(lut_bar)
+      if columns:  # the columns' scaled products, summed per row (every column holds the sum)
+        zero = plgpu.layout_cast(jnp.zeros((WG_ROWS, bm), jnp.float32), plgpu.Layout.WGMMA)
+        total = jnp.sum(run_pipeline(zero), axis=1)
+        store(lax.broadcast_in_dim(total, (WG_ROWS, bm), [0]).astype(o_smem.dtype))
+        return
+
       @functools.partial(pl.run_scoped, acc=plgpu.ACC((WG_ROWS, bm), jnp.float32))
       def _(acc):
-        if lut:  # the table into shared memory once, by the first compute warpgroup's copy
-
-          @pl.when(wg == 0)
-          def _():
-            plgpu.copy_gmem_to_smem(lut_gmem, lut_smem, lut_bar)
-
-          plgpu.barrier_wait(lut_bar)
         run_pipeline(acc)
         plgpu.wgmma_wait(0)  # the last step's wgmmas (left in flight with delay_release)
-        tile = acc[...].astype(o_smem.dtype)  # [64, bm]: a tile of y^T
-        if config.out_rows:
-          o_smem.at[wg].T[...] = tile
-          out = o_part.at[pl.ds(m0, bm), pl.ds(n0 + wg * WG_ROWS, WG_ROWS)]
-        else:
-          o_smem.at[wg][...] = tile
-          out = o_part.at[pl.ds(n0 + wg * WG_ROWS, WG_ROWS), pl.ds(m0, bm)]
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[wg], out)
-        plgpu.wait_smem_to_gmem(0)
+        store(acc[...].astype(o_smem.dtype))  # [64, bm]: a tile of y^T
 
-    def step(_, x_smem, w_smem, s_smem, acc):
+    def store(tile):
+      if config.out_rows:
+        o_smem.at[wg].T[...] = tile
+        out = o_part.at[pl.ds(m0, bm), pl.ds(n0 + wg * WG_ROWS, WG_ROWS)]
+      else:
+        o_smem.at[wg][...] = tile
+        out = o_part.at[pl.ds(n0 + wg * WG_ROWS, WG_ROWS), pl.ds(m0, bm)]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem.at[wg], out)
+      plgpu.wait_smem_to_gmem(0)
+
+    def products(x_smem, w_smem, s_smem, acc):
       for j in range(sub):
         cols = pl.ds(j * BLOCK_K, BLOCK_K)
-        scale = s_smem.at[wg, cols] if along else s_smem.at[j, rows]
+        scale = None if columns else s_smem.at[wg, cols] if along else s_smem.at[j, rows]
         w = _dequant_tile(w_smem.at[rows, cols], scale, lookup, along, lut_smem)
         if config.a_from_smem:
           a_smem.at[wg, j][...] = w
           plgpu.commit_smem()
           w = a_smem.at[wg, j]
         plgpu.wgmma(acc, w, x_smem.at[:, cols].T)  # [64, 64] @ [64, bm]
+
+    def step(_, x_smem, w_smem, s_smem, acc):
+      if columns:  # acc: the running sum of scaled columns (values, not an accumulator)
+
+        def scoped(blocks):
+          products(x_smem, w_smem, s_smem, blocks)
+          plgpu.wgmma_wait(0)
+          return blocks[...]
+
+        prods = pl.run_scoped(scoped, plgpu.ACC((WG_ROWS, bm), jnp.float32))
+        return acc + prods * _column_scales(s_smem.at[:, rows], sub, interpret is not None)
+      products(x_smem, w_smem, s_smem, acc)
       # Each wgmma is one group: wait for all, or (delay_release) for the previous step's.
       plgpu.wgmma_wait(sub if config.delay_release else 0)
       return acc
@@ -522,7 +666,10 @@ def forward(
           (bm, bk), lambda i: (0, i), transforms=_transforms(BLOCK_K, x.dtype), delay_release=hold
         ),
         plgpu.BlockSpec(
-          (cta_n, bk), lambda i: (0, i), transforms=_CODE_TRANSFORMS, delay_release=hold
+          (cta_n, bk),
+          (lambda i: (i, 0)) if tiled else (lambda i: (0, i)),
+          transforms=_CODE_TRANSFORMS,
+          delay_release=hold,
         ),
         plgpu.BlockSpec(
           (wgs, bk) if config.transposed else (sub, cta_n),
@@ -538,7 +685,9 @@ def forward(
     with _gpu.compute_registers(wgs):  # the pipeline sets its registers as it is traced
       pipeline(
         x_gmem.at[pl.ds(m0, bm), pl.ds(k0, k_part)],
-        w_gmem.at[pl.ds(n0, cta_n), pl.ds(k0, k_part)],
+        w_gmem.at[pl.ds((ni * (k // bk) + k0 // bk) * cta_n, k_part // bk * cta_n)]
+        if tiled
+        else w_gmem.at[pl.ds(n0, cta_n), pl.ds(k0, k_part)],
         s_gmem.at[pl.ds(n0 // BLOCK_K, wgs), pl.ds(k0, k_part)]
         if config.transposed
         else s_gmem.at[pl.ds(k0 // BLOCK_K, k_part // BLOCK_K), pl.ds(n0, cta_n)],
@@ -564,7 +713,7 @@ def forward(
       ),
       **(
         dict(
-          lut_smem=plgpu.SMEM((256, LUT_COPIES), jnp.uint32),
+          lut_smem=plgpu.SMEM(lookup_table(lookup).shape, jnp.uint32),
           lut_bar=plgpu.Barrier(num_arrivals=1),
         )
         if lut
@@ -577,8 +726,10 @@ def forward(
     thread_name="wg",
     interpret=interpret,
   )
-  out = kernel(x, w4, scales, *([jnp.asarray(lut_table())] if lut else []))
-  out = out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
+  out = kernel(x, w4, scales, *([jnp.asarray(lookup_table(lookup))] if lut else []))
+  if columns:  # every column holds the token's product: one is y
+    out = out[..., :1]
+  out = (out[0] if splits == 1 else jnp.sum(out, axis=0)).astype(x.dtype)
   return out if config.out_rows else out.T
 
 
@@ -593,8 +744,8 @@ def backward(
 ) -> jax.Array:
   """dx [M, K] = dy [M, N] @ dequant(w4, scales); M a multiple of block_m (x64), N of block_n,
   K of block_k_out * wgs."""
-  if lookup == "lut":
-    raise ValueError("nf4 backward kernel: the lut lookup is the forward kernel's only")
+  if lookup in TABLE_LOOKUPS:
+    raise ValueError(f"nf4 backward kernel: the {lookup} lookup is the forward kernel's only")
   m, n = dy.shape
   k = w4.shape[1]
   bm, bn, bko, wgs = config.block_m, config.block_n, config.block_k_out, config.compute_wgs

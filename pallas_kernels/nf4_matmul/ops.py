@@ -40,8 +40,8 @@ from pallas_kernels import _gpu
 from pallas_kernels.nf4_matmul import reference
 
 IMPLS = ("kernel", "xla", "interpret")
-LOOKUPS = ("prmt", "word", "lut")  # the forward kernel's on the GPU
-WORD_ORDER = ("word", "lut")  # the lookups that read the codes in word order (word_codes)
+LOOKUPS = ("prmt", "word", "lut", "plut")  # the forward kernel's on the GPU
+WORD_ORDER = ("word", "lut", "plut")  # the lookups that read the codes in word order (word_codes)
 # The lookup for codes given in word order (decoding's, made once for many calls): "lut" reads
 # each byte's pair of levels from a table in shared memory, 2 ALU instructions and one load per
 # byte where "word"'s program takes 21 per word and ptxas adds a copy of a table constant for
