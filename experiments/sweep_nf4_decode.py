@@ -38,7 +38,6 @@ def main():
   ap.add_argument(
     "--lookup", default="word", help="comma-separated: word, prmt, lut, plut (each timed)"
   )
-  ap.add_argument("--tiled", default="0", help="tiled_codes values (0, 1 or both)")
   ap.add_argument(
     "--columns", default="0",
     help="blocks_as_columns values (0, 1 or both; 1 at M = 1 only: 8-token tile, no wgmmas "
@@ -78,10 +77,10 @@ def main():
       block_ms = _ints(args.block_ms) if args.block_ms else [base.block_m]
       grid = itertools.product(
         args.lookup.split(","), _ints(args.columns), _wgs(args.wgs), _floats(args.split_factors),
-        _ints(args.subs), _ints(args.delays), _ints(args.stages), block_ms, _ints(args.tiled),
+        _ints(args.subs), _ints(args.delays), _ints(args.stages), block_ms,
       )  # fmt: skip
       grid = [(lk, c, base.compute_wgs if w == "d" else w, *rest) for lk, c, w, *rest in grid]
-      for lookup, cols, wgs, split_f, sub, delay, stages, bm, tiled in grid:
+      for lookup, cols, wgs, split_f, sub, delay, stages, bm in grid:
         if cols:  # one token spread over the 8 columns; nothing in flight across steps
           bm, delay = kernel.COLUMNS, 0
           if m != 1 or kernel.COLUMNS % sub:
@@ -91,21 +90,13 @@ def main():
         word_order = lookup in ops.WORD_ORDER
         codes = kernel.word_codes if word_order else kernel.kernel_codes
         kw = {} if word_order else {"swap_nibbles": False}
-        if tiled:
-          shape_cfg = kernel.Config(compute_wgs=wgs, k_sub=sub)
-          order = reference.word_bytes if word_order else (lambda c: c)
-          prepared = [
-            (kernel.tile_codes(order(q[0]), shape_cfg), kernel_scales(*q[1:])) for q in qs
-          ]
-        else:
-          prepared = [(codes(q[0], **kw), kernel_scales(*q[1:])) for q in qs]
+        prepared = [(codes(q[0], **kw), kernel_scales(*q[1:])) for q in qs]
         split = max(1, int(base.split_k * split_f * wgs / base.compute_wgs))
         if k % (64 * sub * split) or k // split < 64 * sub:
           continue
         cfg = kernel.Config(
           block_m=bm, compute_wgs=wgs, split_k=split, k_sub=sub,
           max_concurrent_steps=stages, delay_release=delay, blocks_as_columns=bool(cols),
-          tiled_codes=bool(tiled),
         )  # fmt: skip
         if kernel.forward_smem_bytes(cfg, lookup=lookup) > kernel.SMEM_BYTES:
           continue
@@ -126,7 +117,7 @@ def main():
           continue
         now = cfg == base and lookup == ops.PREPARED_LOOKUP  # dispatch's own configuration
         row = {
-          "M": m, "K": k, "N": n, "lookup": lookup, "columns": cols, "tiled": tiled, "wgs": wgs,
+          "M": m, "K": k, "N": n, "lookup": lookup, "columns": cols, "wgs": wgs,
           "split_k": split,
           "k_sub": sub, "delay_release": delay, "stages": stages, "block_m": bm, "dispatch": now,
           "err": err,
@@ -135,7 +126,7 @@ def main():
         rows.append(row)
         found.append(row)
         print(
-          f"M={m} K={k} N={n} {lookup} cols={cols} tiled={tiled} bm={bm} wgs={wgs} split={split} "
+          f"M={m} K={k} N={n} {lookup} cols={cols} bm={bm} wgs={wgs} split={split} "
           f"k_sub={sub} "
           f"delay={delay} "
           f"stages={stages}: "
@@ -157,14 +148,14 @@ def main():
     out_dir=args.results_dir,
   )
   print(
-    "\n|    M     K     N | dispatch / bf16 | best / bf16 | best (lookup, columns, tiled, bm, wgs, "
+    "\n|    M     K     N | dispatch / bf16 | best / bf16 | best (lookup, columns, bm, wgs, "
     "split, k_sub, delay, stages) |"
   )
   for m, k, n, top, now in best:
     cur = f"{now['kernel_vs_bf16']:.3f}" if now else "-"
     print(
       f"| {m:>4} {k:>5} {n:>5} | {cur:>15} | {top['kernel_vs_bf16']:>11.3f} | "
-      f"({top['lookup']}, {top['columns']}, {top['tiled']}, {top['block_m']}, {top['wgs']}, "
+      f"({top['lookup']}, {top['columns']}, {top['block_m']}, {top['wgs']}, "
       f"{top['split_k']}, "
       f"{top['k_sub']}, "
       f"{top['delay_release']}, {top['stages']}) |"

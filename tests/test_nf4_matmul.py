@@ -7,6 +7,7 @@ cannot run on a CPU, so their permute programs are checked here by emulating PTX
 up into another) by emulating Mosaic GPU's layouts from their definitions.
 """
 
+import dataclasses
 import itertools
 import re
 
@@ -90,6 +91,37 @@ def test_forward_configs(cfg, k):
   interpret = _gpu.interpret_params()
   got = kernel.forward(x, w4, scales, config=cfg, lookup="select", interpret=interpret)
   assert _rel(got, np.asarray(nf4_matmul_reference(x, *q))) < 1e-2
+
+
+def test_blocks_as_columns_multiply_one_token():
+  """One token spread over the columns (spread_blocks: row c holds the k blocks b with b % sub
+  == c, so the rows add back to x) and multiplied by unscaled tiles, each column scaled after
+  the product: the reference's product, one row; what the kernel refuses in that mode."""
+  # Decoding's 4 k blocks a step, K split in 2 (dispatch's one-token configurations).
+  sub, split, k = 4, 2, 1024
+  rng = np.random.default_rng(18)
+  n = 2 * kernel.WG_ROWS
+  q = _weights(rng, n, k)
+  x = jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)
+  spread = kernel.spread_blocks(x, sub)
+  assert spread.shape == (kernel.COLUMNS, k)
+  np.testing.assert_array_equal(np.asarray(spread, np.float32).sum(0), np.asarray(x[0], np.float32))
+  blocks = np.arange(k) // 64
+  assert (np.asarray(spread)[(blocks[None] % sub) != np.arange(8)[:, None]] == 0).all()
+  cfg = kernel.Config(
+    block_m=kernel.COLUMNS, compute_wgs=2, split_k=split, k_sub=sub, blocks_as_columns=True,
+    a_from_smem=True, max_concurrent_steps=2,
+  )  # fmt: skip
+  w4, scales = kernel.kernel_operands(*q, swap_nibbles=True)
+  interpret = _gpu.interpret_params()
+  got = kernel.forward(spread, w4, scales, config=cfg, lookup="select", interpret=interpret)
+  assert got.shape == (1, n)
+  assert _rel(got, np.asarray(nf4_matmul_reference(x, *q))) < 1e-2
+  with pytest.raises(ValueError, match="blocks_as_columns takes"):
+    bad = dataclasses.replace(cfg, block_m=16)
+    kernel.forward(jnp.pad(spread, ((0, 8), (0, 0))), w4, scales, config=bad, lookup="select")
+  with pytest.raises(ValueError, match="one row"):
+    kernel.spread_blocks(jnp.zeros((2, k), jnp.bfloat16), sub)
 
 
 @pytest.mark.parametrize(
@@ -300,10 +332,15 @@ def test_decoding_dispatch_takes_the_swept_configurations():
     (4096, 28672): (4, 1, 4),  # two warpgroups: 224 cells, more than a wave
   }  # fmt: skip
   for (k, n), want in decode.items():
-    for m in (1, 16):
-      cfg = ops._forward_config(m, n, k, interpret=False)
-      assert (cfg.block_m, cfg.compute_wgs, cfg.split_k, cfg.k_sub) == (16, *want), (m, k, n)
-      assert cfg.delay_release == 1  # wgmmas left in flight across steps (swept at M <= 16)
+    cfg = ops._forward_config(16, n, k, interpret=False)
+    assert (cfg.block_m, cfg.compute_wgs, cfg.split_k, cfg.k_sub) == (16, *want), (k, n)
+    assert cfg.delay_release == 1  # wgmmas left in flight across steps (swept at M <= 16)
+    assert not cfg.blocks_as_columns and cfg.max_concurrent_steps == 4
+    # One token: the same grid, its k blocks as the 8 columns, 3 stages, nothing in flight.
+    cfg = ops._forward_config(1, n, k, interpret=False)
+    assert (cfg.block_m, cfg.compute_wgs, cfg.split_k, cfg.k_sub) == (8, *want), (k, n)
+    assert cfg.blocks_as_columns and cfg.max_concurrent_steps == ops.COLUMN_STAGES == 3
+    assert cfg.delay_release == 0
   cfg = ops._forward_config(1, 28672 + 128, 4096, interpret=False)  # 225 cells, N % 256 != 0
   assert (cfg.compute_wgs, cfg.split_k) == (2, 1)
   # 64 tokens (GRPO's rollouts of 8 x 8): the sweep's fastest at M = 64 is half the cells.
@@ -605,15 +642,16 @@ def test_layout_emulation_matches_mosaic_and_ptx(layout):
 _LUT_BASE = 0x2A000  # a shared-memory address for the "lut" table in the emulations
 
 
-def _run_lut(words: np.ndarray, lanes: np.ndarray):
-  """The "lut" program over code words, each run by a lane of ``lanes`` (same shape), the
-  table at ``_LUT_BASE``: its 4 pairs, and whether every load read the lane's own bank."""
+def _run_lut(words: np.ndarray, lanes: np.ndarray, lookup: str = "lut"):
+  """The "lut" (or "plut") program over code words, each run by a lane of ``lanes`` (same
+  shape), its table at ``_LUT_BASE``: its 4 pairs, and whether every load read the lane's own
+  bank."""
   loads = []
   outs = _run_ptx(
-    kernel.lut_asm(),
+    kernel.lut_asm() if lookup == "lut" else kernel.plut_asm(),
     {"$4": words, "$5": lanes.astype(np.uint64) * 4, "$6": np.uint64(_LUT_BASE)},
     outputs=4,
-    shared=(_LUT_BASE, kernel.lut_table()),
+    shared=(_LUT_BASE, kernel.lookup_table(lookup)),
     loads=loads,
   )
   own_bank = all(np.array_equal(index % 32, lanes) for index in loads) and len(loads) == 4
@@ -633,11 +671,11 @@ def _dequant_word_tiles(w4: np.ndarray, program: str = "word") -> np.ndarray:
     words = np.zeros(src.shape[:-2], np.uint64)
     for v in range(src.shape[-2]):
       words |= tile[src[..., v, 0], src[..., v, 1]].astype(np.uint64) << np.uint64(4 * v)
-    if program == "lut":
+    if program in kernel.TABLE_LOOKUPS:
       lanes = np.broadcast_to(
         (np.arange(128) % 32).reshape(-1, *[1] * (words.ndim - 1)), words.shape
       )
-      pairs, own_bank = _run_lut(words, lanes)
+      pairs, own_bank = _run_lut(words, lanes, program)
       assert own_bank
     else:
       pairs = _run_ptx(kernel.word_asm(), {"$4": words}, outputs=4)
@@ -667,16 +705,17 @@ def test_word_path_dequantizes_a_tile():
   np.testing.assert_array_equal(got, _BF16_NF4[_logical_codes(codes)])
 
 
-def test_lut_program_on_every_half_word_reads_its_lanes_bank():
-  """The lut program (its PTX text, run over the kernel's table in emulated shared memory)
-  gives for each byte of a word the bf16 pair [level of the high nibble, level of the low
-  nibble], every 16-bit value in both halves of some word, each load in the bank of the lane
-  that makes it (no conflicts)."""
+@pytest.mark.parametrize("lookup", kernel.TABLE_LOOKUPS)
+def test_lut_program_on_every_half_word_reads_its_lanes_bank(lookup):
+  """The lut and plut programs (their PTX text, run over the kernel's table in emulated shared
+  memory) give for each byte of a word the bf16 pair [level of the high nibble, level of the
+  low nibble], every 16-bit value in both halves of some word, each load in the bank of the
+  lane that makes it (no conflicts)."""
   halves = np.arange(2**16, dtype=np.uint64)
   words = (halves << 16) | np.random.default_rng(16).permutation(halves)
   words = np.concatenate([words, np.asarray([0, 0xFFFFFFFF, 0x88888888, 0x77777777], np.uint64)])
   lanes = np.arange(words.size) % 32
-  outs, own_bank = _run_lut(words, lanes)
+  outs, own_bank = _run_lut(words, lanes, lookup)
   assert own_bank
   for b, pair in enumerate(outs):
     even, odd = (words >> (8 * b + 4)) & 15, (words >> (8 * b)) & 15
@@ -684,11 +723,13 @@ def test_lut_program_on_every_half_word_reads_its_lanes_bank():
     np.testing.assert_array_equal(pair >> 16, _BF16_NF4[odd], err_msg=f"byte {b}")
 
 
-def test_lut_path_dequantizes_a_tile():
-  """A [64, 64] tile through the lut path (the word order in memory, loaded, each byte's pair
-  read from the table, placed in wgmma's registers) is the logical tile's NF4 levels."""
+@pytest.mark.parametrize("lookup", kernel.TABLE_LOOKUPS)
+def test_lut_path_dequantizes_a_tile(lookup):
+  """A [64, 64] tile through the lut or plut path (the word order in memory, loaded, each
+  byte's pair read from the table, placed in wgmma's registers) is the logical tile's NF4
+  levels."""
   codes = np.random.default_rng(17).integers(0, 256, (64, 32), dtype=np.uint8)
-  got = _dequant_word_tiles(kernel.word_codes(jnp.asarray(codes)), program="lut")
+  got = _dequant_word_tiles(kernel.word_codes(jnp.asarray(codes)), program=lookup)
   np.testing.assert_array_equal(got, _BF16_NF4[_logical_codes(codes)])
 
 
@@ -696,19 +737,25 @@ def test_lut_kernel_lowers_with_its_table_and_refuses_what_does_not_fit():
   """Decoding's dispatched configurations lower for the GPU with the lut lookup (Mosaic GPU's
   lowering runs on the CPU), the table a kernel input; a configuration whose shared memory
   cannot also hold the table is refused with its reason."""
-  for m, k, n in ((1, 4096, 28672), (16, 14336, 4096), (16, 4096, 6144)):
+  cases = [("lut", 1, 4096, 28672), ("lut", 16, 14336, 4096), ("plut", 16, 4096, 6144)]
+  cases += [("plut", 1, 4096, 6144)]  # one token: blocks as columns, scaled after the product
+  for lookup, m, k, n in cases:
     cfg = ops._forward_config(m, n, k, False)
-    assert kernel.forward_smem_bytes(cfg, lookup="lut") <= kernel.SMEM_BYTES
+    assert kernel.forward_smem_bytes(cfg, lookup=lookup) <= kernel.SMEM_BYTES
     args = (
       jax.ShapeDtypeStruct((cfg.block_m, k), jnp.bfloat16),
       jax.ShapeDtypeStruct((n, k), jnp.int4),
       jax.ShapeDtypeStruct((k // 64, n), jnp.bfloat16),
     )
-    f = jax.jit(lambda x, w, s, cfg=cfg: kernel.forward(x, w, s, config=cfg, lookup="lut"))
+    f = jax.jit(
+      lambda x, w, s, cfg=cfg, lookup=lookup: kernel.forward(x, w, s, config=cfg, lookup=lookup)
+    )
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "ld.shared.b32" in text, (m, k, n)  # the lut program
+    assert "ld.shared.b32" in text, (m, k, n)  # the table program
+    assert ("prmt.b32" in text) == (lookup == "plut"), (m, k, n)
     call = next(line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line)
-    assert call.count("%arg") == 3 and "tensor<256x32xui32>" in text  # x, w4, scales; the table
+    table = "tensor<256x32xui32>" if lookup == "lut" else "tensor<256x64xui32>"
+    assert call.count("%arg") == 3 and table in text  # x, w4, scales; the table
   # Fits in shared memory without the table (216,064 bytes), not with it.
   wide = kernel.Config(block_m=64, compute_wgs=2, k_sub=4)
   assert kernel.forward_smem_bytes(wide) <= kernel.SMEM_BYTES
@@ -771,15 +818,15 @@ def test_kernel_word_lookup_gets_operands_that_multiply_right(monkeypatch):
   got = np.asarray(x, np.float32) @ np.asarray(w).T
   assert _rel(got, np.asarray(nf4_matmul_reference(x, *q))) < 1e-2
   # Codes prepared once (decoding: ops.word_codes, uint8 so a layer stack slices cheaply)
-  # reach the kernel as the same int4 tile, with decoding's lookup for them ("lut", whose
+  # reach the kernel as the same int4 tile, with decoding's lookup for them ("plut", whose
   # emulated path makes the same levels of them).
   word_at_call = seen.pop("w4")
   prepared = ops.word_codes(jnp.stack([q[0], q[0][::-1]]))  # [L, N, K/2], a layer stack
   assert prepared.dtype == jnp.uint8 and prepared.shape == (2, *q[0].shape)
   jax.block_until_ready(nf4_matmul(x, *q, impl="kernel", word_codes=prepared[0]))
-  assert seen["lookup"] == ops.PREPARED_LOOKUP == "lut"
+  assert seen["lookup"] == ops.PREPARED_LOOKUP == "plut"
   np.testing.assert_array_equal(np.asarray(seen["w4"]), np.asarray(word_at_call))
-  lut_levels = _dequant_word_tiles(seen["w4"], program="lut").astype(np.uint16)
+  lut_levels = _dequant_word_tiles(seen["w4"], program="plut").astype(np.uint16)
   np.testing.assert_array_equal(lut_levels, levels.view(np.uint16))
   # Wider tiles keep the word lookup (the table is measured and sized for decoding's tiles).
   jax.block_until_ready(nf4_matmul(jnp.tile(x, (40, 1)), *q, impl="kernel", word_codes=prepared[0]))

@@ -39,10 +39,12 @@ register at once (22 instructions for the 8) and needs no cast: its codes are st
 each register already holds the columns wgmma's layout gives that thread. "lut" reads the
 same registers but loads each byte's pair of levels from a table in shared memory (a copy per
 lane, so no bank conflicts): 12 instructions for the 8, and no table constants for ptxas to
-copy into registers before every other permute as it does for "word". "select" is a tree
-of 15 selects. The table entries and scales are rounded to bfloat16 before their product, so a
-value can differ from bitsandbytes' bf16(code * absmax) by an ulp of bfloat16; the fallback
-path keeps bitsandbytes' exact values.
+copy into registers before every other permute as it does for "word". "plut" pads the table's
+rows to 256 bytes so that one byte permute makes each load's address: 8 for the 8. "select" is
+a tree of 15 selects. The table entries and scales are rounded to bfloat16 before their
+product, so a value can differ from bitsandbytes' bf16(code * absmax) by an ulp of bfloat16
+(with ``Config.blocks_as_columns`` the scale multiplies the float32 product instead); the
+fallback path keeps bitsandbytes' exact values.
 """
 
 import dataclasses
@@ -102,10 +104,6 @@ class Config:
   # tensor cores unscaled and each column is scaled by its block's scales after the product (a
   # multiply per row and block, not per weight), summed over the columns at the end.
   blocks_as_columns: bool = False
-  # Forward: the codes come tiled (``tile_codes``): each pipeline step's [64 * wgs, 64 * k_sub]
-  # tile is one contiguous run of memory, so a step's copy streams it instead of reading a
-  # short piece of each of its rows.
-  tiled_codes: bool = False
 
 
 def forward_smem_bytes(config: Config, x_itemsize: int = 2, lookup: str = "word") -> int:
@@ -158,16 +156,6 @@ def word_codes(codes: jax.Array) -> jax.Array:
   A pass over the codes: made once where one weight serves many calls (decoding), per call at
   training sizes; x and the scales keep their order."""
   return kernel_codes(word_bytes(codes), swap_nibbles=False)
-
-
-def tile_codes(codes: jax.Array, config: Config) -> jax.Array:
-  """The forward kernel's codes for ``Config.tiled_codes``: codes uint8 [N, K/2] (in the order
-  the lookup reads) -> int4 [N * K / bk, bk] whose rows (ni * K / bk + step) * cta_n onwards
-  hold tile (ni, step) of W, cta_n = 64 * compute_wgs rows by bk = 64 * k_sub columns."""
-  cta_n, bk = WG_ROWS * config.compute_wgs, BLOCK_K * config.k_sub
-  n, half = codes.shape
-  tiles = codes.reshape(n // cta_n, cta_n, 2 * half // bk, bk // 2).transpose(0, 2, 1, 3)
-  return kernel_codes(tiles.reshape(-1, bk // 2), swap_nibbles=False)
 
 
 def _bf16_bits(values: np.ndarray) -> np.ndarray:
@@ -528,8 +516,7 @@ def forward(
   y [1, N] that token's product. With ``config.transposed``: w4 holds W^T [N, K] of a weight
   W [K, N] and scales are W's [N/64, K], so y = x @ W (x being dy: the input gradient)."""
   m, k = x.shape
-  tiled = config.tiled_codes
-  n = w4.shape[0] * w4.shape[1] // k if tiled else w4.shape[0]
+  n = w4.shape[0]
   bm, wgs, splits, sub = config.block_m, config.compute_wgs, config.split_k, config.k_sub
   cta_n = WG_ROWS * wgs
   k_part = k // splits
@@ -564,8 +551,6 @@ def forward(
       f"nf4 forward kernel: the {lookup} lookup's table does not fit in shared memory beside "
       f"{config}; take fewer stages or k blocks a step, or another lookup"
     )
-  if tiled and (config.transposed or w4.shape[1] != bk):
-    raise ValueError(f"nf4 forward kernel: tiled codes are [N * K / {bk}, {bk}]: {w4.shape}")
   columns = config.blocks_as_columns
   if columns and (
     bm != COLUMNS or COLUMNS % sub or config.transposed or config.out_rows or config.delay_release
@@ -666,10 +651,7 @@ def forward(
           (bm, bk), lambda i: (0, i), transforms=_transforms(BLOCK_K, x.dtype), delay_release=hold
         ),
         plgpu.BlockSpec(
-          (cta_n, bk),
-          (lambda i: (i, 0)) if tiled else (lambda i: (0, i)),
-          transforms=_CODE_TRANSFORMS,
-          delay_release=hold,
+          (cta_n, bk), lambda i: (0, i), transforms=_CODE_TRANSFORMS, delay_release=hold
         ),
         plgpu.BlockSpec(
           (wgs, bk) if config.transposed else (sub, cta_n),
@@ -685,9 +667,7 @@ def forward(
     with _gpu.compute_registers(wgs):  # the pipeline sets its registers as it is traced
       pipeline(
         x_gmem.at[pl.ds(m0, bm), pl.ds(k0, k_part)],
-        w_gmem.at[pl.ds((ni * (k // bk) + k0 // bk) * cta_n, k_part // bk * cta_n)]
-        if tiled
-        else w_gmem.at[pl.ds(n0, cta_n), pl.ds(k0, k_part)],
+        w_gmem.at[pl.ds(n0, cta_n), pl.ds(k0, k_part)],
         s_gmem.at[pl.ds(n0 // BLOCK_K, wgs), pl.ds(k0, k_part)]
         if config.transposed
         else s_gmem.at[pl.ds(k0 // BLOCK_K, k_part // BLOCK_K), pl.ds(n0, cta_n)],

@@ -50,11 +50,25 @@ WORD_ORDER = ("word", "lut", "plut")  # the lookups that read the codes in word 
 # 32.9 / 32.7 us against 38.1 / 38.6, down 17.3 / 17.5 against 20.2 / 20.3, q/k/v 11.3 / 11.2
 # against 12.9 / 12.8, o 8.4 / 8.4 against 9.1 / 9.1. A "lut" asked for where it does not apply
 # (wider tiles, or no room for its table) runs "word" instead.
-PREPARED_LOOKUP = "lut"
-# Token tiles up to this size take "lut" where it is asked for and its table fits in shared
-# memory beside the pipeline (decoding's tiles of at most 16 tokens, where it was measured);
+# "plut" (session 28) reads the same pairs from a table of 256-byte rows, so that one byte permute
+# makes a byte's address (lut: a shift and a lop3): 8 instructions per 8 values against 12, for a
+# 64 KiB table. experiments/sweep_nf4_decode.py, H100, 8B launches (RESULTS.md, session 28, call
+# 3): at one token (with blocks_as_columns, below, 3 stages) q/k/v 9.4 us against lut's 10.2, o
+# 7.4 against 7.7, gate/up and down within 1%; at 16 tokens (4 stages) q/k/v 10.4 against 10.9,
+# the others within 2%. Where its table does not fit beside the pipeline (16-token tiles of four
+# warpgroups: gate/up), "lut", then "word".
+PREPARED_LOOKUP = "plut"
+# Token tiles up to this size take "plut" or "lut" where asked for and the table fits in shared
+# memory beside the pipeline (decoding's tiles of at most 16 tokens, where they were measured);
 # wider ones (GRPO's 64-token rollouts, training's 256) keep "word".
 LUT_MAX_TILE = 16
+# One token (batch-1 decoding) spreads its k blocks over the accumulator's 8 columns
+# (kernel.Config.blocks_as_columns): tiles go to the tensor cores unscaled, each column is scaled
+# after the product. Same sweep (calls 3 and 4), with plut, against session 27's 16-token tile
+# with wgmmas in flight (lut): q/k/v 0.48x cuBLAS bf16 against 0.55-0.57x, o 0.54-0.55x against
+# 0.63x, gate/up 0.38x against 0.40x, down 0.39x against 0.41x; 3 pipeline stages fastest on all
+# four. End to end (check_decode_kernels.py): 8B batch 1 1.12x, 70B 1.04x.
+COLUMN_STAGES = 3
 
 
 KERNEL_MAX_TOKENS = 64
@@ -79,11 +93,12 @@ def _kernel():
   return kernel
 
 
-def _lut_applies(cfg) -> bool:
-  """Whether a forward configuration takes "lut" where it is asked for: a tile of at most
-  ``LUT_MAX_TILE`` tokens whose pipeline leaves room for the table."""
+def _lut_applies(cfg, lookup: str = "lut") -> bool:
+  """Whether a forward configuration takes the table lookup ``lookup`` ("lut" or "plut") where
+  it is asked for: a tile of at most ``LUT_MAX_TILE`` tokens whose pipeline leaves room for the
+  table."""
   kernel = _kernel()
-  fits = kernel.forward_smem_bytes(cfg, lookup="lut") <= kernel.SMEM_BYTES
+  fits = kernel.forward_smem_bytes(cfg, lookup=lookup) <= kernel.SMEM_BYTES
   return cfg.block_m <= LUT_MAX_TILE and fits
 
 
@@ -131,10 +146,13 @@ def _forward_config(m: int, n: int, k: int, interpret: bool):
   15.4 at 192; o 128 cells 9.4 against 12.0 at 256; down 128 cells 20.2 against 23.1 at 256;
   gate/up 112 cells of four warpgroups 37.9 against 40.8 for 224 of two). At 64 tokens the
   same four-warpgroup rule (H100, M = 64, one run: fused gate/up 48.0 us against 51.3; the
-  other launches' dispatch was the fastest swept or within 1%).
+  other launches' dispatch was the fastest swept or within 1%). One token takes the same grid
+  with its k blocks as the accumulator's 8 columns (``blocks_as_columns``), ``COLUMN_STAGES``
+  stages and nothing in flight across steps (session 28).
   """
   kernel = _kernel()
-  bm = _block_m(m)
+  columns = m == 1  # one token: its k blocks spread over the columns (COLUMN_STAGES)
+  bm = kernel.COLUMNS if columns else _block_m(m)
   wgs = 2 if n % (2 * kernel.WG_ROWS) == 0 else 1
   if n % (wgs * kernel.WG_ROWS) or k % kernel.BLOCK_K:
     return None
@@ -156,9 +174,12 @@ def _forward_config(m: int, n: int, k: int, interpret: bool):
     if k // (split * 2) < 4 * kernel.BLOCK_K:
       break
     split *= 2
-  config = functools.partial(kernel.Config, block_m=bm, compute_wgs=wgs, split_k=split)
+  config = functools.partial(
+    kernel.Config, block_m=bm, compute_wgs=wgs, split_k=split, blocks_as_columns=columns,
+    max_concurrent_steps=COLUMN_STAGES if columns else 4,
+  )  # fmt: skip
   sub = 1
-  for s in (4, 2) if bm <= 64 else ():
+  for s in (4, 2) if bm <= 64 else ():  # (both divide COLUMNS)
     block = s * kernel.BLOCK_K
     # Shared memory counted as the GPU runs it (the interpreter stages tiles there besides).
     smem = kernel.forward_smem_bytes(config(k_sub=s, a_from_smem=False))
@@ -170,7 +191,8 @@ def _forward_config(m: int, n: int, k: int, interpret: bool):
   # rows. Wgmmas left in flight: at most 16 tokens (measured faster there; wrong at 256, where
   # the kernel refuses them).
   return config(
-    k_sub=sub, a_from_smem=interpret, delay_release=int(bm <= 16), out_rows=bm == 256,
+    k_sub=sub, a_from_smem=interpret, delay_release=int(bm <= 16 and not columns),
+    out_rows=bm == 256,
     group_m=_group_m(m, bm),
   )  # fmt: skip
 
@@ -277,14 +299,18 @@ def _forward_kernel(impl, lookup, x2, cfg, scales, codes=None, word=None):
   in bitsandbytes' order or ``word`` in the word lookup's (``word_codes``), whichever the
   lookup (the interpreter: its own) reads."""
   kernel = _kernel()
-  if lookup == "lut" and not _lut_applies(cfg):
-    lookup = "word"
+  if lookup in kernel.TABLE_LOOKUPS:  # the asked-for table where it fits, else lut, else word
+    lookup = next((t for t in (lookup, "lut") if _lut_applies(cfg, t)), "word")
   kw = _kernel_args(impl, lookup, x2.shape[0])
   if kw["lookup"] in WORD_ORDER and word is not None:  # in word order: the int4 view
     w4 = kernel.kernel_codes(word, swap_nibbles=False)
   else:
     w4 = _codes_for(kw["lookup"], reference.word_bytes(word) if codes is None else codes)
-  return kernel.forward(_pad_rows(x2, cfg.block_m), w4, scales, config=cfg, **kw)[: x2.shape[0]]
+  if cfg.blocks_as_columns:
+    xk = kernel.spread_blocks(x2, cfg.k_sub)
+  else:
+    xk = _pad_rows(x2, cfg.block_m)
+  return kernel.forward(xk, w4, scales, config=cfg, **kw)[: x2.shape[0]]
 
 
 def _fwd_impl(impl, lookup, x2, weights, scales=None, word=None, extra=None):
