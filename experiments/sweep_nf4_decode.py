@@ -38,7 +38,6 @@ def main():
   ap.add_argument(
     "--lookup", default="word", help="comma-separated: word, prmt, lut, plut (each timed)"
   )
-  ap.add_argument("--dequant-first", default="0", help="dequant_first values (0, 1 or both)")
   ap.add_argument(
     "--columns", default="0",
     help="blocks_as_columns values (0, 1 or both; 1 at M = 1 only: 8-token tile, no wgmmas "
@@ -79,10 +78,9 @@ def main():
       grid = itertools.product(
         args.lookup.split(","), _ints(args.columns), _wgs(args.wgs), _floats(args.split_factors),
         _ints(args.subs), _ints(args.delays), _ints(args.stages), block_ms,
-        _ints(args.dequant_first),
       )  # fmt: skip
       grid = [(lk, c, base.compute_wgs if w == "d" else w, *rest) for lk, c, w, *rest in grid]
-      for lookup, cols, wgs, split_f, sub, delay, stages, bm, first in grid:
+      for lookup, cols, wgs, split_f, sub, delay, stages, bm in grid:
         if cols:  # one token spread over the 8 columns; nothing in flight across steps
           bm, delay = kernel.COLUMNS, 0
           if m != 1 or kernel.COLUMNS % sub:
@@ -99,7 +97,6 @@ def main():
         cfg = kernel.Config(
           block_m=bm, compute_wgs=wgs, split_k=split, k_sub=sub,
           max_concurrent_steps=stages, delay_release=delay, blocks_as_columns=bool(cols),
-          dequant_first=bool(first),
         )  # fmt: skip
         if kernel.forward_smem_bytes(cfg, lookup=lookup) > kernel.SMEM_BYTES:
           continue
@@ -120,8 +117,7 @@ def main():
           continue
         now = cfg == base and lookup == ops.PREPARED_LOOKUP  # dispatch's own configuration
         row = {
-          "M": m, "K": k, "N": n, "lookup": lookup, "columns": cols, "dequant_first": first,
-          "wgs": wgs,
+          "M": m, "K": k, "N": n, "lookup": lookup, "columns": cols, "wgs": wgs,
           "split_k": split,
           "k_sub": sub, "delay_release": delay, "stages": stages, "block_m": bm, "dispatch": now,
           "err": err,
@@ -130,7 +126,7 @@ def main():
         rows.append(row)
         found.append(row)
         print(
-          f"M={m} K={k} N={n} {lookup} cols={cols} first={first} bm={bm} wgs={wgs} split={split} "
+          f"M={m} K={k} N={n} {lookup} cols={cols} bm={bm} wgs={wgs} split={split} "
           f"k_sub={sub} "
           f"delay={delay} "
           f"stages={stages}: "

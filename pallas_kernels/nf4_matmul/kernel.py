@@ -104,9 +104,6 @@ class Config:
   # tensor cores unscaled and each column is scaled by its block's scales after the product (a
   # multiply per row and block, not per weight), summed over the columns at the end.
   blocks_as_columns: bool = False
-  # Forward: a step's k blocks all dequantized before its first wgmma, then their wgmmas issued
-  # back to back (instead of each block's wgmma after its own dequantization).
-  dequant_first: bool = False
 
 
 def forward_smem_bytes(config: Config, x_itemsize: int = 2, lookup: str = "word") -> int:
@@ -620,7 +617,6 @@ def forward(
       plgpu.wait_smem_to_gmem(0)
 
     def products(x_smem, w_smem, s_smem, acc):
-      tiles = []
       for j in range(sub):
         cols = pl.ds(j * BLOCK_K, BLOCK_K)
         scale = None if columns else s_smem.at[wg, cols] if along else s_smem.at[j, rows]
@@ -629,11 +625,7 @@ def forward(
           a_smem.at[wg, j][...] = w
           plgpu.commit_smem()
           w = a_smem.at[wg, j]
-        tiles.append((w, x_smem.at[:, cols].T))  # [64, 64] @ [64, bm]
-        if not config.dequant_first:
-          plgpu.wgmma(acc, *tiles.pop())
-      for w, x_t in tiles:
-        plgpu.wgmma(acc, w, x_t)
+        plgpu.wgmma(acc, w, x_smem.at[:, cols].T)  # [64, 64] @ [64, bm]
 
     def step(_, x_smem, w_smem, s_smem, acc):
       if columns:  # acc: the running sum of scaled columns (values, not an accumulator)
