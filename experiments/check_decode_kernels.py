@@ -10,10 +10,7 @@ batch and setting, in the order given, times generate_ids with 1 and 1 + N new t
 tokens/s = batch * N / difference), each setting compiled anew; checks the tokens generated.
 """
 
-import argparse
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -21,11 +18,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jaxtune  # noqa: E402
-from experiments.bench_decode import timed  # noqa: E402
+from experiments.check_decode_unroll import (  # noqa: E402
+  decode_parser,
+  load,
+  on_checkpoint,
+  time_turns,
+)
 from experiments.record import record  # noqa: E402
-from experiments.write_checkpoint import write  # noqa: E402
-from jaxtune import decoding  # noqa: E402
 from pallas_kernels.nf4_matmul import ops  # noqa: E402
 
 NOW = (ops.PREPARED_LOOKUP, ops._forward_config)
@@ -40,36 +39,16 @@ def use(setting: str) -> None:
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__)
-  ap.add_argument("--shape", default="llama-3.2-1b")
-  ap.add_argument("--batches", default="1,16")
-  ap.add_argument("--prompt-len", type=int, default=128)
-  ap.add_argument("--new-tokens", type=int, default=128)
-  ap.add_argument("--bnb-4bit", action="store_true", help="write the checkpoint as *-bnb-4bit")
-  ap.add_argument("--lookup", default=None, help="generate_ids' word_lookup: none, inplace, word")
-  ap.add_argument("--order", default="s27,s28,s27,s28", help="settings, timed in turn")
-  ap.add_argument("--results-dir", default=None)
-  args = ap.parse_args()
-  path = write(Path(tempfile.mkdtemp()) / args.shape, args.shape, bnb_4bit=args.bnb_4bit)
-  lookup = {None: None, "none": None, "inplace": "inplace", "word": True}[args.lookup]
-  order = args.order.split(",")
-  model = jaxtune.from_pretrained(path, quantization="nf4")
+  on_checkpoint(decode_parser(__doc__, "s27,s28,s27,s28").parse_args(), compare)
+
+
+def compare(args, path):
+  model, lookup, order = load(args, path)
   vocab = model.config.vocab_size
   rows = []
   for b in map(int, args.batches.split(",")):
     prompts = np.random.default_rng(b).integers(3, vocab, (b, args.prompt_len)).tolist()
-    tokens, first, speeds = {}, {}, {name: [] for name in dict.fromkeys(order)}
-    for name in order:
-      use(name)
-      t = time.perf_counter()
-      tokens[name] = decoding.generate_ids(
-        model, prompts, max_new_tokens=args.new_tokens, word_lookup=lookup
-      )
-      first.setdefault(name, time.perf_counter() - t)
-      t1 = timed(model, prompts, 1, word=lookup)
-      tn = timed(model, prompts, 1 + args.new_tokens, word=lookup)
-      speeds[name].append(b * args.new_tokens / (tn - t1))
-      print(b, name, round(speeds[name][-1], 1), flush=True)
+    tokens, first, speeds = time_turns(model, prompts, order, use, args.new_tokens, lookup)
     same = [np.mean(np.asarray(tokens["s27"][i]) == np.asarray(tokens["s28"][i])) for i in range(b)]
     for name in speeds:
       rows.append({

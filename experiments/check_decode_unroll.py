@@ -51,37 +51,79 @@ def prompt_logits(model, prompts) -> np.ndarray:
   return np.asarray(f(nnx.state(model), jnp.asarray(prompts, jnp.int32)), np.float64)
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__)
+def decode_parser(doc: str, order: str) -> argparse.ArgumentParser:
+  """The options the decode comparisons share (settings timed in turn: ``order``)."""
+  ap = argparse.ArgumentParser(description=doc)
   ap.add_argument("--shape", default="llama-3.2-1b")
   ap.add_argument("--batches", default="1,16")
   ap.add_argument("--prompt-len", type=int, default=128)
   ap.add_argument("--new-tokens", type=int, default=128)
   ap.add_argument("--bnb-4bit", action="store_true", help="write the checkpoint as *-bnb-4bit")
   ap.add_argument("--lookup", default=None, help="generate_ids' word_lookup: none, inplace, word")
-  ap.add_argument("--order", default="scan,unrolled,scan,unrolled", help="settings, timed in turn")
+  ap.add_argument("--order", default=order, help="settings, timed in turn")
+  ap.add_argument("--results-dir", default=None)
+  return ap
+
+
+def time_turns(model, prompts, order, use, new_tokens, lookup):
+  """For each setting of ``order`` in turn, ``use(setting)`` then generate_ids (its first call
+  timed: compiling included) and decode tokens/s = batch * N / (time of 1 + N new tokens - time
+  of 1). Returns (tokens, first-call seconds, speeds), each by setting."""
+  b = len(prompts)
+  tokens, first, speeds = {}, {}, {name: [] for name in dict.fromkeys(order)}
+  for name in order:
+    use(name)
+    t = time.perf_counter()
+    tokens[name] = decoding.generate_ids(
+      model, prompts, max_new_tokens=new_tokens, word_lookup=lookup
+    )
+    first.setdefault(name, time.perf_counter() - t)
+    t1 = timed(model, prompts, 1, word=lookup)
+    tn = timed(model, prompts, 1 + new_tokens, word=lookup)
+    speeds[name].append(b * new_tokens / (tn - t1))
+    print(b, name, round(speeds[name][-1], 1), flush=True)
+  return tokens, first, speeds
+
+
+def on_checkpoint(args, compare) -> None:
+  """``compare(args, path)`` on a random checkpoint of ``args.shape``, deleted afterwards (a 70B
+  one is ~40 GB)."""
+  with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+    compare(args, write(Path(tmp) / args.shape, args.shape, bnb_4bit=args.bnb_4bit))
+
+
+def load(args, path):
+  """(the NF4 model, generate_ids' word_lookup, the settings in turn) from ``args``."""
+  lookup = {None: None, "none": None, "inplace": "inplace", "word": True}[args.lookup]
+  return jaxtune.from_pretrained(path, quantization="nf4"), lookup, args.order.split(",")
+
+
+def use_layers(name: str) -> None:
+  decoding.UNROLL_LAYERS_UP_TO = SETTINGS[name]
+  jax.clear_caches()  # the setting is read when the loop is traced
+
+
+def main():
+  ap = decode_parser(__doc__, "scan,unrolled,scan,unrolled")
   ap.add_argument("--skip-logits", action="store_true", help="no prompt-logits comparison")
   ap.add_argument(
     "--logits-only",
     action="store_true",
     help="only the prompt logits of both settings against the float32 model (same NF4 codes)",
   )
-  ap.add_argument("--results-dir", default=None)
-  args = ap.parse_args()
-  path = write(Path(tempfile.mkdtemp()) / args.shape, args.shape, bnb_4bit=args.bnb_4bit)
-  lookup = {None: None, "none": None, "inplace": "inplace", "word": True}[args.lookup]
-  order = args.order.split(",")
-  model = jaxtune.from_pretrained(path, quantization="nf4")
+  on_checkpoint(ap.parse_args(), compare)
+
+
+def compare(args, path):
+  model, lookup, order = load(args, path)
   vocab = model.config.vocab_size
   rows = []
   for b in map(int, args.batches.split(",")):
     rng = np.random.default_rng(b)
     prompts = rng.integers(3, vocab, (b, args.prompt_len)).tolist()
-    tokens, first, speeds = {}, {}, {name: [] for name in dict.fromkeys(order)}
     logits = {name: np.ones(1) for name in SETTINGS}
     for name in () if args.skip_logits else ("scan", "unrolled"):
-      decoding.UNROLL_LAYERS_UP_TO = SETTINGS[name]
-      jax.clear_caches()
+      use_layers(name)
       logits[name] = prompt_logits(model, prompts)
     err = np.linalg.norm(logits["unrolled"] - logits["scan"]) / np.linalg.norm(logits["scan"])
     err = None if args.skip_logits else err
@@ -97,18 +139,7 @@ def main():
                      "prompt_logits_rel_err": float(rel),
                      "prompt_logits_rel_err_unrolled_vs_scan": float(err)})  # fmt: skip
       continue
-    for name in order:
-      decoding.UNROLL_LAYERS_UP_TO = SETTINGS[name]
-      jax.clear_caches()  # the setting is read when the loop is traced
-      t = time.perf_counter()
-      tokens[name] = decoding.generate_ids(
-        model, prompts, max_new_tokens=args.new_tokens, word_lookup=lookup
-      )
-      first.setdefault(name, time.perf_counter() - t)
-      t1 = timed(model, prompts, 1, word=lookup)
-      tn = timed(model, prompts, 1 + args.new_tokens, word=lookup)
-      speeds[name].append(b * args.new_tokens / (tn - t1))
-      print(b, name, round(speeds[name][-1], 1), flush=True)
+    tokens, first, speeds = time_turns(model, prompts, order, use_layers, args.new_tokens, lookup)
     both = {"scan", "unrolled"} <= set(tokens)
     same = tokens["scan"] == tokens["unrolled"] if both else None
     for name in speeds:
