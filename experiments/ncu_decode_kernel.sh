@@ -1,3 +1,7 @@
+# Nsight Compute on two decode launches at one token (fused gate/up and q/k/v of an 8B model),
+# lut lookup, dispatch's configuration: ncu's details and SASS pages in $OUT, summarised by
+# experiments/ncu_sass_summary.py. Session 28's call 2 ran it at cbf6b3d (a 16-token tile);
+# later trees dispatch one token as blocks_as_columns.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
 export PYTHONPATH=/tmp/site:.
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)

@@ -5,7 +5,7 @@ Nsight Compute (the instruction mix and stall reasons of the decode kernel).
       --section SchedulerStats -o /tmp/rep python experiments/one_nf4_call.py 4096 28672 16 lut
   ncu -i /tmp/rep.ncu-rep --page source --print-source sass --csv > sass.csv
 
-Arguments: K N M [LOOKUP (word, lut, prmt; default word)] [BLOCK_M (default dispatch's)].
+Arguments: K N M [LOOKUP (word, lut, plut, prmt; default word)] [BLOCK_M (default dispatch's)].
 """
 
 import dataclasses
@@ -26,8 +26,8 @@ def main():
   k, n, m = (int(v) for v in sys.argv[1:4])
   lookup = sys.argv[4] if len(sys.argv) > 4 else "word"
   cfg = ops._forward_config(m, n, k, False)
-  if len(sys.argv) > 5:
-    cfg = dataclasses.replace(cfg, block_m=int(sys.argv[5]))
+  if len(sys.argv) > 5:  # a padded tile (one token: as dispatched before session 28)
+    cfg = dataclasses.replace(ops._forward_config(max(m, 2), n, k, False), block_m=int(sys.argv[5]))
   print(cfg, lookup, flush=True)
   rng = np.random.default_rng(0)
   (q,), _ = weights(rng, k, n, 1)
@@ -37,7 +37,7 @@ def main():
     else kernel.kernel_codes(q[0], swap_nibbles=False)
   )
   scales = kernel_scales(*q[1:])
-  x = jnp.asarray(rng.standard_normal((cfg.block_m, k)), jnp.bfloat16)
+  x = ops.kernel_input(jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16), cfg)
   f = jax.jit(lambda a, w, s: kernel.forward(a, w, s, config=cfg, lookup=lookup))
   for _ in range(4):
     jax.block_until_ready(f(x, codes, scales))

@@ -73,7 +73,7 @@ def main():
       ref = np.asarray(reference.nf4_matmul_reference(x, *qs[0]))
       bf16 = time_per_call(jax.jit(lambda a, w: a @ w.T), x, dense, args.reps)
       base = ops._forward_config(m, n, k, False)
-      found, seen = [], set()
+      found, seen, operands = [], set(), {}
       block_ms = _ints(args.block_ms) if args.block_ms else [base.block_m]
       grid = itertools.product(
         args.lookup.split(","), _ints(args.columns), _wgs(args.wgs), _floats(args.split_factors),
@@ -85,12 +85,16 @@ def main():
           bm, delay = kernel.COLUMNS, 0
           if m != 1 or kernel.COLUMNS % sub:
             continue
+        elif base.blocks_as_columns and not args.block_ms:
+          bm = ops._block_m(m)  # one token padded to a tile (as dispatched before session 28)
         if n % (kernel.WG_ROWS * wgs) or bm < m or (delay and bm > 16):
           continue
         word_order = lookup in ops.WORD_ORDER
-        codes = kernel.word_codes if word_order else kernel.kernel_codes
-        kw = {} if word_order else {"swap_nibbles": False}
-        prepared = [(codes(q[0], **kw), kernel_scales(*q[1:])) for q in qs]
+        if word_order not in operands:
+          codes = kernel.word_codes if word_order else kernel.kernel_codes
+          kw = {} if word_order else {"swap_nibbles": False}
+          operands[word_order] = [(codes(q[0], **kw), kernel_scales(*q[1:])) for q in qs]
+        prepared = operands[word_order]
         split = max(1, int(base.split_k * split_f * wgs / base.compute_wgs))
         if k % (64 * sub * split) or k // split < 64 * sub:
           continue
@@ -103,7 +107,7 @@ def main():
         if (cfg, lookup) in seen:
           continue  # (split factors that round to the same split: timed once)
         seen.add((cfg, lookup))
-        xp = kernel.spread_blocks(x, sub) if cols else ops._pad_rows(x, cfg.block_m)
+        xp = x if cols else ops._pad_rows(x, cfg.block_m)  # (the kernel spreads one token)
         f = jax.jit(
           lambda a, w4, s, cfg=cfg, lookup=lookup: kernel.forward(
             a, w4, s, config=cfg, lookup=lookup
@@ -115,7 +119,8 @@ def main():
         except Exception:  # a configuration that does not lower is reported and skipped
           traceback.print_exc(limit=2)
           continue
-        now = cfg == base and lookup == ops.PREPARED_LOOKUP  # dispatch's own configuration
+        taken = next((t for t in (ops.PREPARED_LOOKUP, "lut") if ops._lut_applies(base, t)), "word")
+        now = cfg == base and lookup == taken  # dispatch's own configuration and lookup
         row = {
           "M": m, "K": k, "N": n, "lookup": lookup, "columns": cols, "wgs": wgs,
           "split_k": split,
@@ -142,9 +147,9 @@ def main():
     "sweep_nf4_decode",
     rows,
     "The NF4 forward kernel's configurations at decoding sizes (8B shapes)",
-    note="Kernel alone (scales prepared, x padded), device time per call over weight copies "
-    "that outgrow L2; bf16 = cuBLAS on a bf16 copy of W in the same run; dispatch = the "
-    "configuration ops._forward_config picks today.",
+    note="Kernel alone (scales prepared, x padded or one token spread), device time per call "
+    "over weight copies that outgrow L2; bf16 = cuBLAS on a bf16 copy of W in the same run; "
+    "dispatch = the configuration ops._forward_config picks today.",
     out_dir=args.results_dir,
   )
   print(

@@ -6,7 +6,7 @@ lengths and new-token counts are rounded up to buckets (``BUCKET``), so prompts 
 lengths reuse one compiled prefill and decode loop; the loop's token count is an argument.
 Each token step writes only its new keys and values into the cache (in place), and NF4
 layers that go through the Pallas kernel get its scales made once per loop, and its codes in
-the word order its faster lookups ("lut", "word") read, where the device has room for that
+the word order its faster lookups ("plut", "lut", "word") read, where the device has room for that
 copy (``prepare_kernel_operands``). The command line is jaxtune/generate.py.
 """
 

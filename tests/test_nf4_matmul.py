@@ -95,8 +95,9 @@ def test_forward_configs(cfg, k):
 
 def test_blocks_as_columns_multiply_one_token():
   """One token spread over the columns (spread_blocks: row c holds the k blocks b with b % sub
-  == c, so the rows add back to x) and multiplied by unscaled tiles, each column scaled after
-  the product: the reference's product, one row; what the kernel refuses in that mode."""
+  == c, so the rows add back to x; the kernel spreads it) and multiplied by unscaled tiles,
+  each column scaled after the product: the reference's product, one row; what the kernel
+  refuses in that mode (more than one row, a wider tile)."""
   # Decoding's 4 k blocks a step, K split in 2 (dispatch's one-token configurations).
   sub, split, k = 4, 2, 1024
   rng = np.random.default_rng(18)
@@ -114,12 +115,12 @@ def test_blocks_as_columns_multiply_one_token():
   )  # fmt: skip
   w4, scales = kernel.kernel_operands(*q, swap_nibbles=True)
   interpret = _gpu.interpret_params()
-  got = kernel.forward(spread, w4, scales, config=cfg, lookup="select", interpret=interpret)
+  got = kernel.forward(x, w4, scales, config=cfg, lookup="select", interpret=interpret)
   assert got.shape == (1, n)
   assert _rel(got, np.asarray(nf4_matmul_reference(x, *q))) < 1e-2
-  with pytest.raises(ValueError, match="blocks_as_columns takes"):
-    bad = dataclasses.replace(cfg, block_m=16)
-    kernel.forward(jnp.pad(spread, ((0, 8), (0, 0))), w4, scales, config=bad, lookup="select")
+  for bad_x, bad in ((spread, cfg), (x, dataclasses.replace(cfg, block_m=16))):
+    with pytest.raises(ValueError, match="blocks_as_columns takes one token"):
+      kernel.forward(bad_x, w4, scales, config=bad, lookup="select")
   with pytest.raises(ValueError, match="one row"):
     kernel.spread_blocks(jnp.zeros((2, k), jnp.bfloat16), sub)
 
@@ -743,7 +744,7 @@ def test_lut_kernel_lowers_with_its_table_and_refuses_what_does_not_fit():
     cfg = ops._forward_config(m, n, k, False)
     assert kernel.forward_smem_bytes(cfg, lookup=lookup) <= kernel.SMEM_BYTES
     args = (
-      jax.ShapeDtypeStruct((cfg.block_m, k), jnp.bfloat16),
+      jax.ShapeDtypeStruct((1 if cfg.blocks_as_columns else cfg.block_m, k), jnp.bfloat16),
       jax.ShapeDtypeStruct((n, k), jnp.int4),
       jax.ShapeDtypeStruct((k // 64, n), jnp.bfloat16),
     )
@@ -760,6 +761,7 @@ def test_lut_kernel_lowers_with_its_table_and_refuses_what_does_not_fit():
   wide = kernel.Config(block_m=64, compute_wgs=2, k_sub=4)
   assert kernel.forward_smem_bytes(wide) <= kernel.SMEM_BYTES
   assert kernel.forward_smem_bytes(wide, lookup="lut") - kernel.forward_smem_bytes(wide) == 32768
+  assert kernel.forward_smem_bytes(wide, lookup="plut") - kernel.forward_smem_bytes(wide) == 65536
   x = jnp.zeros((64, 1024), jnp.bfloat16)
   w4 = jnp.zeros((128, 1024), jnp.int4)
   scales = jnp.zeros((16, 128), jnp.bfloat16)
@@ -828,6 +830,16 @@ def test_kernel_word_lookup_gets_operands_that_multiply_right(monkeypatch):
   np.testing.assert_array_equal(np.asarray(seen["w4"]), np.asarray(word_at_call))
   lut_levels = _dequant_word_tiles(seen["w4"], program="plut").astype(np.uint16)
   np.testing.assert_array_equal(lut_levels, levels.view(np.uint16))
+  # 16-token tiles of four warpgroups (8B gate/up) have room for lut's table, not plut's.
+  n_wide = 28672
+  codes_wide = jnp.zeros((n_wide, 2048), jnp.uint8)
+  jax.block_until_ready(
+    ops.prepared_matmul(
+      jnp.zeros((16, 4096), jnp.bfloat16), codes_wide, jnp.zeros((64, n_wide), jnp.bfloat16),
+      impl="kernel",
+    )
+  )  # fmt: skip
+  assert seen["config"].compute_wgs == 4 and seen["lookup"] == "lut"
   # Wider tiles keep the word lookup (the table is measured and sized for decoding's tiles).
   jax.block_until_ready(nf4_matmul(jnp.tile(x, (40, 1)), *q, impl="kernel", word_codes=prepared[0]))
   assert seen["config"].block_m == 128 and seen["lookup"] == "word"

@@ -27,7 +27,8 @@ Operands (made from the stored bitsandbytes layout by ``kernel_operands``):
                           a byte's high nibble, JAX's int4 in the low one; the "prmt" lookup
                           reads the nibbles crosswise so nothing is moved in memory, the "select"
                           lookup (plain jnp ops, runs in interpret mode) needs them swapped, the
-                          "word" and "lut" lookups take the bytes of every 32 columns permuted
+                          "word", "lut" and "plut" lookups take the bytes of every 32 columns
+                          permuted
                           (``word_codes``).
   scales  bf16 [K/64, N]  absmax after double dequantization, one row per 64-wide k block.
 
@@ -99,20 +100,22 @@ class Config:
   # group after another, instead of one row of tiles at a time: the cells in flight then share
   # fewer distinct operand tiles (L2 reuse). 1: row by row.
   group_m: int = 1
-  # Forward, one token: x comes as ``spread_blocks(x, k_sub)`` (block_m = COLUMNS), so each of a
-  # step's k blocks multiplies into its own column of a fresh accumulator; the tiles go to the
-  # tensor cores unscaled and each column is scaled by its block's scales after the product (a
-  # multiply per row and block, not per weight), summed over the columns at the end.
+  # Forward, one token: x is spread over COLUMNS rows (``spread_blocks``; block_m = COLUMNS),
+  # so each of a step's k blocks multiplies into its own column of a fresh accumulator; the
+  # tiles go to the tensor cores unscaled and each column is scaled by its block's scales after
+  # the product (a multiply per row and block, not per weight), summed over the columns at the
+  # end.
   blocks_as_columns: bool = False
 
 
 def forward_smem_bytes(config: Config, x_itemsize: int = 2, lookup: str = "word") -> int:
   """Shared memory the forward kernel asks for with ``config``, at most (a pipeline of fewer steps
   than ``max_concurrent_steps`` has fewer stages): the pipeline's stages of x, codes and scales,
-  the output tile, the dequantized-tile staging, the "lut" lookup's table (32 KiB, with ``lookup``
-  "lut") and 1 KiB for Mosaic GPU's barriers (64 bytes measured). 64 tokens, 4 k blocks a step and
-  split K measured 241,728 bytes with an unused 8 KiB staging tile (no longer allocated), this
-  counts 234,496 without it: over ``SMEM_BYTES`` either way, so dispatch takes 2 blocks there."""
+  the output tile (float32 with split K or ``blocks_as_columns``), the dequantized-tile staging,
+  the table of ``lookup`` "lut" (32 KiB) or "plut" (64 KiB) and 1 KiB for Mosaic GPU's
+  barriers (64 bytes measured). 64 tokens, 4 k blocks a step and split K measured 241,728
+  bytes with an unused 8 KiB staging tile (no longer allocated), this counts 234,496 without
+  it: over ``SMEM_BYTES`` either way, so dispatch takes 2 blocks there."""
   bm, wgs, sub = config.block_m, config.compute_wgs, config.k_sub
   bk, cta_n = BLOCK_K * sub, WG_ROWS * config.compute_wgs
   stage = bm * bk * x_itemsize + cta_n * bk // 2 + sub * cta_n * 2
@@ -145,8 +148,9 @@ def kernel_codes(codes: jax.Array, *, swap_nibbles: bool) -> jax.Array:
 
 
 def word_codes(codes: jax.Array) -> jax.Array:
-  """w4 int4 [..., N, K] for the "word" and "lut" lookups: the codes uint8 [..., N, K/2], each
-  row's 16 bytes of every 32 columns transposed as a 4 x 4 matrix (byte 4t + b <- byte 4b + t).
+  """w4 int4 [..., N, K] for the "word", "lut" and "plut" lookups: the codes uint8
+  [..., N, K/2], each row's 16 bytes of every 32 columns transposed as a 4 x 4 matrix
+  (byte 4t + b <- byte 4b + t).
 
   Why: in WGMMA_LAYOUT_UPCAST_4X thread t (of the 4 sharing a row) loads bytes 4t..4t+3 of
   the 32 columns as one 32-bit register; WGMMA_LAYOUT, same thread -> row assignment, gives it
@@ -392,7 +396,7 @@ TABLE_LOOKUPS = ("lut", "plut")
 def _lookup_lut(w, table, asm=None):
   """int4 codes of ``word_codes`` in WGMMA_LAYOUT_UPCAST_4X -> bfloat16 NF4 levels in
   WGMMA_LAYOUT (as ``_lookup_word``), each byte's pair loaded from ``table`` (shared memory,
-  ``lut_table``)."""
+  ``lut_table``, or ``plut_table`` with ``asm`` = ``plut_asm()``; default ``lut_asm()``)."""
   from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only exists where Mosaic GPU lowers)
   from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
   from jax.experimental import mosaic as _  # noqa: F401, PLC0415
@@ -475,7 +479,7 @@ def _column_scales(s_rows, sub: int, interpret: bool):
 def _dequant_tile(w_smem, s_smem, lookup: str, along: int = 0, table=None):
   """[64, 64] codes in SMEM and their [64] scales in SMEM, one per row (``along`` 0) or per
   column (1) -> bf16 tile in the WGMMA layout (``s_smem`` None: the levels unscaled).
-  ``table``: the "lut" lookup's (SMEM)."""
+  ``table``: the "lut" or "plut" lookup's (SMEM)."""
   w = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
   if lookup == "word":
     w = _lookup_word(w)
@@ -512,12 +516,28 @@ def forward(
   interpret: Any = None,
 ) -> jax.Array:
   """y [M, N] = x [M, K] @ dequant(w4, scales)^T; M a multiple of block_m, N of 64 * wgs,
-  K of 64 * split_k. With ``config.blocks_as_columns``: x is ``spread_blocks`` of one token and
-  y [1, N] that token's product. With ``config.transposed``: w4 holds W^T [N, K] of a weight
-  W [K, N] and scales are W's [N/64, K], so y = x @ W (x being dy: the input gradient)."""
+  K of 64 * split_k. With ``config.blocks_as_columns``: x is one token [1, K] (spread over the
+  columns here, ``spread_blocks``) and y [1, N]. With ``config.transposed``: w4 holds W^T
+  [N, K] of a weight W [K, N] and scales are W's [N/64, K], so y = x @ W (x being dy: the input
+  gradient)."""
+  bm, wgs, splits, sub = config.block_m, config.compute_wgs, config.split_k, config.k_sub
+  columns = config.blocks_as_columns
+  if columns and (
+    x.shape[0] != 1
+    or bm != COLUMNS
+    or COLUMNS % sub
+    or config.transposed
+    or config.out_rows
+    or config.delay_release
+  ):
+    raise ValueError(
+      f"nf4 forward kernel: blocks_as_columns takes one token, block_m {COLUMNS}, k_sub "
+      f"dividing it, and no transposed, out_rows or delay_release: {x.shape[0]} rows, {config}"
+    )
+  if columns:
+    x = spread_blocks(x, sub)
   m, k = x.shape
   n = w4.shape[0]
-  bm, wgs, splits, sub = config.block_m, config.compute_wgs, config.split_k, config.k_sub
   cta_n = WG_ROWS * wgs
   k_part = k // splits
   bk = BLOCK_K * sub
@@ -550,14 +570,6 @@ def forward(
     raise ValueError(
       f"nf4 forward kernel: the {lookup} lookup's table does not fit in shared memory beside "
       f"{config}; take fewer stages or k blocks a step, or another lookup"
-    )
-  columns = config.blocks_as_columns
-  if columns and (
-    bm != COLUMNS or COLUMNS % sub or config.transposed or config.out_rows or config.delay_release
-  ):
-    raise ValueError(
-      f"nf4 forward kernel: blocks_as_columns takes block_m {COLUMNS}, k_sub dividing it, and "
-      f"no transposed, out_rows or delay_release: {config}"
     )
   # Partial sums, and the narrow tiles of blocks_as_columns (8 bf16 are too narrow to swizzle).
   out_dtype = x.dtype if splits == 1 and not columns else jnp.float32

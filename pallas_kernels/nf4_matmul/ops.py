@@ -21,11 +21,13 @@ GPU, so it is loaded the first time "kernel" or "interpret" runs.
 
 The forward kernel's table lookup on the GPU: where the caller passes the codes in word order
 (``word_codes``, made once for many calls: jaxtune's decode loop does where the copy fits)
-``PREPARED_LOOKUP`` ("lut": 0.85-0.92x the kernel time of "word" on an H100, which ran 0.61-0.87x
-"prmt") at tiles of at most ``LUT_MAX_TILE`` tokens, "word" at wider ones; for calls of at least
+``PREPARED_LOOKUP`` ("plut", 0.92-1.02x the kernel time of "lut", which ran 0.85-0.92x "word",
+which ran 0.61-0.87x "prmt", all on an H100) at tiles of at most ``LUT_MAX_TILE`` tokens where
+its table fits ("lut" where only that one fits), "word" at wider ones; for calls of at least
 ``WORD_PER_CALL_MIN_TOKENS`` tokens (training) "word" on codes permuted per call (or made once for
 the run: ``word_codes``/``word_codes_t``), forward and input gradient; else "prmt" (``lookup``
-forces one for the forward, but a "lut" that does not apply runs "word"; the permutation is a pass
+forces one for the forward, but a "plut" whose table does not fit runs "lut", and a "lut" that
+does not apply runs "word": the same products, only the speed differs; the permutation is a pass
 over the codes whatever the tokens, so below that it costs more than the lookup saves).
 """
 
@@ -233,6 +235,12 @@ def _pad_rows(a: jax.Array, multiple: int) -> jax.Array:
   return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
 
 
+def kernel_input(x2: jax.Array, cfg) -> jax.Array:
+  """x [m, K] as the forward kernel takes it with ``cfg``: rows padded to the tile, or the one
+  token as it is (``blocks_as_columns``: the kernel spreads it)."""
+  return x2 if cfg.blocks_as_columns else _pad_rows(x2, cfg.block_m)
+
+
 def _kernel_args(impl: str, lookup: str | None, tokens: int):
   interpret = impl == "interpret"
   default = "word" if tokens >= WORD_PER_CALL_MIN_TOKENS else "prmt"
@@ -242,7 +250,7 @@ def _kernel_args(impl: str, lookup: str | None, tokens: int):
 
 def _codes_for(lookup: str, codes: jax.Array) -> jax.Array:
   """The kernels' int4 codes for ``lookup`` from codes in bitsandbytes' order: permuted for
-  "word" and "lut", nibbles swapped for the interpreter's "select", viewed as they are for
+  "word", "lut" and "plut", nibbles swapped for the interpreter's "select", viewed as they are for
   "prmt"."""
   kernel = _kernel()
   if lookup in WORD_ORDER:
@@ -306,11 +314,7 @@ def _forward_kernel(impl, lookup, x2, cfg, scales, codes=None, word=None):
     w4 = kernel.kernel_codes(word, swap_nibbles=False)
   else:
     w4 = _codes_for(kw["lookup"], reference.word_bytes(word) if codes is None else codes)
-  if cfg.blocks_as_columns:
-    xk = kernel.spread_blocks(x2, cfg.k_sub)
-  else:
-    xk = _pad_rows(x2, cfg.block_m)
-  return kernel.forward(xk, w4, scales, config=cfg, **kw)[: x2.shape[0]]
+  return kernel.forward(kernel_input(x2, cfg), w4, scales, config=cfg, **kw)[: x2.shape[0]]
 
 
 def _fwd_impl(impl, lookup, x2, weights, scales=None, word=None, extra=None):
@@ -427,14 +431,16 @@ def nf4_matmul(
 
   ``lookup``: the forward kernel's table lookup, one of ``LOOKUPS``, where the kernel runs on the
   GPU (``impl`` "kernel", or dispatch's choice of it): where ``word_codes`` (the codes in word
-  order, ``word_codes(codes)``, made once for many calls) are given, ``PREPARED_LOOKUP`` ("lut")
-  at tiles of at most ``LUT_MAX_TILE`` tokens where its table fits, else "word"; "word" where the
+  order, ``word_codes(codes)``, made once for many calls) are given, ``PREPARED_LOOKUP`` ("plut")
+  at tiles of at most ``LUT_MAX_TILE`` tokens where its table fits, else "lut" where that table
+  fits, else "word" (an asked-for "plut" or "lut" falls back the same way); "word" where the
   call has at least ``WORD_PER_CALL_MIN_TOKENS`` tokens (then permuted per call); else "prmt"
   (measured on an H100, experiments/check_nf4_lookup.py: "word" 0.61-0.87x the time of "prmt" on
-  the 8B shapes at 1-64 tokens, where a per-call permutation costs more than it saves). Every path
-  but the kernel's word and lut lookups (XLA's, the interpreter's, "prmt", the backward) reads the
-  codes from ``word_codes`` where they are given, put back in bitsandbytes' order, so ``codes``
-  may be the same word-order array (decoding's in-place order, ``decoding.codes_in_word_order``).
+  the 8B shapes at 1-64 tokens, where a per-call permutation costs more than it saves). Every
+  path but the kernel's word, lut and plut lookups (XLA's, the interpreter's, "prmt", the
+  backward) reads the codes from ``word_codes`` where they are given, put back in bitsandbytes'
+  order, so ``codes`` may be the same word-order array (decoding's in-place order,
+  ``decoding.codes_in_word_order``).
 
   ``word_codes_t``: W^T's codes in word order (``training_operands``, made once for a
   training run, with ``word_codes`` and ``scales``): the input gradient's kernel (from
