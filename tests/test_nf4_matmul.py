@@ -640,6 +640,17 @@ def test_layout_emulation_matches_mosaic_and_ptx(layout):
     assert set(map(tuple, held[t].tolist())) == set(itertools.product(rows, cols)), t
 
 
+def test_column_scales_load_each_registers_two_adjacent_columns():
+  """The GPU path of kernel._column_scales loads, for each WGMMA register of the [64, 8]
+  accumulator, the scales of the element Mosaic GPU's thread_idxs names and of the column after
+  it: a register's two elements are exactly those (emulated layout), for every thread."""
+  shape = (kernel.WG_ROWS, kernel.COLUMNS)
+  emu = _layout_elements(_WGMMA, shape)  # [thread, *register index, element, (row, col)]
+  np.testing.assert_array_equal(emu[..., 0, :], _mosaic_thread_idxs(_WGMMA, shape))
+  np.testing.assert_array_equal(emu[..., 1, 0], emu[..., 0, 0])
+  np.testing.assert_array_equal(emu[..., 1, 1], emu[..., 0, 1] + 1)
+
+
 _LUT_BASE = 0x2A000  # a shared-memory address for the "lut" table in the emulations
 
 
@@ -756,7 +767,8 @@ def test_lut_kernel_lowers_with_its_table_and_refuses_what_does_not_fit():
     assert ("prmt.b32" in text) == (lookup == "plut"), (m, k, n)
     call = next(line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line)
     table = "tensor<256x32xui32>" if lookup == "lut" else "tensor<256x64xui32>"
-    assert call.count("%arg") == 3 and table in text  # x, w4, scales; the table
+    # x (with blocks_as_columns: spread first), w4, scales; the table.
+    assert call.count("%arg") == (2 if cfg.blocks_as_columns else 3) and table in text
   # Fits in shared memory without the table (216,064 bytes), not with it.
   wide = kernel.Config(block_m=64, compute_wgs=2, k_sub=4)
   assert kernel.forward_smem_bytes(wide) <= kernel.SMEM_BYTES
