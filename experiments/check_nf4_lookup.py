@@ -63,7 +63,7 @@ def check(m, k, n, x, q, scales):
 def timings(m, k, n, x, qs, dense, reps):
   """Median device ms per call: cuBLAS bf16, the kernel with each lookup, ops' word call."""
   cfg = ops._forward_config(m, n, k, False)
-  xp = ops.kernel_input(x, cfg)
+  xp = ops._kernel_input(x, cfg)
   scales = [kernel_scales(*q[1:]) for q in qs]
   codes = {
     "prmt": [kernel.kernel_codes(q[0], swap_nibbles=False) for q in qs],

@@ -37,7 +37,7 @@ def main():
     else kernel.kernel_codes(q[0], swap_nibbles=False)
   )
   scales = kernel_scales(*q[1:])
-  x = ops.kernel_input(jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16), cfg)
+  x = ops._kernel_input(jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16), cfg)
   f = jax.jit(lambda a, w, s: kernel.forward(a, w, s, config=cfg, lookup=lookup))
   for _ in range(4):
     jax.block_until_ready(f(x, codes, scales))

@@ -235,7 +235,7 @@ def _pad_rows(a: jax.Array, multiple: int) -> jax.Array:
   return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
 
 
-def kernel_input(x2: jax.Array, cfg) -> jax.Array:
+def _kernel_input(x2: jax.Array, cfg) -> jax.Array:
   """x [m, K] as the forward kernel takes it with ``cfg``: rows padded to the tile, or the one
   token as it is (``blocks_as_columns``: the kernel spreads it)."""
   return x2 if cfg.blocks_as_columns else _pad_rows(x2, cfg.block_m)
@@ -314,7 +314,7 @@ def _forward_kernel(impl, lookup, x2, cfg, scales, codes=None, word=None):
     w4 = kernel.kernel_codes(word, swap_nibbles=False)
   else:
     w4 = _codes_for(kw["lookup"], reference.word_bytes(word) if codes is None else codes)
-  return kernel.forward(kernel_input(x2, cfg), w4, scales, config=cfg, **kw)[: x2.shape[0]]
+  return kernel.forward(_kernel_input(x2, cfg), w4, scales, config=cfg, **kw)[: x2.shape[0]]
 
 
 def _fwd_impl(impl, lookup, x2, weights, scales=None, word=None, extra=None):
