@@ -73,6 +73,7 @@ def main():
       ref = np.asarray(reference.nf4_matmul_reference(x, *qs[0]))
       bf16 = time_per_call(jax.jit(lambda a, w: a @ w.T), x, dense, args.reps)
       base = ops._forward_config(m, n, k, False)
+      taken = ops._table_lookup(base, ops.PREPARED_LOOKUP)  # dispatch's lookup for base
       found, seen, operands = [], set(), {}
       block_ms = _ints(args.block_ms) if args.block_ms else [base.block_m]
       grid = itertools.product(
@@ -119,22 +120,18 @@ def main():
         except Exception:  # a configuration that does not lower is reported and skipped
           traceback.print_exc(limit=2)
           continue
-        taken = next((t for t in (ops.PREPARED_LOOKUP, "lut") if ops._lut_applies(base, t)), "word")
         now = cfg == base and lookup == taken  # dispatch's own configuration and lookup
         row = {
           "M": m, "K": k, "N": n, "lookup": lookup, "columns": cols, "wgs": wgs,
-          "split_k": split,
-          "k_sub": sub, "delay_release": delay, "stages": stages, "block_m": bm, "dispatch": now,
-          "err": err,
+          "split_k": split, "k_sub": sub, "delay_release": delay, "stages": stages, "block_m": bm,
+          "dispatch": now, "err": err,
           "kernel_ms": ms, "bf16_ms": bf16, "kernel_vs_bf16": ms / bf16,
         }  # fmt: skip
         rows.append(row)
         found.append(row)
         print(
           f"M={m} K={k} N={n} {lookup} cols={cols} bm={bm} wgs={wgs} split={split} "
-          f"k_sub={sub} "
-          f"delay={delay} "
-          f"stages={stages}: "
+          f"k_sub={sub} delay={delay} stages={stages}: "
           f"{ms * 1e3:.1f} us = {ms / bf16:.3f}x bf16, err {err:.1e}"
           + (" (dispatch)" if now else ""),
           flush=True,
@@ -161,9 +158,7 @@ def main():
     print(
       f"| {m:>4} {k:>5} {n:>5} | {cur:>15} | {top['kernel_vs_bf16']:>11.3f} | "
       f"({top['lookup']}, {top['columns']}, {top['block_m']}, {top['wgs']}, "
-      f"{top['split_k']}, "
-      f"{top['k_sub']}, "
-      f"{top['delay_release']}, {top['stages']}) |"
+      f"{top['split_k']}, {top['k_sub']}, {top['delay_release']}, {top['stages']}) |"
     )
 
 

@@ -28,8 +28,7 @@ Operands (made from the stored bitsandbytes layout by ``kernel_operands``):
                           reads the nibbles crosswise so nothing is moved in memory, the "select"
                           lookup (plain jnp ops, runs in interpret mode) needs them swapped, the
                           "word", "lut" and "plut" lookups take the bytes of every 32 columns
-                          permuted
-                          (``word_codes``).
+                          permuted (``word_codes``).
   scales  bf16 [K/64, N]  absmax after double dequantization, one row per 64-wide k block.
 
 Lookups: "prmt" builds each pair of bfloat16 values with seven byte-permute instructions over
@@ -385,24 +384,26 @@ def plut_asm() -> str:
   return f"{{\n  .reg .b32 t0, t1, t2, t3;\n  {body}\n}}"
 
 
-def lookup_table(lookup: str) -> np.ndarray | None:
-  """The shared-memory table a lookup reads (None: it reads none)."""
-  return {"lut": lut_table, "plut": plut_table}.get(lookup, lambda: None)()
-
-
 TABLE_LOOKUPS = ("lut", "plut")
 
 
-def _lookup_lut(w, table, asm=None):
+def lookup_table(lookup: str) -> np.ndarray | None:
+  """The shared-memory table a lookup reads (None: it reads none)."""
+  if lookup not in TABLE_LOOKUPS:
+    return None
+  return lut_table() if lookup == "lut" else plut_table()
+
+
+def _lookup_lut(w, table, lookup: str = "lut"):
   """int4 codes of ``word_codes`` in WGMMA_LAYOUT_UPCAST_4X -> bfloat16 NF4 levels in
   WGMMA_LAYOUT (as ``_lookup_word``), each byte's pair loaded from ``table`` (shared memory,
-  ``lut_table``, or ``plut_table`` with ``asm`` = ``plut_asm()``; default ``lut_asm()``)."""
+  ``lookup_table(lookup)``) by ``lookup``'s program ("lut" or "plut")."""
   from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only exists where Mosaic GPU lowers)
   from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
   from jax.experimental import mosaic as _  # noqa: F401, PLC0415
   from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
 
-  asm = asm or lut_asm()
+  asm = lut_asm() if lookup == "lut" else plut_asm()
 
   @plgpu.inline_mgpu(
     arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA_UPCAST_4X),
@@ -483,10 +484,8 @@ def _dequant_tile(w_smem, s_smem, lookup: str, along: int = 0, table=None):
   w = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
   if lookup == "word":
     w = _lookup_word(w)
-  elif lookup == "lut":
-    w = _lookup_lut(w, table)
-  elif lookup == "plut":
-    w = _lookup_lut(w, table, plut_asm())
+  elif lookup in TABLE_LOOKUPS:
+    w = _lookup_lut(w, table, lookup)
   else:
     w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
     w = _lookup_prmt(w) if lookup == "prmt" else _lookup_select(w)

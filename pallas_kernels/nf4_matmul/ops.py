@@ -104,6 +104,15 @@ def _lut_applies(cfg, lookup: str = "lut") -> bool:
   return cfg.block_m <= LUT_MAX_TILE and fits
 
 
+def _table_lookup(cfg, lookup: str) -> str:
+  """The lookup a forward configuration runs for ``lookup``: a table lookup ("plut", "lut")
+  where its table fits (``_lut_applies``), else "lut" where that one does, else "word"; any
+  other lookup as it is."""
+  if lookup not in _kernel().TABLE_LOOKUPS:
+    return lookup
+  return next((t for t in (lookup, "lut") if _lut_applies(cfg, t)), "word")
+
+
 def uses_kernel(tokens: int, weights: int) -> bool:
   """Whether dispatch (``impl=None``) sends ``tokens`` rows times a weight of ``weights``
   values to the kernel: a single Hopper GPU, few tokens, a large weight."""
@@ -307,8 +316,7 @@ def _forward_kernel(impl, lookup, x2, cfg, scales, codes=None, word=None):
   in bitsandbytes' order or ``word`` in the word lookup's (``word_codes``), whichever the
   lookup (the interpreter: its own) reads."""
   kernel = _kernel()
-  if lookup in kernel.TABLE_LOOKUPS:  # the asked-for table where it fits, else lut, else word
-    lookup = next((t for t in (lookup, "lut") if _lut_applies(cfg, t)), "word")
+  lookup = _table_lookup(cfg, lookup)
   kw = _kernel_args(impl, lookup, x2.shape[0])
   if kw["lookup"] in WORD_ORDER and word is not None:  # in word order: the int4 view
     w4 = kernel.kernel_codes(word, swap_nibbles=False)
