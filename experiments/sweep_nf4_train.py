@@ -51,6 +51,7 @@ def main():
   ap.add_argument("--delays", default="0", help="1 is refused beyond 16 tokens")
   ap.add_argument("--out-rows", default="0,1")
   ap.add_argument("--groups", default="1", help="Config.group_m: tile rows a grid group walks")
+  ap.add_argument("--out-chunks", default="0", help="Config.out_chunk: tokens stored at a time")
   ap.add_argument("--bwd", default="256x64x64,128x64x128",
                   help="backward tiles bm x bn x bko,... ('' for none)")  # fmt: skip
   ap.add_argument("--bwd-stages", default="4")
@@ -99,16 +100,17 @@ def main():
     if args.bwd_rs:  # the op's own (--ops) is dispatch's configuration
       made = [ops.training_operands(*q)[1:] for q in qs]  # W^T's word codes, the scales
       made = [(kernel.kernel_codes(w, swap_nibbles=False), s) for w, s in made]
-      for cfg in _forward_grid(args, m):
-        cfg = dataclasses.replace(cfg, transposed=True)
-        f = jax.jit(functools.partial(kernel.forward, config=cfg, lookup="word"))
-        _run(rows, "bwd", m, k, n, "word", cfg, base, f, dy, made, ref_dx, args.reps)
+      for lookup in _word_order(args.lookups.split(",")):
+        for cfg in _forward_grid(args, m, lookup):
+          cfg = dataclasses.replace(cfg, transposed=True)
+          f = jax.jit(functools.partial(kernel.forward, config=cfg, lookup=lookup))
+          _run(rows, "bwd", m, k, n, lookup, cfg, base, f, dy, made, ref_dx, args.reps)
     for lookup in args.lookups.split(","):
-      if lookup == "word":
+      if lookup in _word_order([lookup]):
         ops_ = [(kernel.word_codes(q[0]), kernel_scales(*q[1:])) for q in qs]
       else:
         ops_ = [(kernel.kernel_codes(q[0], swap_nibbles=False), kernel_scales(*q[1:])) for q in qs]
-      for cfg in _forward_grid(args, m):
+      for cfg in _forward_grid(args, m, lookup):
         f = jax.jit(functools.partial(kernel.forward, config=cfg, lookup=lookup))
         _run(rows, "fwd", m, k, n, lookup, cfg, base, f, x, ops_, ref, args.reps)
       tiles = args.bwd.split(",") if args.bwd else []
@@ -138,18 +140,27 @@ def main():
     )
 
 
-def _forward_grid(args, m):
-  """The forward kernel's configurations of the sweep that tile M and fit in shared memory."""
+def _word_order(lookups):
+  """The lookups that read codes in word order (``kernel.word_codes``): the transposed rows'."""
+  return [lu for lu in lookups if lu == "word" or lu in kernel.TABLE_LOOKUPS]
+
+
+def _forward_grid(args, m, lookup):
+  """The forward kernel's configurations of the sweep that tile M and fit in shared memory
+  beside ``lookup``'s table."""
   grid = itertools.product(
     _ints(args.bms), _ints(args.stages), _ints(args.subs), _ints(args.delays),
-    _ints(args.out_rows), _ints(args.groups),
+    _ints(args.out_rows), _ints(args.groups), _ints(args.out_chunks),
   )  # fmt: skip
-  for bm, stages, sub, delay, out_rows, group in grid:
+  for bm, stages, sub, delay, out_rows, group, chunk in grid:
+    if chunk and (not out_rows or chunk >= bm):
+      continue
     cfg = kernel.Config(
       block_m=bm, compute_wgs=2, k_sub=sub, max_concurrent_steps=stages,
-      delay_release=delay, out_rows=bool(out_rows), group_m=group,
+      delay_release=delay, out_rows=bool(out_rows), group_m=group, out_chunk=chunk,
     )  # fmt: skip
-    if m % (bm * group) == 0 and kernel.forward_smem_bytes(cfg) <= kernel.SMEM_BYTES:
+    smem = kernel.forward_smem_bytes(cfg, lookup=lookup)
+    if m % (bm * group) == 0 and smem <= kernel.SMEM_BYTES:
       yield cfg
 
 
@@ -160,6 +171,7 @@ def _run(rows, which, m, k, n, lookup, cfg, base, f, a, operands, ref, reps):
     desc = (
       f"{'rs ' if cfg.transposed else ''}bm{cfg.block_m} st{cfg.max_concurrent_steps} "
       f"sub{cfg.k_sub} d{cfg.delay_release} rows{int(cfg.out_rows)} g{cfg.group_m}"
+      + (f" c{cfg.out_chunk}" if cfg.out_chunk else "")
     )
   else:
     desc = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k_out} st{cfg.max_concurrent_steps}"

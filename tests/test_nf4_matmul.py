@@ -67,8 +67,9 @@ def test_forward_matches_reference(lead, k, n):
       ),
       1024,
     ),  # fmt: skip
-    # Training tiles store y, not y^T (each warpgroup's tile transposed into shared memory).
-    (kernel.Config(block_m=32, compute_wgs=2, out_rows=True, a_from_smem=True), 256),
+    # Training tiles store y, not y^T (each warpgroup's tile transposed into shared memory),
+    # here in 4 chunks of 8 tokens through two buffers, each reused.
+    (kernel.Config(block_m=32, compute_wgs=2, out_rows=True, out_chunk=8, a_from_smem=True), 256),
     # The grid walked in groups of tile rows: 4 x 2 tiles in 2 groups, out of launch order.
     (kernel.Config(block_m=8, compute_wgs=1, group_m=2, out_rows=True, a_from_smem=True), 256),
   ],

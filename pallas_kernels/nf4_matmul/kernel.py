@@ -49,6 +49,7 @@ fallback path keeps bitsandbytes' exact values.
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -91,6 +92,11 @@ class Config:
   # Forward: store the output as y [M, N] (each tile written transposed into shared memory),
   # not as y^T for XLA to transpose: a pass over the output less at training sizes.
   out_rows: bool = False
+  # Forward with ``out_rows``: tokens of the output tile stored at a time (0: the whole tile).
+  # Two staging buffers of this many rows per warpgroup, each reused once its earlier copy to
+  # global memory has read it, instead of a whole tile: shared memory left for more pipeline
+  # stages (a 256-token tile's staging is 64 KiB, 64-token chunks' 32 KiB).
+  out_chunk: int = 0
   # Forward: the codes are W^T's ([K, N], ``reference.transposed_codes``) and the scales W's
   # ([K/64, N]), so a block's scale runs along the tile's columns: the forward's
   # register-operand path then computes dy @ W, the input gradient (dy [M, N] in x's place).
@@ -118,10 +124,18 @@ def forward_smem_bytes(config: Config, x_itemsize: int = 2, lookup: str = "word"
   bm, wgs, sub = config.block_m, config.compute_wgs, config.k_sub
   bk, cta_n = BLOCK_K * sub, WG_ROWS * config.compute_wgs
   stage = bm * bk * x_itemsize + cta_n * bk // 2 + sub * cta_n * 2
-  out = wgs * WG_ROWS * bm * (4 if config.split_k > 1 or config.blocks_as_columns else x_itemsize)
+  out = wgs * WG_ROWS * math.prod(_out_buffers(config))
+  out *= 4 if config.split_k > 1 or config.blocks_as_columns else x_itemsize
   staged = (wgs * sub if config.a_from_smem else 0) * WG_ROWS * BLOCK_K * x_itemsize
   table = lookup_table(lookup).nbytes if lookup in TABLE_LOOKUPS else 0
   return config.max_concurrent_steps * stage + out + staged + table + 1024
+
+
+def _out_buffers(config: Config) -> tuple[int, int]:
+  """(buffers, tokens each) the forward stages its output in per warpgroup: one whole tile, or
+  two chunks (``out_chunk``)."""
+  chunk = config.out_chunk
+  return (2, chunk) if chunk and chunk < config.block_m else (1, config.block_m)
 
 
 def kernel_operands(
@@ -544,6 +558,11 @@ def forward(
     raise ValueError(
       f"nf4 forward kernel: shape {(m, k, n)} does not tile by {(bm, bk * splits, cta_n)}"
     )
+  if config.out_chunk and (not config.out_rows or bm % config.out_chunk or config.out_chunk % 8):
+    raise ValueError(
+      f"nf4 forward kernel: out_chunk stores rows of y (out_rows) in chunks of a multiple of 8 "
+      f"tokens dividing the tile: {config}"
+    )
   if config.out_rows and splits > 1:
     # Mosaic GPU finds no layout for the float32 partial tile stored transposed (it lowers
     # for bf16 only); the interpreter would run it, so refuse it everywhere.
@@ -617,13 +636,21 @@ def forward(
         store(acc[...].astype(o_smem.dtype))  # [64, bm]: a tile of y^T
 
     def store(tile):
-      if config.out_rows:
-        o_smem.at[wg].T[...] = tile
-        out = o_part.at[pl.ds(m0, bm), pl.ds(n0 + wg * WG_ROWS, WG_ROWS)]
-      else:
-        o_smem.at[wg][...] = tile
-        out = o_part.at[pl.ds(n0 + wg * WG_ROWS, WG_ROWS), pl.ds(m0, bm)]
+      if config.out_rows:  # in chunks of tokens through two buffers (one for the whole tile)
+        chunk = config.out_chunk or bm
+        cols = pl.ds(n0 + wg * WG_ROWS, WG_ROWS)
+        for c in range(bm // chunk):
+          buf = o_smem.at[wg, c % 2]
+          if c >= 2:  # the copy of chunk c - 2 has read this buffer (and the warpgroup waits)
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+          buf.T[...] = tile[:, c * chunk : (c + 1) * chunk]
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(buf, o_part.at[pl.ds(m0 + c * chunk, chunk), cols])
+        plgpu.wait_smem_to_gmem(0)
+        return
+      o_smem.at[wg][...] = tile
       plgpu.commit_smem()
+      out = o_part.at[pl.ds(n0 + wg * WG_ROWS, WG_ROWS), pl.ds(m0, bm)]
       plgpu.copy_smem_to_gmem(o_smem.at[wg], out)
       plgpu.wait_smem_to_gmem(0)
 
@@ -689,7 +716,7 @@ def forward(
     out_type=jax.ShapeDtypeStruct((splits, m, n) if config.out_rows else (splits, n, m), out_dtype),
     scratch_types=dict(
       o_smem=plgpu.SMEM(
-        (wgs, bm, WG_ROWS) if config.out_rows else (wgs, WG_ROWS, bm),
+        (wgs, *_out_buffers(config), WG_ROWS) if config.out_rows else (wgs, WG_ROWS, bm),
         out_dtype,
         transforms=_transforms(WG_ROWS if config.out_rows else bm, out_dtype),
       ),
