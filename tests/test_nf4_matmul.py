@@ -355,32 +355,42 @@ def test_decoding_dispatch_takes_the_swept_configurations():
 
 def test_training_dispatch_takes_the_swept_configurations():
   """At training sizes (sweep_nf4_train.py, H100, 8B shapes at 4096 tokens): 256-token tiles,
-  one k block a step, nothing left in flight, y stored as rows; the input gradient in
-  256 x 64 tiles; the word lookup on codes permuted per call from 2048 tokens (prmt below,
-  where the permutation costs more than it saves; the interpreter's own lookup always)."""
+  one k block a step, 4 stages, nothing left in flight, y stored as rows in chunks of 32 tokens
+  (room for plut's table); the input gradient as the forward kernel on W^T's codes, the same
+  way (256 x 64 tiles below 2048 tokens); the plut lookup on codes permuted per call from 2048
+  tokens, its table beside the pipeline (prmt below, where the permutation costs more than it
+  saves; the interpreter's own lookup always)."""
   cfg = ops._forward_config(4096, 4096, 4096, interpret=False)
   assert (cfg.block_m, cfg.k_sub, cfg.split_k, cfg.delay_release, cfg.out_rows) == (
     256, 1, 1, 0, True
   )  # fmt: skip
+  assert (cfg.max_concurrent_steps, cfg.out_chunk) == (4, 32)
   assert cfg.group_m == 4  # the grid walks groups of 4 tile rows where they divide
   assert ops._forward_config(4096 - 256, 4096, 4096, interpret=False).group_m == 1
   assert not ops._forward_config(128, 4096, 4096, interpret=False).out_rows  # not measured
   bwd = ops._backward_config(4096, 14336, 4096)  # the forward kernel on W^T's codes
   assert (bwd.block_m, bwd.compute_wgs, bwd.transposed, bwd.out_rows) == (256, 2, True, True)
-  assert bwd.group_m == 4
+  assert (bwd.group_m, bwd.max_concurrent_steps, bwd.out_chunk) == (4, 4, 32)
+  for c in (cfg, bwd):
+    assert ops._kernel_args("kernel", None, 4096, c)["lookup"] == "plut"
+    assert kernel.forward_smem_bytes(c, lookup="plut") <= kernel.SMEM_BYTES
+    # The whole tile's staging would leave no room for the table: word.
+    whole = dataclasses.replace(c, out_chunk=0)
+    assert ops._kernel_args("kernel", None, 4096, whole)["lookup"] == "word"
+  assert ops._kernel_args("kernel", "lut", 4096, cfg)["lookup"] == "lut"
   bwd = ops._backward_config(1024, 14336, 4096)
   assert (bwd.block_m, bwd.block_n, bwd.block_k_out, bwd.transposed) == (256, 64, 64, False)
-  assert ops._kernel_args("kernel", None, 4096)["lookup"] == "word"
-  assert ops._kernel_args("kernel", None, 256)["lookup"] == "prmt"
-  assert ops._kernel_args("interpret", None, 4096)["lookup"] == "select"
+  small = ops._forward_config(256, 4096, 4096, interpret=False)
+  assert ops._kernel_args("kernel", None, 256, small)["lookup"] == "prmt"
+  assert ops._kernel_args("interpret", None, 4096, cfg)["lookup"] == "select"
 
 
 @pytest.mark.parametrize("prepared", [False, True], ids=["permuted-per-call", "made-for-the-run"])
 def test_training_calls_hand_the_kernels_word_order_codes(monkeypatch, prepared):
   """A 2048-token call forced onto the kernels (impl="kernel") hands the forward kernel
   word_codes' permutation of W's codes, and for the input gradient the forward kernel on W^T's
-  (``Config.transposed``), both with the word lookup and the configurations dispatch chose;
-  the codes so read, dequantized as the GPU's word path does (emulated), give the reference
+  (``Config.transposed``), both with the plut lookup and the configurations dispatch chose;
+  the codes so read, dequantized as the GPU's plut path does (emulated), give the reference
   products. Made for the run (``ops.training_operands``), those very arrays reach the
   kernels."""
   rng = np.random.default_rng(14)
@@ -416,8 +426,8 @@ def test_training_calls_hand_the_kernels_word_order_codes(monkeypatch, prepared)
   w32 = np.asarray(nf4.dequantize_linear(*q, jnp.float32))
   for which, a, want in (("fwd", x, lambda a: a @ w32.T), ("bwd", dy, lambda a: a @ w32)):
     got = seen[which]
-    assert got["lookup"] == "word", which
-    levels = _dequant_word_tiles(got["w4"]).astype(np.uint16).view(jnp.bfloat16)
+    assert got["lookup"] == ops.TRAIN_LOOKUP == "plut", which
+    levels = _dequant_word_tiles(got["w4"], "plut").astype(np.uint16).view(jnp.bfloat16)
     if which == "fwd":  # W [N, K], a scale per row and 64 columns
       scale = np.asarray(got["scales"]).T.repeat(64, axis=1)
     else:  # W^T [K, N], a scale per 64 rows and column
@@ -747,18 +757,26 @@ def test_lut_path_dequantizes_a_tile(lookup):
 
 
 def test_lut_kernel_lowers_with_its_table_and_refuses_what_does_not_fit():
-  """Decoding's dispatched configurations lower for the GPU with the lut lookup (Mosaic GPU's
-  lowering runs on the CPU), the table a kernel input; a configuration whose shared memory
-  cannot also hold the table is refused with its reason."""
+  """Decoding's and training's dispatched configurations lower for the GPU with the lut and
+  plut lookups (Mosaic GPU's lowering runs on the CPU), the table a kernel input; a
+  configuration whose shared memory cannot also hold the table is refused with its reason."""
   cases = [("lut", 1, 4096, 28672), ("lut", 16, 14336, 4096), ("plut", 16, 4096, 6144)]
   cases += [("plut", 1, 4096, 6144)]  # one token: blocks as columns, scaled after the product
+  # Training: y stored in chunks; the input gradient (W^T's codes, W's scales along columns).
+  cases += [("plut", 4096, 4096, 14336), ("plut", -4096, 14336, 4096)]
   for lookup, m, k, n in cases:
-    cfg = ops._forward_config(m, n, k, False)
+    if m < 0:  # dx [m, n] = dy [m, k] @ W, W [k, n]: the forward kernel on W^T's codes
+      cfg = ops._backward_config(-m, k, n)
+      scales = jax.ShapeDtypeStruct((n // 64, k), jnp.bfloat16)
+    else:
+      cfg = ops._forward_config(m, n, k, False)
+      scales = jax.ShapeDtypeStruct((k // 64, n), jnp.bfloat16)
     assert kernel.forward_smem_bytes(cfg, lookup=lookup) <= kernel.SMEM_BYTES
+    rows = 1 if cfg.blocks_as_columns else cfg.block_m * cfg.group_m
     args = (
-      jax.ShapeDtypeStruct((1 if cfg.blocks_as_columns else cfg.block_m, k), jnp.bfloat16),
+      jax.ShapeDtypeStruct((rows, k), jnp.bfloat16),
       jax.ShapeDtypeStruct((n, k), jnp.int4),
-      jax.ShapeDtypeStruct((k // 64, n), jnp.bfloat16),
+      scales,
     )
     f = jax.jit(
       lambda x, w, s, cfg=cfg, lookup=lookup: kernel.forward(x, w, s, config=cfg, lookup=lookup)

@@ -23,9 +23,10 @@ The forward kernel's table lookup on the GPU: where the caller passes the codes 
 (``word_codes``, made once for many calls: jaxtune's decode loop does where the copy fits)
 ``PREPARED_LOOKUP`` ("plut", 0.92-1.02x the kernel time of "lut", which ran 0.85-0.92x "word",
 which ran 0.61-0.87x "prmt", all on an H100) at tiles of at most ``LUT_MAX_TILE`` tokens where
-its table fits ("lut" where only that one fits), "word" at wider ones; for calls of at least
-``WORD_PER_CALL_MIN_TOKENS`` tokens (training) "word" on codes permuted per call (or made once for
-the run: ``word_codes``/``word_codes_t``), forward and input gradient; else "prmt" (``lookup``
+its table fits ("lut" where only that one fits), and at training's ``TRAIN_TILE``-token tiles,
+"word" at other widths; for calls of at least ``WORD_PER_CALL_MIN_TOKENS`` tokens (training)
+``TRAIN_LOOKUP`` ("plut") on codes permuted per call (or made once for the run:
+``word_codes``/``word_codes_t``), forward and input gradient; else "prmt" (``lookup``
 forces one for the forward, but a "plut" whose table does not fit runs "lut", and a "lut" that
 does not apply runs "word": the same products, only the speed differs; the permutation is a pass
 over the codes whatever the tokens, so below that it costs more than the lookup saves).
@@ -61,9 +62,22 @@ WORD_ORDER = ("word", "lut", "plut")  # the lookups that read the codes in word 
 # warpgroups: gate/up), "lut", then "word".
 PREPARED_LOOKUP = "plut"
 # Token tiles up to this size take "plut" or "lut" where asked for and the table fits in shared
-# memory beside the pipeline (decoding's tiles of at most 16 tokens, where they were measured);
-# wider ones (GRPO's 64-token rollouts, training's 256) keep "word".
+# memory beside the pipeline (decoding's tiles of at most 16 tokens, where they were measured),
+# and so do training's 256-token tiles (``TRAIN_TILE``); 64-token tiles (GRPO's rollouts, not
+# measured with a table) keep "word".
 LUT_MAX_TILE = 16
+TRAIN_TILE = 256
+# Training's calls (at least ``WORD_PER_CALL_MIN_TOKENS`` tokens, 256-token tiles) take "plut",
+# their output stored in chunks of ``TRAIN_OUT_CHUNK`` tokens so that its 64 KiB table fits
+# beside 4 pipeline stages (kernel.Config.out_chunk). experiments/sweep_nf4_train.py, H100, 8B
+# shapes at 4096 tokens, codes made once, one run (session 29, call 2), over cuBLAS bf16:
+# forward 0.851 / 1.084 / 1.056 (4096 x 4096, gate-or-up 4096 x 14336, down 14336 x 4096)
+# against "word"'s 0.891 / 1.132 / 1.126 (whole-tile store, 4 stages); input gradient (the
+# forward kernel on W^T's codes) 0.884 / 1.098 / 1.107 against 0.908 / 1.126 / 1.135; XLA's
+# dequantize-then-dot 1.117-1.127 in the same run. "lut" (4 stages, 64-token chunks) measured
+# within 0-2% of "plut"; 5 stages of "word" 3-4% slower than 4; 3 or fewer stages slower.
+TRAIN_LOOKUP = "plut"
+TRAIN_OUT_CHUNK = 32
 # One token (batch-1 decoding) spreads its k blocks over the accumulator's 8 columns
 # (kernel.Config.blocks_as_columns): tiles go to the tensor cores unscaled, each column is scaled
 # after the product. Same sweep (calls 3 and 4), with plut, against session 27's 16-token tile
@@ -97,11 +111,11 @@ def _kernel():
 
 def _lut_applies(cfg, lookup: str = "lut") -> bool:
   """Whether a forward configuration takes the table lookup ``lookup`` ("lut" or "plut") where
-  it is asked for: a tile of at most ``LUT_MAX_TILE`` tokens whose pipeline leaves room for the
-  table."""
+  it is asked for: a tile of at most ``LUT_MAX_TILE`` tokens or of ``TRAIN_TILE`` (where they
+  were measured) whose pipeline leaves room for the table."""
   kernel = _kernel()
   fits = kernel.forward_smem_bytes(cfg, lookup=lookup) <= kernel.SMEM_BYTES
-  return cfg.block_m <= LUT_MAX_TILE and fits
+  return (cfg.block_m <= LUT_MAX_TILE or cfg.block_m == TRAIN_TILE) and fits
 
 
 def _table_lookup(cfg, lookup: str) -> str:
@@ -203,7 +217,7 @@ def _forward_config(m: int, n: int, k: int, interpret: bool):
   # the kernel refuses them).
   return config(
     k_sub=sub, a_from_smem=interpret, delay_release=int(bm <= 16 and not columns),
-    out_rows=bm == 256,
+    out_rows=bm == TRAIN_TILE, out_chunk=TRAIN_OUT_CHUNK if bm == TRAIN_TILE else 0,
     group_m=_group_m(m, bm),
   )  # fmt: skip
 
@@ -226,8 +240,8 @@ def _backward_config(m: int, n: int, k: int, interpret: bool = False):
   kernel = _kernel()
   if m >= WORD_PER_CALL_MIN_TOKENS and k % (2 * kernel.WG_ROWS) == 0 and n % kernel.BLOCK_K == 0:
     return kernel.Config(
-      block_m=256, compute_wgs=2, out_rows=True, transposed=True, group_m=_group_m(m, 256),
-      a_from_smem=interpret,
+      block_m=TRAIN_TILE, compute_wgs=2, out_rows=True, out_chunk=TRAIN_OUT_CHUNK,
+      transposed=True, group_m=_group_m(m, TRAIN_TILE), a_from_smem=interpret,
     )  # fmt: skip
   bn = 128 if n % 128 == 0 else 64
   wgs = 2 if k % 128 == 0 else 1
@@ -250,11 +264,15 @@ def _kernel_input(x2: jax.Array, cfg) -> jax.Array:
   return x2 if cfg.blocks_as_columns else _pad_rows(x2, cfg.block_m)
 
 
-def _kernel_args(impl: str, lookup: str | None, tokens: int):
+def _kernel_args(impl: str, lookup: str | None, tokens: int, cfg):
+  """kernel.forward's lookup and interpreter arguments for ``cfg``: ``lookup`` as it applies
+  (``_table_lookup``), by default ``TRAIN_LOOKUP`` from ``WORD_PER_CALL_MIN_TOKENS`` tokens
+  (training) and "prmt" below; the interpreter's "select" always."""
   interpret = impl == "interpret"
-  default = "word" if tokens >= WORD_PER_CALL_MIN_TOKENS else "prmt"
-  lookup = "select" if interpret else lookup or default
-  return dict(lookup=lookup, interpret=_gpu.interpret_params() if interpret else None)
+  if interpret:
+    return dict(lookup="select", interpret=_gpu.interpret_params())
+  lookup = lookup or (TRAIN_LOOKUP if tokens >= WORD_PER_CALL_MIN_TOKENS else "prmt")
+  return dict(lookup=_table_lookup(cfg, lookup), interpret=None)
 
 
 def _codes_for(lookup: str, codes: jax.Array) -> jax.Array:
@@ -316,8 +334,7 @@ def _forward_kernel(impl, lookup, x2, cfg, scales, codes=None, word=None):
   in bitsandbytes' order or ``word`` in the word lookup's (``word_codes``), whichever the
   lookup (the interpreter: its own) reads."""
   kernel = _kernel()
-  lookup = _table_lookup(cfg, lookup)
-  kw = _kernel_args(impl, lookup, x2.shape[0])
+  kw = _kernel_args(impl, lookup, x2.shape[0], cfg)
   if kw["lookup"] in WORD_ORDER and word is not None:  # in word order: the int4 view
     w4 = kernel.kernel_codes(word, swap_nibbles=False)
   else:
@@ -358,14 +375,14 @@ def _bwd_impl(impl, dy2, weights, scales=None, word_t=None, dequantize_again=Fal
       weights, dy2 = jax.lax.optimization_barrier((weights, dy2))
     return reference.dequantize_then_dot_t(dy2, *weights)
   kernel = _kernel()
-  kw = _kernel_args(impl, None, m)
+  kw = _kernel_args(impl, None, m, cfg)
   if scales is None:
     scales = kernel_scales(*weights[1:])
   dy2 = _pad_rows(dy2, cfg.block_m)
   if cfg.transposed:
     if word_t is None:  # transposed (and permuted for the word lookup) on every call
       w4 = _codes_for(kw["lookup"], reference.transposed_codes(weights[0]))
-    elif kw["lookup"] == "word":  # made once for the run
+    elif kw["lookup"] in WORD_ORDER:  # made once for the run
       w4 = kernel.kernel_codes(word_t, swap_nibbles=False)
     else:  # the interpreter's lookup reads bitsandbytes' order
       w4 = _codes_for(kw["lookup"], reference.word_bytes(word_t))
@@ -440,9 +457,10 @@ def nf4_matmul(
   ``lookup``: the forward kernel's table lookup, one of ``LOOKUPS``, where the kernel runs on the
   GPU (``impl`` "kernel", or dispatch's choice of it): where ``word_codes`` (the codes in word
   order, ``word_codes(codes)``, made once for many calls) are given, ``PREPARED_LOOKUP`` ("plut")
-  at tiles of at most ``LUT_MAX_TILE`` tokens where its table fits, else "lut" where that table
-  fits, else "word" (an asked-for "plut" or "lut" falls back the same way); "word" where the
-  call has at least ``WORD_PER_CALL_MIN_TOKENS`` tokens (then permuted per call); else "prmt"
+  at tiles of at most ``LUT_MAX_TILE`` tokens or of ``TRAIN_TILE`` where its table fits, else
+  "lut" where that table fits, else "word" (an asked-for "plut" or "lut" falls back the same
+  way); ``TRAIN_LOOKUP`` (the same fallback) where the call has at least
+  ``WORD_PER_CALL_MIN_TOKENS`` tokens (then permuted per call); else "prmt"
   (measured on an H100, experiments/check_nf4_lookup.py: "word" 0.61-0.87x the time of "prmt" on
   the 8B shapes at 1-64 tokens, where a per-call permutation costs more than it saves). Every
   path but the kernel's word, lut and plut lookups (XLA's, the interpreter's, "prmt", the
