@@ -6,8 +6,7 @@ weight (what training runs today), and the Mosaic GPU kernels over a grid of con
 lookups (--lookups; "word" reads codes permuted once, ``kernel.word_codes``), tokens per tile
 (--bms), pipeline stages (--stages), 64-wide k blocks per step (--subs), wgmmas left in
 flight across steps (--delays), and the output stored as y or as y^T for XLA to transpose
-(--out-rows) in chunks (--out-chunks), the order the grid walks its tiles (--groups), and a
-persistent grid (--persistent). The kernel rows include that
+(--out-rows), and the order the grid walks its tiles (--groups). The kernel rows include that
 transpose, so every row is one op's time. --bwd-rs also times the input gradient as the
 forward kernel on W^T's codes over the same grid; --ops the op as training calls it.
 Device time (CUPTI), each call over weight copies that outgrow L2, median of --reps. Checks
@@ -53,9 +52,6 @@ def main():
   ap.add_argument("--out-rows", default="0,1")
   ap.add_argument("--groups", default="1", help="Config.group_m: tile rows a grid group walks")
   ap.add_argument("--out-chunks", default="0", help="Config.out_chunk: tokens stored at a time")
-  ap.add_argument(
-    "--persistent", default="0", help="Config.persistent: grid cells (0: a tile each)"
-  )
   ap.add_argument("--bwd", default="256x64x64,128x64x128",
                   help="backward tiles bm x bn x bko,... ('' for none)")  # fmt: skip
   ap.add_argument("--bwd-stages", default="4")
@@ -154,15 +150,14 @@ def _forward_grid(args, m, lookup):
   beside ``lookup``'s table."""
   grid = itertools.product(
     _ints(args.bms), _ints(args.stages), _ints(args.subs), _ints(args.delays),
-    _ints(args.out_rows), _ints(args.groups), _ints(args.out_chunks), _ints(args.persistent),
+    _ints(args.out_rows), _ints(args.groups), _ints(args.out_chunks),
   )  # fmt: skip
-  for bm, stages, sub, delay, out_rows, group, chunk, cells in grid:
+  for bm, stages, sub, delay, out_rows, group, chunk in grid:
     if chunk and (not out_rows or chunk >= bm):
       continue
     cfg = kernel.Config(
       block_m=bm, compute_wgs=2, k_sub=sub, max_concurrent_steps=stages,
       delay_release=delay, out_rows=bool(out_rows), group_m=group, out_chunk=chunk,
-      persistent=cells,
     )  # fmt: skip
     smem = kernel.forward_smem_bytes(cfg, lookup=lookup)
     if m % (bm * group) == 0 and smem <= kernel.SMEM_BYTES:
@@ -177,7 +172,6 @@ def _run(rows, which, m, k, n, lookup, cfg, base, f, a, operands, ref, reps):
       f"{'rs ' if cfg.transposed else ''}bm{cfg.block_m} st{cfg.max_concurrent_steps} "
       f"sub{cfg.k_sub} d{cfg.delay_release} rows{int(cfg.out_rows)} g{cfg.group_m}"
       + (f" c{cfg.out_chunk}" if cfg.out_chunk else "")
-      + (f" p{cfg.persistent}" if cfg.persistent else "")
     )
   else:
     desc = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k_out} st{cfg.max_concurrent_steps}"

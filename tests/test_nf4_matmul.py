@@ -72,20 +72,6 @@ def test_forward_matches_reference(lead, k, n):
     (kernel.Config(block_m=32, compute_wgs=2, out_rows=True, out_chunk=8, a_from_smem=True), 256),
     # The grid walked in groups of tile rows: 4 x 2 tiles in 2 groups, out of launch order.
     (kernel.Config(block_m=8, compute_wgs=1, group_m=2, out_rows=True, a_from_smem=True), 256),
-    # A persistent grid: 3 cells loop over 8 tiles (3, 3, 2) in groups of 2 tile rows, their
-    # stores in 16-token chunks left in flight across tiles.
-    (
-      kernel.Config(
-        block_m=32,
-        compute_wgs=1,
-        group_m=2,
-        out_rows=True,
-        out_chunk=16,
-        persistent=3,
-        a_from_smem=True,
-      ),
-      256,
-    ),  # fmt: skip
   ],
   ids=[
     "split-k",
@@ -95,15 +81,11 @@ def test_forward_matches_reference(lead, k, n):
     "four-compute-warpgroups",
     "output-stored-as-rows",
     "grid-in-groups-of-tile-rows",
-    "persistent-grid",
   ],  # fmt: skip
 )
 def test_forward_configs(cfg, k):
   rng = np.random.default_rng(3)
-  m, n = (
-    32 * (1 + 3 * bool(cfg.persistent)),
-    2 * kernel.WG_ROWS * cfg.compute_wgs // min(cfg.compute_wgs, 2),
-  )
+  m, n = 32, 2 * kernel.WG_ROWS * cfg.compute_wgs // min(cfg.compute_wgs, 2)
   q = _weights(rng, n, k)
   x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
   w4, scales = kernel.kernel_operands(*q, swap_nibbles=True)

@@ -111,11 +111,6 @@ class Config:
   # the product (a multiply per row and block, not per weight), summed over the columns at the
   # end.
   blocks_as_columns: bool = False
-  # Forward: this many grid cells (0: a cell per output tile), each looping over the tiles
-  # (launch order, every ``persistent``-th): the pipeline's shared memory and the lookup's table
-  # are set up once per cell, and a tile's output stores stay in flight beside the next tile's
-  # products. Whole products only (split_k 1).
-  persistent: int = 0
 
 
 def forward_smem_bytes(config: Config, x_itemsize: int = 2, lookup: str = "word") -> int:
@@ -603,28 +598,61 @@ def forward(
     raise ValueError(f"nf4 forward kernel: {m_tiles} rows of tiles do not group by {group}")
 
   lut = lookup in TABLE_LOOKUPS
-  persistent = min(config.persistent, n_tiles * m_tiles)
-  if persistent and (splits > 1 or columns):
-    raise ValueError(f"nf4 forward kernel: a persistent grid takes whole products: {config}")
-
-  def tile_index(lin):
-    """A tile's (row, column) of tiles from its launch order: groups of ``group`` tile rows,
-    column by column (row by row for 1)."""
-    first, within = lax.div(lin, group * n_tiles) * group, lax.rem(lin, group * n_tiles)
-    return first + lax.rem(within, group), lax.div(within, group)
 
   def body(x_gmem, w_gmem, s_gmem, *refs, o_smem, a_smem=None, lut_smem=None, lut_bar=None):
     lut_gmem, o_gmem = refs if lut else (None, *refs)
+    if group == 1:
+      mi, ni = lax.axis_index("m"), lax.axis_index("n")
+    else:  # launch order (n fastest) -> groups of ``group`` tile rows, column by column
+      lin = lax.axis_index("m") * n_tiles + lax.axis_index("n")
+      first, within = lax.div(lin, group * n_tiles) * group, lax.rem(lin, group * n_tiles)
+      mi, ni = first + lax.rem(within, group), lax.div(within, group)
+    m0 = mi * bm
+    n0 = ni * cta_n
+    k0 = lax.axis_index("s") * k_part
     wg = lax.axis_index("wg")
     rows = pl.ds(wg * WG_ROWS, WG_ROWS)
+    o_part = o_gmem.at[lax.axis_index("s")]
     along = int(config.transposed)
 
-    def load_table():  # into shared memory once, by the first compute warpgroup's copy
-      @pl.when(wg == 0)
-      def _():
-        plgpu.copy_gmem_to_smem(lut_gmem, lut_smem, lut_bar)
+    def compute_context(run_pipeline):
+      if lut:  # the table into shared memory once, by the first compute warpgroup's copy
 
-      plgpu.barrier_wait(lut_bar)
+        @pl.when(wg == 0)
+        def _():
+          plgpu.copy_gmem_to_smem(lut_gmem, lut_smem, lut_bar)
+
+        plgpu.barrier_wait(lut_bar)
+      if columns:  # the columns' scaled products, summed per row (every column holds the sum)
+        zero = plgpu.layout_cast(jnp.zeros((WG_ROWS, bm), jnp.float32), plgpu.Layout.WGMMA)
+        total = jnp.sum(run_pipeline(zero), axis=1)
+        store(lax.broadcast_in_dim(total, (WG_ROWS, bm), [0]).astype(o_smem.dtype))
+        return
+
+      @functools.partial(pl.run_scoped, acc=plgpu.ACC((WG_ROWS, bm), jnp.float32))
+      def _(acc):
+        run_pipeline(acc)
+        plgpu.wgmma_wait(0)  # the last step's wgmmas (left in flight with delay_release)
+        store(acc[...].astype(o_smem.dtype))  # [64, bm]: a tile of y^T
+
+    def store(tile):
+      if config.out_rows:  # in chunks of tokens through two buffers (one for the whole tile)
+        chunk = config.out_chunk or bm
+        cols = pl.ds(n0 + wg * WG_ROWS, WG_ROWS)
+        for c in range(bm // chunk):
+          buf = o_smem.at[wg, c % 2]
+          if c >= 2:  # the copy of chunk c - 2 has read this buffer (and the warpgroup waits)
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+          buf.T[...] = tile[:, c * chunk : (c + 1) * chunk]
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(buf, o_part.at[pl.ds(m0 + c * chunk, chunk), cols])
+        plgpu.wait_smem_to_gmem(0)
+        return
+      o_smem.at[wg][...] = tile
+      plgpu.commit_smem()
+      out = o_part.at[pl.ds(n0 + wg * WG_ROWS, WG_ROWS), pl.ds(m0, bm)]
+      plgpu.copy_smem_to_gmem(o_smem.at[wg], out)
+      plgpu.wait_smem_to_gmem(0)
 
     def products(x_smem, w_smem, s_smem, acc):
       for j in range(sub):
@@ -652,108 +680,36 @@ def forward(
       plgpu.wgmma_wait(sub if config.delay_release else 0)
       return acc
 
-    def make_pipeline(step, compute_context):
-      return plgpu.emit_pipeline_warp_specialized(
-        step,
-        grid=(k_part // bk,),
-        memory_registers=40,
-        in_specs=[
-          plgpu.BlockSpec(
-            (bm, bk),
-            lambda i: (0, i),
-            transforms=_transforms(BLOCK_K, x.dtype),
-            delay_release=hold,
-          ),
-          plgpu.BlockSpec(
-            (cta_n, bk), lambda i: (0, i), transforms=_CODE_TRANSFORMS, delay_release=hold
-          ),
-          plgpu.BlockSpec(
-            (wgs, bk) if config.transposed else (sub, cta_n),
-            (lambda i: (0, i)) if config.transposed else (lambda i: (i, 0)),
-            delay_release=hold,
-          ),
-        ],
-        wg_axis="wg",
-        num_compute_wgs=wgs,
-        max_concurrent_steps=config.max_concurrent_steps,
-        compute_context=compute_context,
-      )
-
-    def run_tile(mi, ni, split, allocations=None):
-      """One output tile: the pipeline over its K range, then the tile stored."""
-      m0, n0, k0 = mi * bm, ni * cta_n, split * k_part
-      o_part = o_gmem.at[split]
-
-      def compute_context(run_pipeline):
-        if lut and not persistent:
-          load_table()
-        if columns:  # the columns' scaled products, summed per row (every column holds the sum)
-          zero = plgpu.layout_cast(jnp.zeros((WG_ROWS, bm), jnp.float32), plgpu.Layout.WGMMA)
-          total = jnp.sum(run_pipeline(zero), axis=1)
-          store(lax.broadcast_in_dim(total, (WG_ROWS, bm), [0]).astype(o_smem.dtype))
-          return
-
-        @functools.partial(pl.run_scoped, acc=plgpu.ACC((WG_ROWS, bm), jnp.float32))
-        def _(acc):
-          run_pipeline(acc)
-          plgpu.wgmma_wait(0)  # the last step's wgmmas (left in flight with delay_release)
-          store(acc[...].astype(o_smem.dtype))  # [64, bm]: a tile of y^T
-
-      def store(tile):
-        if config.out_rows:  # in chunks of tokens through two buffers (one for the whole tile)
-          buffers, chunk = _out_buffers(config)
-          cols = pl.ds(n0 + wg * WG_ROWS, WG_ROWS)
-          for c in range(bm // chunk):
-            buf = o_smem.at[wg, c % buffers]
-            # The copy that last read this buffer is done (this tile's chunk c - 2 or, on a
-            # persistent grid, the previous tile's), and the warpgroup waits for it.
-            if persistent or c >= buffers:
-              plgpu.wait_smem_to_gmem(buffers - 1, wait_read_only=True)
-            buf.T[...] = tile[:, c * chunk : (c + 1) * chunk]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(buf, o_part.at[pl.ds(m0 + c * chunk, chunk), cols])
-          if not persistent:  # else left in flight beside the next tile's products
-            plgpu.wait_smem_to_gmem(0)
-          return
-        if persistent:
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        o_smem.at[wg][...] = tile
-        plgpu.commit_smem()
-        out = o_part.at[pl.ds(n0 + wg * WG_ROWS, WG_ROWS), pl.ds(m0, bm)]
-        plgpu.copy_smem_to_gmem(o_smem.at[wg], out)
-        if not persistent:
-          plgpu.wait_smem_to_gmem(0)
-
-      make_pipeline(step, compute_context)(*tile_operands(m0, n0, k0), allocations=allocations)
-
-    def tile_operands(m0, n0, k0):
-      return (
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+      step,
+      grid=(k_part // bk,),
+      memory_registers=40,
+      in_specs=[
+        plgpu.BlockSpec(
+          (bm, bk), lambda i: (0, i), transforms=_transforms(BLOCK_K, x.dtype), delay_release=hold
+        ),
+        plgpu.BlockSpec(
+          (cta_n, bk), lambda i: (0, i), transforms=_CODE_TRANSFORMS, delay_release=hold
+        ),
+        plgpu.BlockSpec(
+          (wgs, bk) if config.transposed else (sub, cta_n),
+          (lambda i: (0, i)) if config.transposed else (lambda i: (i, 0)),
+          delay_release=hold,
+        ),
+      ],
+      wg_axis="wg",
+      num_compute_wgs=wgs,
+      max_concurrent_steps=config.max_concurrent_steps,
+      compute_context=compute_context,
+    )
+    with _gpu.compute_registers(wgs):  # the pipeline sets its registers as it is traced
+      pipeline(
         x_gmem.at[pl.ds(m0, bm), pl.ds(k0, k_part)],
         w_gmem.at[pl.ds(n0, cta_n), pl.ds(k0, k_part)],
         s_gmem.at[pl.ds(n0 // BLOCK_K, wgs), pl.ds(k0, k_part)]
         if config.transposed
         else s_gmem.at[pl.ds(k0 // BLOCK_K, k_part // BLOCK_K), pl.ds(n0, cta_n)],
       )
-
-    with _gpu.compute_registers(wgs):  # the pipeline sets its registers as it is traced
-      if not persistent:  # a grid cell per tile (launch order n fastest)
-        lin = lax.axis_index("m") * n_tiles + lax.axis_index("n")
-        run_tile(*tile_index(lin), lax.axis_index("s"))
-        return
-      if lut:
-        load_table()
-      # The pipeline's shared memory allocated once for every tile of the cell.
-      ignore = lambda *_, **__: None  # noqa: E731 (the allocations depend on the specs only)
-      allocs = make_pipeline(ignore, ignore).get_allocations(*tile_operands(0, 0, 0))
-
-      @functools.partial(pl.run_scoped, allocations=allocs, collective_axes="wg")
-      def _(allocations):
-        @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="cells")
-        def _(info):
-          (lin,) = info.index
-          run_tile(*tile_index(lin), 0, allocations)
-
-      plgpu.wait_smem_to_gmem(0)  # the last tile's stores
 
   kernel = plgpu.kernel(
     body,
@@ -782,8 +738,8 @@ def forward(
         else {}
       ),
     ),
-    grid=(persistent,) if persistent else (n_tiles, m_tiles, splits),
-    grid_names=("cells",) if persistent else ("n", "m", "s"),
+    grid=(n_tiles, m_tiles, splits),
+    grid_names=("n", "m", "s"),
     num_threads=wgs + 1,
     thread_name="wg",
     interpret=interpret,
