@@ -223,10 +223,13 @@ def _forward_config(m: int, n: int, k: int, interpret: bool):
 
 
 def _group_m(m: int, bm: int) -> int:
-  """Tile rows the grid walks as a group (``Config.group_m``): 4 for 256-token tiles where
-  they divide (sweep_nf4_train.py, H100, 8B shapes at 4096 tokens: 1-2% less time on every
-  shape, forward and transposed), else row by row."""
-  return 4 if bm == 256 and -(-m // bm) % 4 == 0 else 1
+  """Tile rows the grid walks as a group (``Config.group_m``) for 256-token tiles: 8 where
+  they divide, else 4 where they divide, else row by row. sweep_nf4_train.py, H100, 8B shapes
+  at 4096 tokens: 4 took 1-2% less time than 1 on every shape, forward and transposed (session
+  17); 8 0.7-1.0% less than 4 on all six rows with plut (session 29, call 4)."""
+  if bm != TRAIN_TILE:
+    return 1
+  return next((g for g in (8, 4) if -(-m // bm) % g == 0), 1)
 
 
 def _backward_config(m: int, n: int, k: int, interpret: bool = False):
