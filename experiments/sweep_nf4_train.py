@@ -65,6 +65,12 @@ def main():
     help="also time the input gradient as the forward kernel on W^T's codes (Config.transposed:"
     " W^T from registers) over the forward's grid, the codes transposed and permuted once",
   )  # fmt: skip
+  ap.add_argument(
+    "--extra", type=int, default=0,
+    help="also time the forward op with a LoRA's extra pair of this rank (x A, B^T) on operands "
+    "made once: the kernel taking it in (one more wgmma a tile), the kernel with its product "
+    "added after, and XLA's one folded dot",
+  )  # fmt: skip
   ap.add_argument("--results-dir", default=None)
   args = ap.parse_args()
   rng = np.random.default_rng(0)
@@ -97,6 +103,8 @@ def main():
           else:
             f = jax.jit(functools.partial(ops._bwd_impl, impl))
           _run(rows, which, m, k, n, "op", impl, base, f, a, [(q,) for q in qs], want, args.reps)
+    if args.extra:
+      _extra_rows(rows, args, rng, m, k, n, qs, x, ref, base)
     if args.bwd_rs:  # the op's own (--ops) is dispatch's configuration
       made = [ops.training_operands(*q)[1:] for q in qs]  # W^T's word codes, the scales
       made = [(kernel.kernel_codes(w, swap_nibbles=False), s) for w, s in made]
@@ -138,6 +146,30 @@ def main():
       f"| {r['pass']} | {r['M']} | {r['K']} | {r['N']} | {r['lookup']} | {r['config']} | "
       f"{r['kernel_vs_bf16']:.3f} | {r['xla_vs_bf16']:.3f} |"
     )
+
+
+def _extra_rows(rows, args, rng, m, k, n, qs, x, ref, base):
+  """The forward op with a LoRA's extra pair (--extra) on operands made once for the run: the
+  kernel taking it in, the kernel with its product added after, XLA's one folded dot."""
+  ex = jnp.asarray(rng.standard_normal((m, args.extra)) * 0.1, jnp.bfloat16)
+  ew = jnp.asarray(rng.standard_normal((n, args.extra)) * 0.1, jnp.float32)
+  want = ref + np.asarray(ex, np.float32) @ np.asarray(ew.astype(jnp.bfloat16), np.float32).T
+  made = [(q, *ops.training_operands(*q)[::2], ex, ew) for q in qs]  # W's word codes, scales
+  cfg = ops._forward_config(m, n, k, interpret=False)
+
+  def in_kernel(a, q, word, scales, ex, ew):
+    return ops._fwd_impl("kernel", "plut", a, q, scales, word, (ex, ew))
+
+  def added(a, q, word, scales, ex, ew):
+    y = ops._forward_kernel("kernel", "plut", a, cfg, scales, word=word)
+    return y + jnp.einsum("te,ne->tn", ex, ew.astype(ex.dtype)).astype(y.dtype)
+
+  def xla(a, q, word, scales, ex, ew):
+    return ops._fwd_impl("xla", None, a, q, extra=(ex, ew))
+
+  for name, f in (("extra in kernel", in_kernel), ("extra added", added), ("xla", xla)):
+    label = f"op r{args.extra}"
+    _run(rows, "fwd", m, k, n, label, name, base, jax.jit(f), x, made, want, args.reps)
 
 
 def _word_order(lookups):

@@ -239,11 +239,14 @@ def test_extra_columns_fold_into_the_product_with_their_gradients():
   assert re.search(rf"dot_general.*tensor<10x{k + r}xf32>", text), "not one dot over K + r"
 
 
-def test_extra_columns_beside_the_kernel_are_added_with_their_gradients():
-  """Where the kernel runs (here its interpreter, bfloat16), the extra pair's product is added
-  to the kernel's and differentiated as on XLA's path."""
+@pytest.mark.parametrize("k", [128, 512], ids=["in-the-kernel", "split-k-added"])
+def test_extra_columns_beside_the_kernel_are_added_with_their_gradients(k):
+  """Where the kernel runs (here its interpreter, bfloat16), the extra pair's product is the
+  kernel's own (one more wgmma into each tile, its 4 columns padded to 16) or, where the kernel
+  splits K, added to its product; either way differentiated as on XLA's path."""
   rng = np.random.default_rng(9)
-  k, n, r = 128, 128, 4
+  n, r = 128, 4
+  assert (ops._forward_config(3, n, k, interpret=True).split_k > 1) == (k == 512)
   q = _weights(rng, n, k)
   x = jnp.asarray(rng.standard_normal((3, k)), jnp.bfloat16)
   e = jnp.asarray(rng.standard_normal((3, r)), jnp.bfloat16)
@@ -402,7 +405,7 @@ def test_training_calls_hand_the_kernels_word_order_codes(monkeypatch, prepared)
   dy = jnp.asarray(rng.standard_normal((2048, n)), jnp.bfloat16)
   seen = {}
 
-  def forward(x, w4, scales, *, config, lookup, interpret):
+  def forward(x, w4, scales, *, config, lookup, interpret, extra=None):
     seen["bwd" if config.transposed else "fwd"] = dict(
       w4=w4, scales=scales, lookup=lookup, config=config
     )
@@ -839,7 +842,7 @@ def test_kernel_word_lookup_gets_operands_that_multiply_right(monkeypatch):
   x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
   seen = {}
 
-  def forward(x, w4, scales, *, config, lookup, interpret):
+  def forward(x, w4, scales, *, config, lookup, interpret, extra=None):
     seen.update(w4=w4, scales=scales, lookup=lookup, config=config)
     return jnp.zeros((x.shape[0], w4.shape[0]), x.dtype)
 

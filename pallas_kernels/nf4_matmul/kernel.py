@@ -113,19 +113,25 @@ class Config:
   blocks_as_columns: bool = False
 
 
-def forward_smem_bytes(config: Config, x_itemsize: int = 2, lookup: str = "word") -> int:
+def forward_smem_bytes(
+  config: Config, x_itemsize: int = 2, lookup: str = "word", extra_cols: int = 0
+) -> int:
   """Shared memory the forward kernel asks for with ``config``, at most (a pipeline of fewer steps
   than ``max_concurrent_steps`` has fewer stages): the pipeline's stages of x, codes and scales,
   the output tile (float32 with split K or ``blocks_as_columns``), the dequantized-tile staging,
   the table of ``lookup`` "lut" (32 KiB) or "plut" (64 KiB) and 1 KiB for Mosaic GPU's
   barriers (64 bytes measured). 64 tokens, 4 k blocks a step and split K measured 241,728
   bytes with an unused 8 KiB staging tile (no longer allocated), this counts 234,496 without
-  it: over ``SMEM_BYTES`` either way, so dispatch takes 2 blocks there."""
+  it: over ``SMEM_BYTES`` either way, so dispatch takes 2 blocks there. ``extra_cols``: the
+  width of ``forward``'s extra operands, which share the output staging's memory."""
   bm, wgs, sub = config.block_m, config.compute_wgs, config.k_sub
   bk, cta_n = BLOCK_K * sub, WG_ROWS * config.compute_wgs
   stage = bm * bk * x_itemsize + cta_n * bk // 2 + sub * cta_n * 2
   out = wgs * WG_ROWS * math.prod(_out_buffers(config))
   out *= 4 if config.split_k > 1 or config.blocks_as_columns else x_itemsize
+  if extra_cols:  # x's extra columns and the weight's, each aligned as Mosaic GPU places them
+    align = lambda b: -(-b // 1024) * 1024  # noqa: E731
+    out = max(out, align(bm * extra_cols * x_itemsize) + align(cta_n * extra_cols * x_itemsize))
   staged = (wgs * sub if config.a_from_smem else 0) * WG_ROWS * BLOCK_K * x_itemsize
   table = lookup_table(lookup).nbytes if lookup in TABLE_LOOKUPS else 0
   return config.max_concurrent_steps * stage + out + staged + table + 1024
@@ -527,12 +533,15 @@ def forward(
   config: Config,
   lookup: str = "prmt",
   interpret: Any = None,
+  extra: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
   """y [M, N] = x [M, K] @ dequant(w4, scales)^T; M a multiple of block_m, N of 64 * wgs,
   K of 64 * split_k. With ``config.blocks_as_columns``: x is one token [1, K] (spread over the
   columns here, ``spread_blocks``) and y [1, N]. With ``config.transposed``: w4 holds W^T
   [N, K] of a weight W [K, N] and scales are W's [N/64, K], so y = x @ W (x being dy: the input
-  gradient)."""
+  gradient). ``extra`` = (x_extra [M, E], w_extra [N, E]), E a multiple of 16: adds
+  x_extra @ w_extra^T (a LoRA's scaled x A and B) by one more wgmma into each tile's
+  accumulator, before its k blocks (whole products of untransposed weights only)."""
   bm, wgs, splits, sub = config.block_m, config.compute_wgs, config.split_k, config.k_sub
   columns = config.blocks_as_columns
   if columns and (
@@ -557,6 +566,19 @@ def forward(
   if m % bm or n % cta_n or k % (bk * splits):
     raise ValueError(
       f"nf4 forward kernel: shape {(m, k, n)} does not tile by {(bm, bk * splits, cta_n)}"
+    )
+  e = 0 if extra is None else extra[0].shape[1]
+  if extra is not None and (
+    splits > 1
+    or columns
+    or config.transposed
+    or e % 16
+    or extra[0].shape != (m, e)
+    or extra[1].shape != (n, e)
+  ):
+    raise ValueError(
+      f"nf4 forward kernel: extra takes x_extra [{m}, E] and w_extra [{n}, E], E a multiple of "
+      f"16, for whole untransposed products: {[a.shape for a in extra]}, {config}"
     )
   if config.out_chunk and (not config.out_rows or bm % config.out_chunk or config.out_chunk % 8):
     raise ValueError(
@@ -584,7 +606,8 @@ def forward(
     raise ValueError("nf4 forward kernel: delay_release is measured correct up to 16 tokens")
   if lookup in TABLE_LOOKUPS and interpret is not None:
     raise ValueError(f"nf4 forward kernel: the {lookup} lookup (inline PTX) runs on the GPU only")
-  if lookup in TABLE_LOOKUPS and forward_smem_bytes(config, x.dtype.itemsize, lookup) > SMEM_BYTES:
+  smem = forward_smem_bytes(config, x.dtype.itemsize, lookup, e)
+  if lookup in TABLE_LOOKUPS and smem > SMEM_BYTES:
     raise ValueError(
       f"nf4 forward kernel: the {lookup} lookup's table does not fit in shared memory beside "
       f"{config}; take fewer stages or k blocks a step, or another lookup"
@@ -599,8 +622,12 @@ def forward(
 
   lut = lookup in TABLE_LOOKUPS
 
-  def body(x_gmem, w_gmem, s_gmem, *refs, o_smem, a_smem=None, lut_smem=None, lut_bar=None):
-    lut_gmem, o_gmem = refs if lut else (None, *refs)
+  def body(x_gmem, w_gmem, s_gmem, *refs, o_smem, a_smem=None, lut_smem=None, lut_bar=None, **ex):
+    refs = list(refs)
+    lut_gmem = refs.pop(0) if lut else None
+    ex_gmem, ew_gmem, o_gmem = refs if extra is not None else (None, None, *refs)
+    if extra is not None:  # the extra operands share the output staging's shared memory
+      o_smem, (ex_smem, ew_smem) = o_smem
     if group == 1:
       mi, ni = lax.axis_index("m"), lax.axis_index("n")
     else:  # launch order (n fastest) -> groups of ``group`` tile rows, column by column
@@ -631,8 +658,22 @@ def forward(
 
       @functools.partial(pl.run_scoped, acc=plgpu.ACC((WG_ROWS, bm), jnp.float32))
       def _(acc):
+        if extra is not None:  # x_extra @ w_extra^T first (waited for with the first k block)
+          bars = ex["extra_bars"]
+
+          @pl.when(wg == 0)
+          def _():
+            plgpu.copy_gmem_to_smem(ex_gmem.at[pl.ds(m0, bm)], ex_smem, bars.at[0])
+            plgpu.copy_gmem_to_smem(ew_gmem.at[pl.ds(n0, cta_n)], ew_smem, bars.at[1])
+
+          plgpu.barrier_wait(bars.at[0])
+          plgpu.barrier_wait(bars.at[1])
+          plgpu.wgmma(acc, ew_smem.at[rows], ex_smem.T)  # [64, E] @ [E, bm]
         run_pipeline(acc)
         plgpu.wgmma_wait(0)  # the last step's wgmmas (left in flight with delay_release)
+        if extra is not None:  # every warpgroup is done reading them before the staging
+          plgpu.barrier_arrive(ex["extra_read"])
+          plgpu.barrier_wait(ex["extra_read"])
         store(acc[...].astype(o_smem.dtype))  # [64, bm]: a tile of y^T
 
     def store(tile):
@@ -711,14 +752,28 @@ def forward(
         else s_gmem.at[pl.ds(k0 // BLOCK_K, k_part // BLOCK_K), pl.ds(n0, cta_n)],
       )
 
+  o_type = plgpu.SMEM(
+    (wgs, *_out_buffers(config), WG_ROWS) if config.out_rows else (wgs, WG_ROWS, bm),
+    out_dtype,
+    transforms=_transforms(WG_ROWS if config.out_rows else bm, out_dtype),
+  )
+  ex_types = (
+    [plgpu.SMEM((rows, e), x.dtype, transforms=_transforms(e, x.dtype)) for rows in (bm, cta_n)]
+    if extra is not None
+    else []
+  )
   kernel = plgpu.kernel(
     body,
     out_type=jax.ShapeDtypeStruct((splits, m, n) if config.out_rows else (splits, n, m), out_dtype),
     scratch_types=dict(
-      o_smem=plgpu.SMEM(
-        (wgs, *_out_buffers(config), WG_ROWS) if config.out_rows else (wgs, WG_ROWS, bm),
-        out_dtype,
-        transforms=_transforms(WG_ROWS if config.out_rows else bm, out_dtype),
+      o_smem=o_type if extra is None else plgpu.RefUnion(o_type, ex_types),
+      **(
+        dict(
+          extra_bars=plgpu.Barrier(num_arrivals=1, num_barriers=2),
+          extra_read=plgpu.Barrier(num_arrivals=wgs),
+        )
+        if extra is not None
+        else {}
       ),
       **(
         dict(
@@ -744,7 +799,7 @@ def forward(
     thread_name="wg",
     interpret=interpret,
   )
-  out = kernel(x, w4, scales, *([jnp.asarray(lookup_table(lookup))] if lut else []))
+  out = kernel(x, w4, scales, *([jnp.asarray(lookup_table(lookup))] if lut else []), *(extra or ()))
   if columns:  # every column holds the token's product: one is y
     out = out[..., :1]
   out = (out[0] if splits == 1 else jnp.sum(out, axis=0)).astype(x.dtype)

@@ -109,22 +109,23 @@ def _kernel():
   return kernel
 
 
-def _lut_applies(cfg, lookup: str = "lut") -> bool:
+def _lut_applies(cfg, lookup: str = "lut", extra_cols: int = 0) -> bool:
   """Whether a forward configuration takes the table lookup ``lookup`` ("lut" or "plut") where
   it is asked for: a tile of at most ``LUT_MAX_TILE`` tokens or of ``TRAIN_TILE`` (where they
-  were measured) whose pipeline leaves room for the table."""
+  were measured) whose pipeline (and extra operands ``extra_cols`` wide) leaves room for the
+  table."""
   kernel = _kernel()
-  fits = kernel.forward_smem_bytes(cfg, lookup=lookup) <= kernel.SMEM_BYTES
+  fits = kernel.forward_smem_bytes(cfg, lookup=lookup, extra_cols=extra_cols) <= kernel.SMEM_BYTES
   return (cfg.block_m <= LUT_MAX_TILE or cfg.block_m == TRAIN_TILE) and fits
 
 
-def _table_lookup(cfg, lookup: str) -> str:
+def _table_lookup(cfg, lookup: str, extra_cols: int = 0) -> str:
   """The lookup a forward configuration runs for ``lookup``: a table lookup ("plut", "lut")
   where its table fits (``_lut_applies``), else "lut" where that one does, else "word"; any
   other lookup as it is."""
   if lookup not in _kernel().TABLE_LOOKUPS:
     return lookup
-  return next((t for t in (lookup, "lut") if _lut_applies(cfg, t)), "word")
+  return next((t for t in (lookup, "lut") if _lut_applies(cfg, t, extra_cols)), "word")
 
 
 def uses_kernel(tokens: int, weights: int) -> bool:
@@ -267,7 +268,7 @@ def _kernel_input(x2: jax.Array, cfg) -> jax.Array:
   return x2 if cfg.blocks_as_columns else _pad_rows(x2, cfg.block_m)
 
 
-def _kernel_args(impl: str, lookup: str | None, tokens: int, cfg):
+def _kernel_args(impl: str, lookup: str | None, tokens: int, cfg, extra_cols: int = 0):
   """kernel.forward's lookup and interpreter arguments for ``cfg``: ``lookup`` as it applies
   (``_table_lookup``), by default ``TRAIN_LOOKUP`` from ``WORD_PER_CALL_MIN_TOKENS`` tokens
   (training) and "prmt" below; the interpreter's "select" always."""
@@ -275,7 +276,7 @@ def _kernel_args(impl: str, lookup: str | None, tokens: int, cfg):
   if interpret:
     return dict(lookup="select", interpret=_gpu.interpret_params())
   lookup = lookup or (TRAIN_LOOKUP if tokens >= WORD_PER_CALL_MIN_TOKENS else "prmt")
-  return dict(lookup=_table_lookup(cfg, lookup), interpret=None)
+  return dict(lookup=_table_lookup(cfg, lookup, extra_cols), interpret=None)
 
 
 def _codes_for(lookup: str, codes: jax.Array) -> jax.Array:
@@ -332,17 +333,23 @@ def prepared_matmul(
   return y.astype(x.dtype).reshape(*lead, n)
 
 
-def _forward_kernel(impl, lookup, x2, cfg, scales, codes=None, word=None):
+def _forward_kernel(impl, lookup, x2, cfg, scales, codes=None, word=None, extra=None):
   """kernel.forward of x2 [m, K] (rows padded to the tile and back), the weight as ``codes``
   in bitsandbytes' order or ``word`` in the word lookup's (``word_codes``), whichever the
-  lookup (the interpreter: its own) reads."""
+  lookup (the interpreter: its own) reads; ``extra`` (x_extra [m, E], w_extra [N, E]) added by
+  the kernel, its columns zero-padded to a multiple of 16."""
   kernel = _kernel()
-  kw = _kernel_args(impl, lookup, x2.shape[0], cfg)
+  if extra is not None:
+    pad = ((0, 0), (0, -extra[0].shape[1] % 16))
+    ex, ew = (jnp.pad(a.astype(x2.dtype), pad) for a in extra)
+    extra = (_kernel_input(ex, cfg), ew)
+  kw = _kernel_args(impl, lookup, x2.shape[0], cfg, 0 if extra is None else extra[0].shape[1])
   if kw["lookup"] in WORD_ORDER and word is not None:  # in word order: the int4 view
     w4 = kernel.kernel_codes(word, swap_nibbles=False)
   else:
     w4 = _codes_for(kw["lookup"], reference.word_bytes(word) if codes is None else codes)
-  return kernel.forward(_kernel_input(x2, cfg), w4, scales, config=cfg, **kw)[: x2.shape[0]]
+  y = kernel.forward(_kernel_input(x2, cfg), w4, scales, config=cfg, extra=extra, **kw)
+  return y[: x2.shape[0]]
 
 
 def _fwd_impl(impl, lookup, x2, weights, scales=None, word=None, extra=None):
@@ -359,8 +366,11 @@ def _fwd_impl(impl, lookup, x2, weights, scales=None, word=None, extra=None):
     return reference.dequantize_then_dot(x2, codes, *weights[1:])
   if scales is None:  # else prepared once for many calls (decoding)
     scales = kernel_scales(*weights[1:])
-  y = _forward_kernel(impl, lookup, x2, cfg, scales, codes=codes, word=word)
-  if extra is not None:  # the kernel takes no extra columns: their product is added
+  # Whole products take the extra pair into the kernel (one more wgmma per tile); split ones
+  # and the one-token columns get its product added.
+  fold = extra is not None and cfg.split_k == 1 and not cfg.blocks_as_columns
+  y = _forward_kernel(impl, lookup, x2, cfg, scales, codes, word, extra if fold else None)
+  if extra is not None and not fold:
     y = y + jnp.einsum("te,ne->tn", extra[0], extra[1].astype(extra[0].dtype)).astype(y.dtype)
   return y
 
