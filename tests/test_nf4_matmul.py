@@ -239,17 +239,18 @@ def test_extra_columns_fold_into_the_product_with_their_gradients():
   assert re.search(rf"dot_general.*tensor<10x{k + r}xf32>", text), "not one dot over K + r"
 
 
-@pytest.mark.parametrize("k", [128, 512], ids=["in-the-kernel", "split-k-added"])
-def test_extra_columns_beside_the_kernel_are_added_with_their_gradients(k):
+@pytest.mark.parametrize("tokens", [3, 1], ids=["in-the-kernel", "added-to-one-token"])
+def test_extra_columns_beside_the_kernel_are_added_with_their_gradients(tokens):
   """Where the kernel runs (here its interpreter, bfloat16), the extra pair's product is the
-  kernel's own (one more wgmma into each tile, its 4 columns padded to 16) or, where the kernel
-  splits K, added to its product; either way differentiated as on XLA's path."""
+  kernel's own (one more wgmma into each tile, its 4 columns padded to 16) or, for one token
+  (its k blocks as the accumulator's columns; so too where K is split), added to its product;
+  either way differentiated as on XLA's path."""
   rng = np.random.default_rng(9)
-  n, r = 128, 4
-  assert (ops._forward_config(3, n, k, interpret=True).split_k > 1) == (k == 512)
+  k, n, r = 128, 128, 4
+  assert ops._forward_config(tokens, n, k, interpret=True).blocks_as_columns == (tokens == 1)
   q = _weights(rng, n, k)
-  x = jnp.asarray(rng.standard_normal((3, k)), jnp.bfloat16)
-  e = jnp.asarray(rng.standard_normal((3, r)), jnp.bfloat16)
+  x = jnp.asarray(rng.standard_normal((tokens, k)), jnp.bfloat16)
+  e = jnp.asarray(rng.standard_normal((tokens, r)), jnp.bfloat16)
   v = jnp.asarray(rng.standard_normal((n, r)), jnp.float32)
   probe = jnp.asarray(rng.standard_normal((n,)), jnp.float32)
 
