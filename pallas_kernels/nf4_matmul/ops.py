@@ -7,14 +7,15 @@ rows (decoding, short prompts) and weights of at least ``KERNEL_MIN_WEIGHTS`` va
 single Hopper GPU; there it measured 1.6-2.4x faster than XLA, which materialises the bf16
 weight on every call. Elsewhere XLA's dequantize-then-dot:
 at training sizes XLA dequantizes once per call into a bf16 weight and runs cuBLAS, which
-measured 1.11-1.14x a bf16 matmul on the 8B shapes at 4096 tokens; the kernels measured
-0.97-1.19x (forward) and 1.03-1.26x (input gradient, the forward kernel on W^T) with their
-codes permuted and transposed per call, 0.90-1.13x both with those made once for the run
-(``training_operands``): faster at 4096 x 4096, within 1% of XLA on the MLP's shapes
-(experiments/sweep_nf4_train.py). Yet the 8B step did not gain (H100): all layers on the
-kernels with those copies 1.000x XLA's tokens/s, the attention projections alone 1.0035x
-with copies and 0.99x without. Under a multi-device mesh the kernel would need a shard_map
-wrapper that is not written yet. ``impl`` forces one:
+measured 1.11-1.13x a bf16 matmul on the 8B shapes at 4096 tokens; the kernels (plut lookup,
+operands made once for the run: ``training_operands``) measured 0.84-1.08x forward and
+0.87-1.10x for the input gradient (session 29, experiments/sweep_nf4_train.py, H100), 0.89-1.22x
+with their codes permuted and transposed per call. In the 8B batch-2 step (H100, one run each):
+1.000x XLA's tokens/s with the LoRA's product added after the kernel's, 1.017x with the LoRA
+pair inside the kernel (``extra``), 6.2 GiB less at the peak. Dispatch keeps training-size
+calls on XLA until more shapes and the kernels' compile time at start are measured
+(``--nf4-matmul kernel`` forces them, operands made for the run). Under a multi-device mesh
+the kernel would need a shard_map wrapper that is not written yet. ``impl`` forces one:
 "kernel", "xla", or "interpret" (the kernels under Mosaic GPU's CPU interpreter, with the
 lookup and data path the interpreter supports; what the tests run). kernel.py imports Mosaic
 GPU, so it is loaded the first time "kernel" or "interpret" runs.
