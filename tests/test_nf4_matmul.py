@@ -23,6 +23,7 @@ from pallas_kernels import _gpu
 from pallas_kernels.nf4_matmul import (
   kernel,
   kernel_scales,
+  lookups,
   nf4_matmul,
   nf4_matmul_reference,
   ops,
@@ -313,14 +314,14 @@ def _prmt(a: int, b: int, selector: int) -> int:
 
 def test_prmt_lookup_program_on_every_byte():
   """The GPU lookup's seven permutes give bnb's element order and NF4 levels in bfloat16."""
-  lo, hi = kernel._table_words()
+  lo, hi = lookups._table_words()
   want = np.asarray(NF4_CODE, np.float32).astype(jnp.bfloat16).view(np.uint16)
   for byte in range(256):
-    sel = byte & kernel.SEL_MASK
-    blend = ((byte & kernel.BLEND_MASK) >> 1) | kernel.BLEND_BASE
+    sel = byte & lookups.SEL_MASK
+    blend = ((byte & lookups.BLEND_MASK) >> 1) | lookups.BLEND_BASE
     lows = _prmt(_prmt(lo[0], lo[1], sel), _prmt(lo[2], lo[3], sel), blend)
     highs = _prmt(_prmt(hi[0], hi[1], sel), _prmt(hi[2], hi[3], sel), blend)
-    pair = _prmt(lows, highs, kernel.INTERLEAVE)
+    pair = _prmt(lows, highs, lookups.INTERLEAVE)
     # bitsandbytes: the even element sits in the high nibble and comes first.
     assert pair & 0xFFFF == want[byte >> 4] and pair >> 16 == want[byte & 15], byte
 
@@ -570,7 +571,7 @@ def test_word_lookup_program_on_every_half_word():
   halves = np.arange(2**16, dtype=np.uint64)
   words = (halves << 16) | np.random.default_rng(9).permutation(halves)
   words = np.concatenate([words, np.asarray([0, 0xFFFFFFFF, 0x88888888, 0x77777777], np.uint64)])
-  outs = _run_ptx(kernel.word_asm(), {"$4": words}, outputs=4)
+  outs = _run_ptx(lookups.word_asm(), {"$4": words}, outputs=4)
   for b, pair in enumerate(outs):
     even, odd = (words >> (8 * b + 4)) & 15, (words >> (8 * b)) & 15
     np.testing.assert_array_equal(pair & 0xFFFF, _BF16_NF4[even], err_msg=f"byte {b}")
@@ -676,10 +677,10 @@ def _run_lut(words: np.ndarray, lanes: np.ndarray, lookup: str = "lut"):
   bank."""
   loads = []
   outs = _run_ptx(
-    kernel.lut_asm() if lookup == "lut" else kernel.plut_asm(),
+    lookups.lut_asm() if lookup == "lut" else lookups.plut_asm(),
     {"$4": words, "$5": lanes.astype(np.uint64) * 4, "$6": np.uint64(_LUT_BASE)},
     outputs=4,
-    shared=(_LUT_BASE, kernel.lookup_table(lookup)),
+    shared=(_LUT_BASE, lookups.lookup_table(lookup)),
     loads=loads,
   )
   own_bank = all(np.array_equal(index % 32, lanes) for index in loads) and len(loads) == 4
@@ -690,7 +691,7 @@ def _dequant_word_tiles(w4: np.ndarray, program: str = "word") -> np.ndarray:
   """bf16 bits [N, K] the "word" path makes of w4 int4 [N, K], emulated tile by tile: each
   thread's WGMMA_UPCAST_4X registers read from the stored tile (vector element v in bits 4v),
   the word program (or with ``program`` "lut", the lut program, each thread as its lane), its
-  pairs placed by ``kernel.word_register`` at their WGMMA_LAYOUT positions."""
+  pairs placed by ``lookups.word_register`` at their WGMMA_LAYOUT positions."""
   nib = np.asarray(jnp.asarray(w4).astype(jnp.int8)).astype(np.int64) & 15
   src, dst = _layout_elements(_UPCAST_4X, (64, 64)), _layout_elements(_WGMMA, (64, 64))
   out = np.full(nib.shape, -1, np.int64)
@@ -699,19 +700,19 @@ def _dequant_word_tiles(w4: np.ndarray, program: str = "word") -> np.ndarray:
     words = np.zeros(src.shape[:-2], np.uint64)
     for v in range(src.shape[-2]):
       words |= tile[src[..., v, 0], src[..., v, 1]].astype(np.uint64) << np.uint64(4 * v)
-    if program in kernel.TABLE_LOOKUPS:
+    if program in lookups.TABLE_LOOKUPS:
       lanes = np.broadcast_to(
         (np.arange(128) % 32).reshape(-1, *[1] * (words.ndim - 1)), words.shape
       )
       pairs, own_bank = _run_lut(words, lanes, program)
       assert own_bank
     else:
-      pairs = _run_ptx(kernel.word_asm(), {"$4": words}, outputs=4)
+      pairs = _run_ptx(lookups.word_asm(), {"$4": words}, outputs=4)
     got = np.full((64, 64), -1, np.int64)
     for thread in range(128):
       for idx in np.ndindex(*words.shape[1:]):
         for p, pair in enumerate(pairs):
-          for e, (r, c) in enumerate(dst[(thread, *kernel.word_register(idx, p))]):
+          for e, (r, c) in enumerate(dst[(thread, *lookups.word_register(idx, p))]):
             assert got[r, c] == -1, (thread, idx, p)
             got[r, c] = (int(pair[(thread, *idx)]) >> (16 * e)) & 0xFFFF
     out[n0 : n0 + 64, k0 : k0 + 64] = got
@@ -733,7 +734,7 @@ def test_word_path_dequantizes_a_tile():
   np.testing.assert_array_equal(got, _BF16_NF4[_logical_codes(codes)])
 
 
-@pytest.mark.parametrize("lookup", kernel.TABLE_LOOKUPS)
+@pytest.mark.parametrize("lookup", lookups.TABLE_LOOKUPS)
 def test_lut_program_on_every_half_word_reads_its_lanes_bank(lookup):
   """The lut and plut programs (their PTX text, run over the kernel's table in emulated shared
   memory) give for each byte of a word the bf16 pair [level of the high nibble, level of the
@@ -751,7 +752,7 @@ def test_lut_program_on_every_half_word_reads_its_lanes_bank(lookup):
     np.testing.assert_array_equal(pair >> 16, _BF16_NF4[odd], err_msg=f"byte {b}")
 
 
-@pytest.mark.parametrize("lookup", kernel.TABLE_LOOKUPS)
+@pytest.mark.parametrize("lookup", lookups.TABLE_LOOKUPS)
 def test_lut_path_dequantizes_a_tile(lookup):
   """A [64, 64] tile through the lut or plut path (the word order in memory, loaded, each
   byte's pair read from the table, placed in wgmma's registers) is the logical tile's NF4

@@ -1,5 +1,5 @@
-"""Fused NF4 dequant-matmul: Mosaic GPU kernels (kernel.py), differentiable op with dispatch
-(ops.py), pure-jnp twins (reference.py)."""
+"""Fused NF4 dequant-matmul: Mosaic GPU kernels (kernel.py) and their table lookups
+(lookups.py), differentiable op with dispatch (ops.py), pure-jnp twins (reference.py)."""
 
 from pallas_kernels.nf4_matmul.ops import (
   IMPLS,
