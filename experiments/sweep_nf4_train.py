@@ -6,9 +6,11 @@ weight (what training runs today), and the Mosaic GPU kernels over a grid of con
 lookups (--lookups; "word" reads codes permuted once, ``kernel.word_codes``), tokens per tile
 (--bms), pipeline stages (--stages), 64-wide k blocks per step (--subs), wgmmas left in
 flight across steps (--delays), and the output stored as y or as y^T for XLA to transpose
-(--out-rows), and the order the grid walks its tiles (--groups). The kernel rows include that
-transpose, so every row is one op's time. --bwd-rs also times the input gradient as the
-forward kernel on W^T's codes over the same grid; --ops the op as training calls it.
+(--out-rows; in chunks of tokens: --out-chunks), and the order the grid walks its tiles
+(--groups). The kernel rows include that transpose, so every row is one op's time. --bwd-rs
+also times the input gradient as the forward kernel on W^T's codes over the same grid; --ops
+the op as training calls it; --extra the forward op with a LoRA pair, in the kernel or added
+after, against XLA's one folded dot.
 Device time (CUPTI), each call over weight copies that outgrow L2, median of --reps. Checks
 each configuration against the float32 reference. One line per configuration, a table last.
 
@@ -121,7 +123,8 @@ def main():
       for cfg in _forward_grid(args, m, lookup):
         f = jax.jit(functools.partial(kernel.forward, config=cfg, lookup=lookup))
         _run(rows, "fwd", m, k, n, lookup, cfg, base, f, x, ops_, ref, args.reps)
-      tiles = args.bwd.split(",") if args.bwd else []
+      # The backward kernel reads no table.
+      tiles = args.bwd.split(",") if args.bwd and lookup not in kernel.TABLE_LOOKUPS else []
       for tile, stages in itertools.product(tiles, _ints(args.bwd_stages)):
         bm, bn, bko = (int(v) for v in tile.split("x"))
         cfg = kernel.Config(
@@ -174,7 +177,7 @@ def _extra_rows(rows, args, rng, m, k, n, qs, x, ref, base):
 
 def _word_order(lookups):
   """The lookups that read codes in word order (``kernel.word_codes``): the transposed rows'."""
-  return [lu for lu in lookups if lu == "word" or lu in kernel.TABLE_LOOKUPS]
+  return [lu for lu in lookups if lu in ops.WORD_ORDER]
 
 
 def _forward_grid(args, m, lookup):

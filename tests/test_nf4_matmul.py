@@ -189,6 +189,22 @@ def test_input_gradient_from_operands_made_for_the_run(monkeypatch):
   assert dx.shape == (32, k) and _rel(dx, ref) < 1e-2
 
 
+def test_backward_kernel_gets_no_table_lookup(monkeypatch):
+  """At training sizes where K does not tile the transposed forward (960 = 7.5 x 128), the
+  input gradient runs the backward kernel, which reads no table: "word", not the forward's
+  training lookup (whose fallback there would be lut, which that kernel refuses)."""
+  seen = {}
+
+  def backward(dy, w4, scales, *, config, lookup, interpret):
+    seen.update(lookup=lookup, config=config)
+    return jnp.zeros((dy.shape[0], w4.shape[1]), dy.dtype)
+
+  monkeypatch.setattr(kernel, "backward", backward)
+  q = _weights(np.random.default_rng(16), 128, 960)
+  ops._bwd_impl("kernel", jnp.zeros((2048, 128), jnp.bfloat16), q)
+  assert not seen["config"].transposed and seen["lookup"] == "word"
+
+
 def test_transposed_codes_are_the_transposed_weights_codes():
   codes = np.random.default_rng(12).integers(0, 256, (2, 64, 48), dtype=np.uint8)
   got = np.asarray(reference.transposed_codes(jnp.asarray(codes)))
@@ -241,7 +257,7 @@ def test_extra_columns_fold_into_the_product_with_their_gradients():
 
 
 @pytest.mark.parametrize("tokens", [3, 1], ids=["in-the-kernel", "added-to-one-token"])
-def test_extra_columns_beside_the_kernel_are_added_with_their_gradients(tokens):
+def test_extra_columns_beside_the_kernel_are_added_with_their_gradients(tokens, monkeypatch):
   """Where the kernel runs (here its interpreter, bfloat16), the extra pair's product is the
   kernel's own (one more wgmma into each tile, its 4 columns padded to 16) or, for one token
   (its k blocks as the accumulator's columns; so too where K is split), added to its product;
@@ -259,7 +275,12 @@ def test_extra_columns_beside_the_kernel_are_added_with_their_gradients(tokens):
     y = nf4_matmul(x, *q, impl=impl, extra=(e, v))
     return jnp.sum(y.astype(jnp.float32) * probe)
 
+  calls = []
+  forward = kernel.forward
+  spy = lambda *a, extra=None, **kw: calls.append(extra) or forward(*a, extra=extra, **kw)  # noqa: E731
+  monkeypatch.setattr(kernel, "forward", spy)
   y = nf4_matmul(x, *q, impl="interpret", extra=(e, v))
+  assert [c is not None for c in calls] == [tokens > 1]  # the pair went into the kernel, or not
   assert _rel(y, np.asarray(nf4_matmul(x, *q, impl="xla", extra=(e, v)), np.float32)) < 1e-2
   got = jax.grad(loss, (0, 1, 2))(x, e, v, "interpret")
   want = jax.grad(loss, (0, 1, 2))(x, e, v, "xla")
@@ -690,7 +711,8 @@ def _run_lut(words: np.ndarray, lanes: np.ndarray, lookup: str = "lut"):
 def _dequant_word_tiles(w4: np.ndarray, program: str = "word") -> np.ndarray:
   """bf16 bits [N, K] the "word" path makes of w4 int4 [N, K], emulated tile by tile: each
   thread's WGMMA_UPCAST_4X registers read from the stored tile (vector element v in bits 4v),
-  the word program (or with ``program`` "lut", the lut program, each thread as its lane), its
+  the word program (or with ``program`` "lut" or "plut", that table program, each thread as its
+  lane), its
   pairs placed by ``lookups.word_register`` at their WGMMA_LAYOUT positions."""
   nib = np.asarray(jnp.asarray(w4).astype(jnp.int8)).astype(np.int64) & 15
   src, dst = _layout_elements(_UPCAST_4X, (64, 64)), _layout_elements(_WGMMA, (64, 64))
@@ -768,32 +790,39 @@ def test_lut_kernel_lowers_with_its_table_and_refuses_what_does_not_fit():
   configuration whose shared memory cannot also hold the table is refused with its reason."""
   cases = [("lut", 1, 4096, 28672), ("lut", 16, 14336, 4096), ("plut", 16, 4096, 6144)]
   cases += [("plut", 1, 4096, 6144)]  # one token: blocks as columns, scaled after the product
-  # Training: y stored in chunks; the input gradient (W^T's codes, W's scales along columns).
-  cases += [("plut", 4096, 4096, 14336), ("plut", -4096, 14336, 4096)]
+  # Training: y stored in chunks; the input gradient (W^T's codes, W's scales along columns);
+  # gate/up's LoRA pair (E = 32 at rank 16) in the kernel, its tiles where y is staged: lut.
+  cases += [("plut", 4096, 4096, 14336), ("plut", -4096, 14336, 4096), ("lut", 4096, 4096, 14336)]
   for lookup, m, k, n in cases:
+    e = 32 if lookup == "lut" and m == 4096 else 0
     if m < 0:  # dx [m, n] = dy [m, k] @ W, W [k, n]: the forward kernel on W^T's codes
       cfg = ops._backward_config(-m, k, n)
       scales = jax.ShapeDtypeStruct((n // 64, k), jnp.bfloat16)
     else:
       cfg = ops._forward_config(m, n, k, False)
       scales = jax.ShapeDtypeStruct((k // 64, n), jnp.bfloat16)
-    assert kernel.forward_smem_bytes(cfg, lookup=lookup) <= kernel.SMEM_BYTES
+    assert kernel.forward_smem_bytes(cfg, lookup=lookup, extra_cols=e) <= kernel.SMEM_BYTES
+    if e:  # dispatch's lookup with the pair: plut does not fit beside it
+      assert ops._kernel_args("kernel", None, m, cfg, e)["lookup"] == "lut"
     rows = 1 if cfg.blocks_as_columns else cfg.block_m * cfg.group_m
     args = (
       jax.ShapeDtypeStruct((rows, k), jnp.bfloat16),
       jax.ShapeDtypeStruct((n, k), jnp.int4),
       scales,
     )
-    f = jax.jit(
-      lambda x, w, s, cfg=cfg, lookup=lookup: kernel.forward(x, w, s, config=cfg, lookup=lookup)
-    )
-    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    pair = [jax.ShapeDtypeStruct((r, e), jnp.bfloat16) for r in (rows, n)] if e else []
+
+    def f(x, w, s, *pair, cfg=cfg, lookup=lookup):
+      return kernel.forward(x, w, s, config=cfg, lookup=lookup, extra=tuple(pair) or None)
+
+    text = jax.jit(f).trace(*args, *pair).lower(lowering_platforms=("cuda",)).as_text()
     assert "ld.shared.b32" in text, (m, k, n)  # the table program
     assert ("prmt.b32" in text) == (lookup == "plut"), (m, k, n)
     call = next(line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line)
     table = "tensor<256x32xui32>" if lookup == "lut" else "tensor<256x64xui32>"
-    # x (with blocks_as_columns: spread first), w4, scales; the table.
-    assert call.count("%arg") == (2 if cfg.blocks_as_columns else 3) and table in text
+    # x (with blocks_as_columns: spread first), w4, scales, the pair; the table.
+    want = (2 if cfg.blocks_as_columns else 3) + 2 * bool(e)
+    assert call.count("%arg") == want and table in text
   # Fits in shared memory without the table (216,064 bytes), not with it.
   wide = kernel.Config(block_m=64, compute_wgs=2, k_sub=4)
   assert kernel.forward_smem_bytes(wide) <= kernel.SMEM_BYTES
@@ -804,6 +833,11 @@ def test_lut_kernel_lowers_with_its_table_and_refuses_what_does_not_fit():
   scales = jnp.zeros((16, 128), jnp.bfloat16)
   with pytest.raises(ValueError, match="table does not fit"):
     kernel.forward(x, w4, scales, config=wide, lookup="lut")
+  # A pair too wide for the staging's memory is refused (dispatch adds its product instead).
+  pair = (jnp.zeros((64, 128), jnp.bfloat16), jnp.zeros((128, 128), jnp.bfloat16))
+  with pytest.raises(ValueError, match="extra operands .128 columns. do not fit"):
+    kernel.forward(x, w4, scales, config=wide, lookup="word", extra=pair)
+  assert not ops._folds(wide, 128) and ops._folds(wide, 16)
   narrow = kernel.Config(block_m=16, compute_wgs=2, k_sub=2, a_from_smem=True)
   with pytest.raises(ValueError, match="runs on the GPU only"):
     kernel.forward(

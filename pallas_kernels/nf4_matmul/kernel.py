@@ -62,14 +62,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxtune import nf4
 from pallas_kernels import _gpu
-from pallas_kernels.nf4_matmul.lookups import (
-  TABLE_LOOKUPS,
-  _lookup_lut,
-  _lookup_prmt,
-  _lookup_select,
-  _lookup_word,
-  lookup_table,
-)
+from pallas_kernels.nf4_matmul.lookups import TABLE_LOOKUPS, levels, lookup_table
 from pallas_kernels.nf4_matmul.reference import word_bytes
 
 BLOCK_K = nf4.BLOCKSIZE  # one scale per 64 inputs: the natural k step
@@ -126,7 +119,8 @@ def forward_smem_bytes(
 ) -> int:
   """Shared memory the forward kernel asks for with ``config``, at most (a pipeline of fewer steps
   than ``max_concurrent_steps`` has fewer stages): the pipeline's stages of x, codes and scales,
-  the output tile (float32 with split K or ``blocks_as_columns``), the dequantized-tile staging,
+  the output staging (a tile, or two chunks of ``out_chunk`` tokens; float32 with split K or
+  ``blocks_as_columns``), the dequantized-tile staging,
   the table of ``lookup`` "lut" (32 KiB) or "plut" (64 KiB) and 1 KiB for Mosaic GPU's
   barriers (64 bytes measured). 64 tokens, 4 k blocks a step and split K measured 241,728
   bytes with an unused 8 KiB staging tile (no longer allocated), this counts 234,496 without
@@ -138,11 +132,15 @@ def forward_smem_bytes(
   out = wgs * WG_ROWS * math.prod(_out_buffers(config))
   out *= 4 if config.split_k > 1 or config.blocks_as_columns else x_itemsize
   if extra_cols:  # x's extra columns and the weight's, each aligned as Mosaic GPU places them
-    align = lambda b: -(-b // 1024) * 1024  # noqa: E731
-    out = max(out, align(bm * extra_cols * x_itemsize) + align(cta_n * extra_cols * x_itemsize))
+    ex, ew = (_smem_aligned(rows * extra_cols * x_itemsize) for rows in (bm, cta_n))
+    out = max(out, ex + ew)
   staged = (wgs * sub if config.a_from_smem else 0) * WG_ROWS * BLOCK_K * x_itemsize
   table = lookup_table(lookup).nbytes if lookup in TABLE_LOOKUPS else 0
   return config.max_concurrent_steps * stage + out + staged + table + 1024
+
+
+def _smem_aligned(nbytes: int) -> int:
+  return -(-nbytes // 1024) * 1024  # Mosaic GPU's alignment of shared-memory allocations
 
 
 def _out_buffers(config: Config) -> tuple[int, int]:
@@ -240,14 +238,7 @@ def _dequant_tile(w_smem, s_smem, lookup: str, along: int = 0, table=None):
   """[64, 64] codes in SMEM and their [64] scales in SMEM, one per row (``along`` 0) or per
   column (1) -> bf16 tile in the WGMMA layout (``s_smem`` None: the levels unscaled).
   ``table``: the "lut" or "plut" lookup's (SMEM)."""
-  w = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
-  if lookup == "word":
-    w = _lookup_word(w)
-  elif lookup in TABLE_LOOKUPS:
-    w = _lookup_lut(w, table, lookup)
-  else:
-    w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
-    w = _lookup_prmt(w) if lookup == "prmt" else _lookup_select(w)
+  w = levels(plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X), lookup, table)
   if s_smem is None:
     return w
   s = plgpu.load(s_smem, (), layout=plgpu.Layout.WGMMA.reduce(1 - along))
@@ -314,10 +305,12 @@ def forward(
     or e % 16
     or extra[0].shape != (m, e)
     or extra[1].shape != (n, e)
+    or any(a.dtype != x.dtype for a in extra)
   ):
     raise ValueError(
-      f"nf4 forward kernel: extra takes x_extra [{m}, E] and w_extra [{n}, E], E a multiple of "
-      f"16, for whole untransposed products: {[a.shape for a in extra]}, {config}"
+      f"nf4 forward kernel: extra takes x_extra [{m}, E] and w_extra [{n}, E] in x's dtype, E a "
+      f"multiple of 16, for whole untransposed products: {[(a.shape, a.dtype) for a in extra]}, "
+      f"{config}"
     )
   if config.out_chunk and (not config.out_rows or bm % config.out_chunk or config.out_chunk % 8):
     raise ValueError(
@@ -346,6 +339,11 @@ def forward(
   if lookup in TABLE_LOOKUPS and interpret is not None:
     raise ValueError(f"nf4 forward kernel: the {lookup} lookup (inline PTX) runs on the GPU only")
   smem = forward_smem_bytes(config, x.dtype.itemsize, lookup, e)
+  if extra is not None and smem > SMEM_BYTES:
+    raise ValueError(
+      f"nf4 forward kernel: the extra operands ({e} columns) do not fit in shared memory beside "
+      f"{config} and the {lookup} lookup; add their product after the kernel's instead"
+    )
   if lookup in TABLE_LOOKUPS and smem > SMEM_BYTES:
     raise ValueError(
       f"nf4 forward kernel: the {lookup} lookup's table does not fit in shared memory beside "
@@ -361,7 +359,10 @@ def forward(
 
   lut = lookup in TABLE_LOOKUPS
 
-  def body(x_gmem, w_gmem, s_gmem, *refs, o_smem, a_smem=None, lut_smem=None, lut_bar=None, **ex):
+  def body(
+    x_gmem, w_gmem, s_gmem, *refs, o_smem, a_smem=None, lut_smem=None, lut_bar=None,
+    extra_bars=None, extra_read=None,
+  ):  # fmt: skip
     refs = list(refs)
     lut_gmem = refs.pop(0) if lut else None
     ex_gmem, ew_gmem, o_gmem = refs if extra is not None else (None, None, *refs)
@@ -398,21 +399,20 @@ def forward(
       @functools.partial(pl.run_scoped, acc=plgpu.ACC((WG_ROWS, bm), jnp.float32))
       def _(acc):
         if extra is not None:  # x_extra @ w_extra^T first (waited for with the first k block)
-          bars = ex["extra_bars"]
 
           @pl.when(wg == 0)
           def _():
-            plgpu.copy_gmem_to_smem(ex_gmem.at[pl.ds(m0, bm)], ex_smem, bars.at[0])
-            plgpu.copy_gmem_to_smem(ew_gmem.at[pl.ds(n0, cta_n)], ew_smem, bars.at[1])
+            plgpu.copy_gmem_to_smem(ex_gmem.at[pl.ds(m0, bm)], ex_smem, extra_bars.at[0])
+            plgpu.copy_gmem_to_smem(ew_gmem.at[pl.ds(n0, cta_n)], ew_smem, extra_bars.at[1])
 
-          plgpu.barrier_wait(bars.at[0])
-          plgpu.barrier_wait(bars.at[1])
+          plgpu.barrier_wait(extra_bars.at[0])
+          plgpu.barrier_wait(extra_bars.at[1])
           plgpu.wgmma(acc, ew_smem.at[rows], ex_smem.T)  # [64, E] @ [E, bm]
         run_pipeline(acc)
         plgpu.wgmma_wait(0)  # the last step's wgmmas (left in flight with delay_release)
         if extra is not None:  # every warpgroup is done reading them before the staging
-          plgpu.barrier_arrive(ex["extra_read"])
-          plgpu.barrier_wait(ex["extra_read"])
+          plgpu.barrier_arrive(extra_read)
+          plgpu.barrier_wait(extra_read)
         store(acc[...].astype(o_smem.dtype))  # [64, bm]: a tile of y^T
 
     def store(tile):
@@ -497,7 +497,7 @@ def forward(
     transforms=_transforms(WG_ROWS if config.out_rows else bm, out_dtype),
   )
   ex_types = (
-    [plgpu.SMEM((rows, e), x.dtype, transforms=_transforms(e, x.dtype)) for rows in (bm, cta_n)]
+    [plgpu.SMEM((t, e), x.dtype, transforms=_transforms(e, x.dtype)) for t in (bm, cta_n)]
     if extra is not None
     else []
   )

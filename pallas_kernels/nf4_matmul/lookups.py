@@ -12,6 +12,7 @@ kernel.py's module docstring compares them; ops.py says which dispatch takes whe
 """
 
 import functools
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -287,3 +288,16 @@ def _lookup_lut(w, table, lookup: str = "lut"):
     return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
 
   return lookup(table, w)
+
+
+def levels(codes: Any, lookup: str, table: Any = None) -> Any:
+  """int4 codes as loaded (WGMMA_LAYOUT_UPCAST_4X) -> bfloat16 NF4 levels in WGMMA_LAYOUT, by
+  ``lookup`` ("word", "lut", "plut": codes in word order; "prmt": bitsandbytes' order;
+  "select": nibbles swapped, for the interpreter). ``table``: the lut or plut lookup's, in
+  shared memory (``lookup_table``)."""
+  if lookup == "word":
+    return _lookup_word(codes)
+  if lookup in TABLE_LOOKUPS:
+    return _lookup_lut(codes, table, lookup)
+  codes = plgpu.layout_cast(codes, plgpu.Layout.WGMMA)
+  return _lookup_prmt(codes) if lookup == "prmt" else _lookup_select(codes)

@@ -10,9 +10,10 @@ at training sizes XLA dequantizes once per call into a bf16 weight and runs cuBL
 measured 1.11-1.13x a bf16 matmul on the 8B shapes at 4096 tokens; the kernels (plut lookup,
 operands made once for the run: ``training_operands``) measured 0.84-1.08x forward and
 0.87-1.10x for the input gradient (session 29, experiments/sweep_nf4_train.py, H100), 0.89-1.22x
-with their codes permuted and transposed per call. In the 8B batch-2 step (H100, one run each):
-1.000x XLA's tokens/s with the LoRA's product added after the kernel's, 1.017x with the LoRA
-pair inside the kernel (``extra``), 6.2 GiB less at the peak. Dispatch keeps training-size
+with their codes permuted and transposed per call. In the 8B batch-2 step (H100, session 29):
+1.000x XLA's tokens/s with the LoRA's product added after the kernel's (two runs each), 1.017x
+with gate/up's LoRA pair inside the kernel (``extra``; one kernel run against two of XLA),
+6.2 GiB less at the peak. Dispatch keeps training-size
 calls on XLA until more shapes and the kernels' compile time at start are measured
 (``--nf4-matmul kernel`` forces them, operands made for the run). Under a multi-device mesh
 the kernel would need a shard_map wrapper that is not written yet. ``impl`` forces one:
@@ -64,8 +65,8 @@ WORD_ORDER = ("word", "lut", "plut")  # the lookups that read the codes in word 
 PREPARED_LOOKUP = "plut"
 # Token tiles up to this size take "plut" or "lut" where asked for and the table fits in shared
 # memory beside the pipeline (decoding's tiles of at most 16 tokens, where they were measured),
-# and so do training's 256-token tiles (``TRAIN_TILE``); 64-token tiles (GRPO's rollouts, not
-# measured with a table) keep "word".
+# and so do training's 256-token tiles (``TRAIN_TILE``); tiles of 32, 64 (GRPO's rollouts) and
+# 128 tokens, not measured with a table, keep "word".
 LUT_MAX_TILE = 16
 TRAIN_TILE = 256
 # Training's calls (at least ``WORD_PER_CALL_MIN_TOKENS`` tokens, 256-token tiles) take "plut",
@@ -73,10 +74,13 @@ TRAIN_TILE = 256
 # beside 4 pipeline stages (kernel.Config.out_chunk). experiments/sweep_nf4_train.py, H100, 8B
 # shapes at 4096 tokens, codes made once, one run (session 29, call 2), over cuBLAS bf16:
 # forward 0.851 / 1.084 / 1.056 (4096 x 4096, gate-or-up 4096 x 14336, down 14336 x 4096)
-# against "word"'s 0.891 / 1.132 / 1.126 (whole-tile store, 4 stages); input gradient (the
-# forward kernel on W^T's codes) 0.884 / 1.098 / 1.107 against 0.908 / 1.126 / 1.135; XLA's
-# dequantize-then-dot 1.117-1.127 in the same run. "lut" (4 stages, 64-token chunks) measured
-# within 0-2% of "plut"; 5 stages of "word" 3-4% slower than 4; 3 or fewer stages slower.
+# against "word"'s 0.891 / 1.132 / 1.126 (whole-tile store, 4 stages; call 2's, call 1 gave
+# 0.899 / 1.127 / 1.127); input gradient (the forward kernel on W^T's codes) 0.884 / 1.098 /
+# 1.107 against 0.908 / 1.126 / 1.135; XLA's dequantize-then-dot 1.117-1.127 in the same run.
+# With a LoRA pair folded in (``nf4_matmul(extra=)``, E columns) plut fits up to E = 16; gate
+# and up fold both their ranks (E = 32 at rank 16) and take "lut". "lut" (4 stages, 64-token
+# chunks) measured within 0-2% of "plut"; 5 stages of "word" 3-4% slower than 4; 3 or fewer
+# stages slower.
 TRAIN_LOOKUP = "plut"
 TRAIN_OUT_CHUNK = 32
 # One token (batch-1 decoding) spreads its k blocks over the accumulator's 8 columns
@@ -93,10 +97,11 @@ KERNEL_MAX_TOKENS = 64
 # (4096 x 1024 at one token: 4.5 us against the kernel's 8.7 us on an H100).
 KERNEL_MIN_WEIGHTS = 2**23
 _TARGET_CELLS = 132  # one per streaming multiprocessor of an H100 / H200
-# Calls of at least this many tokens (training) read the codes through the "word" lookup, the
-# codes permuted on every call. Measured at 4096 tokens (experiments/sweep_nf4_train.py, H100,
-# 8B shapes, 4096 x 4096): forward 0.97x cuBLAS bf16 with the permutation (3-5% of the op)
-# against "prmt"'s 1.13x; input gradient 1.15x against 1.47x. The permutation costs the same
+# Calls of at least this many tokens (training) read the codes in word order (``TRAIN_LOOKUP``;
+# the backward kernel "word"), permuted on every call unless made for the run. Measured with
+# "word" at 4096 tokens (experiments/sweep_nf4_train.py, H100, 8B shapes, 4096 x 4096, session
+# 16): forward 0.97x cuBLAS bf16 with the permutation (3-5% of the op) against "prmt"'s 1.13x;
+# input gradient 1.15x against 1.47x. The permutation costs the same
 # at any token count and the lookup's saving shrinks with it: even at ~1,200 tokens by those
 # figures; not measured below 4096.
 WORD_PER_CALL_MIN_TOKENS = 2048
@@ -367,13 +372,23 @@ def _fwd_impl(impl, lookup, x2, weights, scales=None, word=None, extra=None):
     return reference.dequantize_then_dot(x2, codes, *weights[1:])
   if scales is None:  # else prepared once for many calls (decoding)
     scales = kernel_scales(*weights[1:])
-  # Whole products take the extra pair into the kernel (one more wgmma per tile); split ones
-  # and the one-token columns get its product added.
-  fold = extra is not None and cfg.split_k == 1 and not cfg.blocks_as_columns
+  fold = extra is not None and _folds(cfg, extra[0].shape[-1])
   y = _forward_kernel(impl, lookup, x2, cfg, scales, codes, word, extra if fold else None)
   if extra is not None and not fold:
     y = y + jnp.einsum("te,ne->tn", extra[0], extra[1].astype(extra[0].dtype)).astype(y.dtype)
   return y
+
+
+def _folds(cfg, extra_cols: int) -> bool:
+  """Whether the forward kernel takes an extra pair ``extra_cols`` wide (padded to 16) into
+  its product with ``cfg``: whole products (not split over K, not one token's columns) whose
+  shared memory holds its operand tiles beside the pipeline (without a table lookup's table,
+  which then falls back: ``_table_lookup``); elsewhere its product is added after."""
+  if cfg.split_k > 1 or cfg.blocks_as_columns:
+    return False
+  kernel = _kernel()
+  smem = kernel.forward_smem_bytes(cfg, extra_cols=-(-extra_cols // 16) * 16)
+  return smem <= kernel.SMEM_BYTES
 
 
 def _bwd_impl(impl, dy2, weights, scales=None, word_t=None, dequantize_again=False):
@@ -389,12 +404,14 @@ def _bwd_impl(impl, dy2, weights, scales=None, word_t=None, dequantize_again=Fal
       weights, dy2 = jax.lax.optimization_barrier((weights, dy2))
     return reference.dequantize_then_dot_t(dy2, *weights)
   kernel = _kernel()
-  kw = _kernel_args(impl, None, m, cfg)
+  # The backward kernel (dy and W's tile both from shared memory) reads no table: word or prmt.
+  lookup = None if cfg.transposed else "word" if m >= WORD_PER_CALL_MIN_TOKENS else "prmt"
+  kw = _kernel_args(impl, lookup, m, cfg)
   if scales is None:
     scales = kernel_scales(*weights[1:])
   dy2 = _pad_rows(dy2, cfg.block_m)
   if cfg.transposed:
-    if word_t is None:  # transposed (and permuted for the word lookup) on every call
+    if word_t is None:  # transposed (and put in word order for its lookup) on every call
       w4 = _codes_for(kw["lookup"], reference.transposed_codes(weights[0]))
     elif kw["lookup"] in WORD_ORDER:  # made once for the run
       w4 = kernel.kernel_codes(word_t, swap_nibbles=False)
@@ -460,8 +477,10 @@ def nf4_matmul(
 
   ``extra`` = (extra_x [..., E], extra_w [N, E]): adds extra_x @ extra_w^T, differentiable in
   both (a LoRA's scaled x A and B^T, jaxtune.layers). XLA's path appends them to x and W along
-  K, one dot for both products (``reference.dequantize_then_dot_folded``); the kernel adds
-  their product to its own.
+  K, one dot for both products (``reference.dequantize_then_dot_folded``); the forward kernel
+  takes them in by one more wgmma into each tile where its product is whole and their tiles
+  fit in its shared memory (``_folds``), else (K split, one token) their product is added to
+  its own. The input gradient's kernel leaves them out: their gradients come from dy alone.
 
   ``scales``: the kernel's bf16 scales [K/64, N] (``kernel_scales``), made once where one
   weight serves many calls (decoding); the forward kernel then reads them instead of
