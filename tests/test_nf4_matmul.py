@@ -277,7 +277,11 @@ def test_extra_columns_beside_the_kernel_are_added_with_their_gradients(tokens, 
 
   calls = []
   forward = kernel.forward
-  spy = lambda *a, extra=None, **kw: calls.append(extra) or forward(*a, extra=extra, **kw)  # noqa: E731
+
+  def spy(*args, extra=None, **kw):
+    calls.append(extra)
+    return forward(*args, extra=extra, **kw)
+
   monkeypatch.setattr(kernel, "forward", spy)
   y = nf4_matmul(x, *q, impl="interpret", extra=(e, v))
   assert [c is not None for c in calls] == [tokens > 1]  # the pair went into the kernel, or not

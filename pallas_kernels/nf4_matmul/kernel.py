@@ -417,12 +417,12 @@ def forward(
 
     def store(tile):
       if config.out_rows:  # in chunks of tokens through two buffers (one for the whole tile)
-        chunk = config.out_chunk or bm
+        buffers, chunk = _out_buffers(config)
         cols = pl.ds(n0 + wg * WG_ROWS, WG_ROWS)
         for c in range(bm // chunk):
-          buf = o_smem.at[wg, c % 2]
-          if c >= 2:  # the copy of chunk c - 2 has read this buffer (and the warpgroup waits)
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+          buf = o_smem.at[wg, c % buffers]
+          if c >= buffers:  # the copy of chunk c - 2 has read this buffer (the warpgroup waits)
+            plgpu.wait_smem_to_gmem(buffers - 1, wait_read_only=True)
           buf.T[...] = tile[:, c * chunk : (c + 1) * chunk]
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(buf, o_part.at[pl.ds(m0 + c * chunk, chunk), cols])

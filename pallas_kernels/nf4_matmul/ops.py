@@ -79,7 +79,7 @@ TRAIN_TILE = 256
 # 1.107 against 0.908 / 1.126 / 1.135; XLA's dequantize-then-dot 1.117-1.127 in the same run.
 # With a LoRA pair folded in (``nf4_matmul(extra=)``, E columns) plut fits up to E = 16; gate
 # and up fold both their ranks (E = 32 at rank 16) and take "lut". "lut" (4 stages, 64-token
-# chunks) measured within 0-2% of "plut"; 5 stages of "word" 3-4% slower than 4; 3 or fewer
+# chunks) measured within 0-2% of "plut"; 5 stages of "word" 2-4% slower than 4; 3 or fewer
 # stages slower.
 TRAIN_LOOKUP = "plut"
 TRAIN_OUT_CHUNK = 32
@@ -233,7 +233,7 @@ def _group_m(m: int, bm: int) -> int:
   """Tile rows the grid walks as a group (``Config.group_m``) for 256-token tiles: 8 where
   they divide, else 4 where they divide, else row by row. sweep_nf4_train.py, H100, 8B shapes
   at 4096 tokens: 4 took 1-2% less time than 1 on every shape, forward and transposed (session
-  17); 8 0.7-1.0% less than 4 on all six rows with plut (session 29, call 4)."""
+  17); 8 0.6-0.8% less than 4 on all six rows with plut (session 29, call 4)."""
   if bm != TRAIN_TILE:
     return 1
   return next((g for g in (8, 4) if -(-m // bm) % g == 0), 1)
@@ -346,7 +346,7 @@ def _forward_kernel(impl, lookup, x2, cfg, scales, codes=None, word=None, extra=
   the kernel, its columns zero-padded to a multiple of 16."""
   kernel = _kernel()
   if extra is not None:
-    pad = ((0, 0), (0, -extra[0].shape[1] % 16))
+    pad = ((0, 0), (0, _extra_width(extra[0].shape[1]) - extra[0].shape[1]))
     ex, ew = (jnp.pad(a.astype(x2.dtype), pad) for a in extra)
     extra = (_kernel_input(ex, cfg), ew)
   kw = _kernel_args(impl, lookup, x2.shape[0], cfg, 0 if extra is None else extra[0].shape[1])
@@ -387,8 +387,13 @@ def _folds(cfg, extra_cols: int) -> bool:
   if cfg.split_k > 1 or cfg.blocks_as_columns:
     return False
   kernel = _kernel()
-  smem = kernel.forward_smem_bytes(cfg, extra_cols=-(-extra_cols // 16) * 16)
+  smem = kernel.forward_smem_bytes(cfg, extra_cols=_extra_width(extra_cols))
   return smem <= kernel.SMEM_BYTES
+
+
+def _extra_width(cols: int) -> int:
+  """An extra pair's columns as the kernel takes them: padded to wgmma's k step of 16."""
+  return -(-cols // 16) * 16
 
 
 def _bwd_impl(impl, dy2, weights, scales=None, word_t=None, dequantize_again=False):
