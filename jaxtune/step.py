@@ -297,9 +297,9 @@ def kernel_operands(model: nnx.Module, runtime: Runtime) -> list[tuple[Linear, t
   bytes and the scales, take at most half the free memory (of ``--memory-limit`` where set).
   Without them the kernels permute and transpose the codes on every call: at 4096 tokens of
   the 8B shapes 4-16% of their time (experiments/sweep_nf4_train.py); with them the 8B step
-  (batch 2) ran 1.017x XLA's tokens/s in 6.2 GiB less at its peak (H100, one run, session 29,
-  the LoRA pair inside the forward kernel). Dispatch ("auto") keeps training-size calls on
-  XLA, so none are made there. All are made before any is
+  (batch 2) ran 1.029x XLA's tokens/s in 6.2 GiB less at its peak (H100, session 30, the
+  LoRA pair inside the forward kernel). ``--nf4-matmul`` unset resolves to "kernel" where
+  that measured faster (``runtime.resolve_nf4_matmul``). All are made before any is
   given, so a failure leaves ``model`` as it was. Returns (layer, its operands before) for
   each layer given them."""
   forced = runtime.nf4_matmul in ("kernel", "interpret")

@@ -13,9 +13,10 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from conftest import background_run, run_cli
+from conftest import background_run, family_config, run_cli
 
 from jaxtune import plan
+from jaxtune.config import ModelConfig
 from jaxtune.errors import UserError
 from jaxtune.run_config import AUTO_LOSS_CHUNK, RunConfig
 from jaxtune.runtime import Runtime, remat_candidates
@@ -125,6 +126,41 @@ def test_the_fused_loss_replaces_the_whole_logits_where_it_applies():
 
 
 A, C = "activations", AUTO_LOSS_CHUNK
+
+
+def test_training_takes_the_nf4_kernels_where_they_measured_faster(monkeypatch):
+  """--nf4-matmul unset: the Pallas kernels train an 8B-wide model at 2 x 2,048 tokens a call
+  on one Hopper GPU in bfloat16 (measured faster than XLA's step there), not a 1B-wide one,
+  more tokens a call, several devices, another GPU or dtype, or a length not known yet; the
+  user's choice stands; resolve() passes the micro-batch's tokens."""
+  from jaxtune import runtime
+  from jaxtune.runtime import resolve, resolve_nf4_matmul
+
+  h100 = SimpleNamespace(platform="gpu", compute_capability="9.0")
+  a100 = SimpleNamespace(platform="gpu", compute_capability="8.0")
+  wide, narrow = SimpleNamespace(hidden_size=4096), SimpleNamespace(hidden_size=2048)
+  fast = dict(tokens=2 * 2048, devices=1, device=h100, dtype="bfloat16")
+  assert resolve_nf4_matmul(None, wide, **fast) == "kernel"
+  assert resolve_nf4_matmul("xla", wide, **fast) == "xla"
+  for cfg, changed in (
+    (narrow, {}),
+    (wide, {"tokens": 8 * 2048}),
+    (wide, {"tokens": None}),
+    (wide, {"devices": 2}),
+    (wide, {"device": a100}),
+    (wide, {"dtype": "float32"}),
+  ):
+    assert resolve_nf4_matmul(None, cfg, **{**fast, **changed}) == "auto", (cfg, changed)
+  # resolve() on one device taken for a Hopper GPU: a call's tokens are the micro-batch's.
+  monkeypatch.setattr(runtime, "_on_hopper", lambda device: True)
+  cfg = ModelConfig.from_hf(
+    family_config("llama", hidden_size=4096, max_position_embeddings=2048).to_dict()
+  )
+  one = jax.devices()[:1]
+  run = RunConfig(dtype="bfloat16", seq_len=2048, batch_size=8)
+  assert resolve(run, cfg, devices=one).nf4_matmul == "auto"
+  assert resolve(run.replace(grad_accum=4), cfg, devices=one).nf4_matmul == "kernel"
+  assert resolve(run.replace(grad_accum=4), cfg, devices=jax.devices()[:2]).nf4_matmul == "auto"
 
 
 def test_the_margin_is_a_fraction_of_the_budget_and_at_most_a_few_gib():

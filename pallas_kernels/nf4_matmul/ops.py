@@ -10,12 +10,13 @@ at training sizes XLA dequantizes once per call into a bf16 weight and runs cuBL
 measured 1.11-1.13x a bf16 matmul on the 8B shapes at 4096 tokens; the kernels (plut lookup,
 operands made once for the run: ``training_operands``) measured 0.84-1.08x forward and
 0.87-1.10x for the input gradient (session 29, experiments/sweep_nf4_train.py, H100), 0.89-1.22x
-with their codes permuted and transposed per call. In the 8B batch-2 step (H100, session 29):
-1.000x XLA's tokens/s with the LoRA's product added after the kernel's (two runs each), 1.017x
-with gate/up's LoRA pair inside the kernel (``extra``; one kernel run against two of XLA),
-6.2 GiB less at the peak. Dispatch keeps training-size
-calls on XLA until more shapes and the kernels' compile time at start are measured
-(``--nf4-matmul kernel`` forces them, operands made for the run). Under a multi-device mesh
+with their codes permuted and transposed per call. In the 8B batch-2 step (H100): 1.000x
+XLA's tokens/s with the LoRA's product added after the kernel's (session 29), 1.029x with
+gate/up's LoRA pair inside the kernel (``extra``; session 30, two runs each), 6.2 GiB less at
+the peak; the 1B at 8 x 2,048 tokens 0.971x (XLA's dequantization shared by 4x the tokens, the
+kernels slower at K = 2,048). Per call, dispatch keeps training-size calls on XLA: a training
+run picks the kernels for the whole run, with their operands made once (jaxtune's
+``runtime.resolve_nf4_matmul``, which forces ``impl`` "kernel"). Under a multi-device mesh
 the kernel would need a shard_map wrapper that is not written yet. ``impl`` forces one:
 "kernel", "xla", or "interpret" (the kernels under Mosaic GPU's CPU interpreter, with the
 lookup and data path the interpreter supports; what the tests run). kernel.py imports Mosaic
