@@ -51,6 +51,7 @@ def _eval_run(directory, runs):
 
 
 @pytest.mark.slow
+@pytest.mark.late  # its run goes last in the background, not waited for early
 def test_eval_metrics_tensorboard_and_plot(eval_run):
   out, proc, png, plot = eval_run
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -95,7 +95,7 @@ def test_sliding_window_model_past_its_window(tmp_path):
   assert both == [generate_ids(model, [p], max_new_tokens=8)[0] for p in (prompt, long_prompt)]
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["gemma2"])  # (llama: 11.6 s, a subset of gemma2's layers)
 def test_decode_layers_unrolled_compute_what_the_scan_computes(
   family, hf_llama_dir, tmp_path, monkeypatch
 ):
@@ -245,7 +245,7 @@ def test_cli_generates_from_a_trained_run(default_run, cli_generation):
   assert bad.returncode == 2 and "pass --model" in bad.stderr
 
 
-@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("n", [3])  # (one prompt: the command line's, cli_generation)
 def test_python_api(n):
   from transformers import AutoTokenizer
 

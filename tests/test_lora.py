@@ -115,8 +115,8 @@ def test_gradients_match_peft(hf_llama_dir, rslora, rank_pattern):
   torch_loss.backward()
 
   graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
-  loss, grads = jax.value_and_grad(
-    lambda lo: _loss(nnx.merge(graphdef, lo, frozen), jnp.asarray(ids))
+  loss, grads = jax.jit(
+    jax.value_and_grad(lambda lo: _loss(nnx.merge(graphdef, lo, frozen), jnp.asarray(ids)))
   )(lora)
   np.testing.assert_allclose(float(loss), torch_loss.item(), rtol=1e-5)
   assert assert_lora_grads_match_peft(model, grads, peft_model) == 14
@@ -162,7 +162,7 @@ def test_folded_mlp_lora_equals_the_separate_products(
       logits = m(ids[:, :-1], dropout_key=jax.random.key(7) if dropout else None)
       return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
 
-    return jax.value_and_grad(loss)(lora)
+    return jax.jit(jax.value_and_grad(loss))(lora)
 
   folds = []
   real = reference.dequantize_then_dot_folded

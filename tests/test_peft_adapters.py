@@ -276,7 +276,7 @@ def test_per_layer_ranks_give_peft_loss_and_gradients(base, tmp_path):
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
     return -jnp.mean(jnp.take_along_axis(logp, jnp.asarray(IDS)[:, 1:, None], -1))
 
-  value, grads = jax.value_and_grad(jax_loss)(lora)
+  value, grads = jax.jit(jax.value_and_grad(jax_loss))(lora)
   assert float(value) == pytest.approx(float(loss), rel=1e-5)
   where = {"q_proj": "self_attn", "v_proj": "self_attn", "down_proj": "mlp"}
   for proj, parent in where.items():

@@ -121,7 +121,9 @@ def _assert_same(got, want, what):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["2x2x2", "1x1x8"])  # (1x2x4 added 8 s and no new axis)
+# 2x2x2: every axis at once. (1x1x8, eight stages of one layer, cost 9.5 s and found nothing
+# 2x2x2 does not; test_train runs a pipeline through the command line.)
+@pytest.mark.parametrize("spec", ["2x2x2"])
 def test_pipeline_meshes_equal_single_device(host_model, single, spec):
   got = loss_and_grads(host_model, spec)
   _assert_same(got, single, spec)
@@ -132,7 +134,7 @@ def test_pipeline_meshes_equal_single_device(host_model, single, spec):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["2x2x2", "4x2"])
+@pytest.mark.parametrize("spec", ["2x2x2"])  # (4x2, no pipe axis: 7 s, nothing new)
 def test_shard_frozen_equals_single_device(host_model, single, spec):
   got = loss_and_grads(host_model, spec, shard_frozen=True)
   _assert_same(got, single, spec)
@@ -143,7 +145,11 @@ def test_shard_frozen_equals_single_device(host_model, single, spec):
   assert codes.addressable_shards[0].data.shape == want
 
 
-@pytest.mark.parametrize("policy", sorted(set(REMAT_POLICIES) - {"full"}))  # single's: full
+# single's is full; lean and offload are checked in groups below (and offload under a pipeline),
+# activations in test_speed_modes (two families and a mesh).
+@pytest.mark.parametrize(
+  "policy", sorted(set(REMAT_POLICIES) - {"full", "lean", "offload", "activations"})
+)
 def test_remat_policies_give_the_same_loss(host_model, single, policy):
   _assert_same(loss_and_grads(host_model, "1", remat=policy), single, policy)
 

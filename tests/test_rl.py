@@ -99,7 +99,7 @@ def test_grpo_objective_and_lora_gradients_match_the_formula(tmp_path):
     s, n, aux = objective(graphdef, lo, frozen, jbatch, None, runtime.DEFAULT)
     return s / n, (n, aux)
 
-  (loss, (n, aux)), grads = jax.value_and_grad(mean_loss, has_aux=True)(lora)
+  (loss, (n, aux)), grads = jax.jit(jax.value_and_grad(mean_loss, has_aux=True))(lora)
   assert int(n) == mask.sum()
   np.testing.assert_allclose(float(loss), torch_loss.item(), rtol=1e-5)
   assert assert_lora_grads_match_peft(model, grads, peft_model) == 14
