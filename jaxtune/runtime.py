@@ -286,25 +286,27 @@ def _on_hopper(device) -> bool:
 # session 29), in 31.7 GiB at the peak against 37.9; Llama-3.2-1B at 8 x 2,048 0.975x. XLA's
 # dequantization is a cost per weight that a call's tokens share (its time over cuBLAS bf16:
 # 1.11-1.13 at 4,096 tokens, 1.03-1.04 at 16,384), while the kernels' own cost grows where K is
-# short (the 1B's 2,048: 1.11-1.23; the 8B's 4,096 and 14,336: 0.84-1.10).
+# short (the 1B's 2,048: 1.11-1.23; the 8B's 4,096 and 14,336: 0.84-1.10). Supervised
+# fine-tuning only: DPO on the kernels (8B, 2 rows of 2,304 tokens) ran 0.89x XLA's tokens/s.
 TRAIN_KERNEL_MAX_TOKENS = 4096  # a call's tokens (rows x positions of a micro-batch)
 TRAIN_KERNEL_MIN_HIDDEN = 4096  # the model's width, the K of most of its products
 
 
 def resolve_nf4_matmul(
-  requested: str | None, cfg: ModelConfig, *, tokens: int | None, devices: int, device,
-  dtype: str,
+  requested: str | None, cfg: ModelConfig, *, method: str, tokens: int | None, devices: int,
+  device, dtype: str,
 ) -> str:  # fmt: skip
   """``requested`` where set; else "kernel" (the training step then makes the kernels'
-  operands once, ``step.kernel_operands``) on one Hopper GPU in bfloat16 where a call has at
-  most ``TRAIN_KERNEL_MAX_TOKENS`` tokens and the model is at least ``TRAIN_KERNEL_MIN_HIDDEN``
-  wide, where the kernels measured faster; else "auto" (pallas_kernels.nf4_matmul's choice per
-  call: the kernel for decoding's few tokens). ``tokens`` None: not known yet (no --seq-len
-  before the data is read)."""
+  operands once, ``step.kernel_operands``) for supervised fine-tuning on one Hopper GPU in
+  bfloat16 where a call has at most ``TRAIN_KERNEL_MAX_TOKENS`` tokens and the model is at
+  least ``TRAIN_KERNEL_MIN_HIDDEN`` wide, where the kernels measured faster; else "auto"
+  (pallas_kernels.nf4_matmul's choice per call: the kernel for decoding's few tokens).
+  ``tokens`` None: not known yet (no --seq-len before the data is read)."""
   if requested is not None:
     return requested
   if (
-    devices == 1
+    method == "sft"
+    and devices == 1
     and _on_hopper(device)
     and dtype == "bfloat16"
     and tokens is not None
@@ -466,6 +468,7 @@ def resolve(
     nf4_matmul=resolve_nf4_matmul(
       run.nf4_matmul,
       cfg,
+      method=run.method,
       tokens=micro_batch * run.seq_len if run.seq_len is not None else None,
       devices=mesh.size,
       device=devices[0],

@@ -131,21 +131,24 @@ A, C = "activations", AUTO_LOSS_CHUNK
 def test_training_takes_the_nf4_kernels_where_they_measured_faster(monkeypatch):
   """--nf4-matmul unset: the Pallas kernels train an 8B-wide model at 2 x 2,048 tokens a call
   on one Hopper GPU in bfloat16 (measured faster than XLA's step there), not a 1B-wide one,
-  more tokens a call, several devices, another GPU or dtype, or a length not known yet; the
-  user's choice stands; resolve() passes the micro-batch's tokens."""
+  more tokens a call, another method (DPO measured slower), several devices, another GPU or
+  dtype, or a length not known yet; the user's choice stands; resolve() passes the
+  micro-batch's tokens and the method."""
   from jaxtune import runtime
   from jaxtune.runtime import resolve, resolve_nf4_matmul
 
   h100 = SimpleNamespace(platform="gpu", compute_capability="9.0")
   a100 = SimpleNamespace(platform="gpu", compute_capability="8.0")
   wide, narrow = SimpleNamespace(hidden_size=4096), SimpleNamespace(hidden_size=2048)
-  fast = dict(tokens=2 * 2048, devices=1, device=h100, dtype="bfloat16")
+  fast = dict(method="sft", tokens=2 * 2048, devices=1, device=h100, dtype="bfloat16")
   assert resolve_nf4_matmul(None, wide, **fast) == "kernel"
   assert resolve_nf4_matmul("xla", wide, **fast) == "xla"
   for cfg, changed in (
     (narrow, {}),
     (wide, {"tokens": 8 * 2048}),
     (wide, {"tokens": None}),
+    (wide, {"method": "dpo"}),
+    (wide, {"method": "grpo"}),
     (wide, {"devices": 2}),
     (wide, {"device": a100}),
     (wide, {"dtype": "float32"}),
@@ -161,6 +164,8 @@ def test_training_takes_the_nf4_kernels_where_they_measured_faster(monkeypatch):
   assert resolve(run, cfg, devices=one).nf4_matmul == "auto"
   assert resolve(run.replace(grad_accum=4), cfg, devices=one).nf4_matmul == "kernel"
   assert resolve(run.replace(grad_accum=4), cfg, devices=jax.devices()[:2]).nf4_matmul == "auto"
+  dpo = run.replace(grad_accum=4, method="dpo")
+  assert resolve(dpo, cfg, devices=one).nf4_matmul == "auto"
 
 
 def test_the_margin_is_a_fraction_of_the_budget_and_at_most_a_few_gib():
