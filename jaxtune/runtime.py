@@ -294,7 +294,7 @@ TRAIN_KERNEL_MIN_HIDDEN = 4096  # the model's width, the K of most of its produc
 
 def resolve_nf4_matmul(
   requested: str | None, cfg: ModelConfig, *, method: str, tokens: int | None, devices: int,
-  device, dtype: str,
+  device: jax.Device, dtype: str,
 ) -> str:  # fmt: skip
   """``requested`` where set; else "kernel" (the training step then makes the kernels'
   operands once, ``step.kernel_operands``) for supervised fine-tuning on one Hopper GPU in
