@@ -192,8 +192,9 @@ class RunConfig:
   shard_frozen: bool = False  # also split the frozen NF4 weights over data (FSDP-style)
   sequence_parallel: bool = False  # residual stream's tokens split over tensor between matmuls
   attention: str | None = None  # xla | fused | pallas; None: the fastest exact one here
-  # NF4 linear layers: the Pallas kernel or XLA's dequantize-then-dot; None: per shape (the
-  # kernel for at most 64 tokens on one Hopper GPU, where it measured faster)
+  # NF4 linear layers: the Pallas kernel or XLA's dequantize-then-dot; None: where the kernel
+  # measured faster on one Hopper GPU (at most 64 tokens a call; and 8B-wide SFT at 2,048-4,096
+  # tokens a call where its operands fit: runtime.resolve_nf4_matmul)
   nf4_matmul: str | None = None
   # > 0: float32 logits for this many tokens per row at a time; 0: all at once; None: all at
   # once unless that does not fit (then AUTO_LOSS_CHUNK)

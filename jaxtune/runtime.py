@@ -283,38 +283,65 @@ def _on_hopper(device) -> bool:
 # Training on the Pallas NF4 kernels by default (``resolve_nf4_matmul``) where they measured
 # faster than XLA's dequantize-then-dot in the step, on one H100 (experiments/RESULTS.md,
 # session 30): Llama-3.1-8B at 2 x 2,048 tokens a call 1.029x XLA's tokens/s (and 1.017x in
-# session 29), in 31.7 GiB at the peak against 37.9; Llama-3.2-1B at 8 x 2,048 0.975x. XLA's
+# session 29), in 31.7 GiB at the peak against 37.9; Llama-3.2-1B at 8 x 2,048 0.971x. XLA's
 # dequantization is a cost per weight that a call's tokens share (its time over cuBLAS bf16:
-# 1.11-1.13 at 4,096 tokens, 1.03-1.04 at 16,384), while the kernels' own cost grows where K is
-# short (the 1B's 2,048: 1.11-1.23; the 8B's 4,096 and 14,336: 0.84-1.10). Supervised
-# fine-tuning only: DPO on the kernels (8B, 2 rows of 2,304 tokens) ran 0.89x XLA's tokens/s.
-TRAIN_KERNEL_MAX_TOKENS = 4096  # a call's tokens (rows x positions of a micro-batch)
+# 1.11-1.13 at 4,096 tokens, 1.00-1.04 at 16,384), while the kernels' (codes made once) was
+# 0.84-1.10 on the 8B's shapes at 4,096 tokens and 0.86-1.15 forward, 1.11-1.43 input gradient
+# on the 1B's at 16,384. Supervised fine-tuning only: DPO on the kernels (8B, 2 rows of 2,304
+# tokens) ran 0.89x XLA's tokens/s. From ``TRAIN_KERNEL_MIN_TOKENS`` the input gradient is the
+# forward kernel on W^T's codes (made once with the rest), as measured; below, another kernel.
+TRAIN_KERNEL_MIN_TOKENS = 2048  # a call's tokens (rows x positions of a micro-batch)
+TRAIN_KERNEL_MAX_TOKENS = 4096
 TRAIN_KERNEL_MIN_HIDDEN = 4096  # the model's width, the K of most of its products
 
 
 def resolve_nf4_matmul(
-  requested: str | None, cfg: ModelConfig, *, method: str, tokens: int | None, devices: int,
-  device: jax.Device, dtype: str,
+  requested: str | None, cfg: ModelConfig, *, method: str, quantized: bool, tokens: int | None,
+  devices: int, device: jax.Device, dtype: str, free: int | None,
 ) -> str:  # fmt: skip
-  """``requested`` where set; else "kernel" (the training step then makes the kernels'
-  operands once, ``step.kernel_operands``) for supervised fine-tuning on one Hopper GPU in
-  bfloat16 where a call has at most ``TRAIN_KERNEL_MAX_TOKENS`` tokens and the model is at
-  least ``TRAIN_KERNEL_MIN_HIDDEN`` wide, where the kernels measured faster; else "auto"
-  (pallas_kernels.nf4_matmul's choice per call: the kernel for decoding's few tokens).
-  ``tokens`` None: not known yet (no --seq-len before the data is read)."""
+  """``requested`` where set; else "kernel" for supervised fine-tuning of an NF4 model on one
+  Hopper GPU in bfloat16 where a call has ``TRAIN_KERNEL_MIN_TOKENS`` to
+  ``TRAIN_KERNEL_MAX_TOKENS`` tokens, the model is at least ``TRAIN_KERNEL_MIN_HIDDEN`` wide
+  and the kernels' operands, made once for the run (``step.kernel_operands``), fit beside the
+  loaded model in half of what is left of ``free`` bytes (the device's, before loading): where
+  the kernels measured faster. Else "auto" (pallas_kernels.nf4_matmul's choice per call: the
+  kernel for decoding's few tokens). ``tokens`` None: not known yet (no --seq-len before the
+  data is read)."""
   if requested is not None:
     return requested
   if (
     method == "sft"
+    and quantized
     and devices == 1
     and _on_hopper(device)
     and dtype == "bfloat16"
     and tokens is not None
-    and tokens <= TRAIN_KERNEL_MAX_TOKENS
+    and TRAIN_KERNEL_MIN_TOKENS <= tokens <= TRAIN_KERNEL_MAX_TOKENS
     and cfg.hidden_size >= TRAIN_KERNEL_MIN_HIDDEN
+    and free is not None
+    and kernel_operand_bytes(cfg) <= (free - loaded_bytes(cfg)) // 2
   ):
     return "kernel"
   return "auto"
+
+
+def kernel_operand_bytes(cfg: ModelConfig) -> int:
+  """The training kernels' operands of an NF4 model (``step.kernel_operands``, which checks
+  the same against the memory left once loaded): W's and W^T's codes in word order, twice the
+  codes' bytes, and bf16 scales (2 bytes per 64 weights)."""
+  codes = _linear_weights(cfg) // 2
+  return 2 * codes + codes // 16
+
+
+def loaded_bytes(cfg: ModelConfig) -> int:
+  """About what an NF4 model takes on the device: the linear layers' codes and absmax (a byte
+  per 64 weights) and the rest (embeddings, output layer, norms) in bf16."""
+  linear = _linear_weights(cfg)
+  return linear // 2 + linear // 64 + 2 * (cfg.num_params() - linear)
+
+
+def _linear_weights(cfg: ModelConfig) -> int:
+  return cfg.num_layers * sum(o * i for o, i in cfg.linear_shapes().values())
 
 
 def resolve_attention(
@@ -469,10 +496,12 @@ def resolve(
       run.nf4_matmul,
       cfg,
       method=run.method,
+      quantized=run.quantization == "nf4",
       tokens=micro_batch * run.seq_len if run.seq_len is not None else None,
       devices=mesh.size,
       device=devices[0],
       dtype=dtype,
+      free=free_device_bytes(run.memory_limit) if _on_hopper(devices[0]) else None,
     ),
     loss_chunk=candidates[0][1],
     candidates=candidates if len(candidates) > 1 else (),

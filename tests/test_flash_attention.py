@@ -39,24 +39,14 @@ CASES = {
     {"segments": "kv", "window": 48, "softcap": 3.0, "scale": 0.3},
   ),
   "noncausal-kv-window": (200, 2, 1, 64, {"causal": False, "segments": "kv", "window": 50}),
-  # dK products issued in their own step (Blocks(defer_dk=False)), not with the next step's;
-  # short documents: every kernel skips the blocks of the documents before (and after) a tile's
-  "h128-many-segments-gqa2-undeferred": (
-    130,
-    2,
-    1,
-    128,
-    {"segments": "many", "defer_dk": False},
-  ),
+  # dK products issued in their own step (Blocks(defer_dk=False)), not with the next step's
+  "h128-segments-gqa2-undeferred": (130, 2, 1, 128, {"segments": True, "defer_dk": False}),
   # A window whose edge, middle and diagonal are all met by one query tile in each kernel
   "one-segment-window": (330, 2, 1, 64, {"segments": "one", "window": 256}),
-  "h256-kv-segments-softcap-window-gqa4": (
-    200,
-    4,
-    1,
-    256,
-    {"segments": "kv", "softcap": 4.0, "window": 64},
-  ),
+  "h256-softcap-window": (200, 2, 1, 256, {"softcap": 4.0, "window": 64}),
+  "h256-kv-segments-noncausal-gqa4": (128, 4, 1, 256, {"segments": "kv", "causal": False}),
+  # Short documents: every kernel skips the blocks of the documents before (and after) a tile's
+  "many-segments-gqa2": (256, 2, 1, 64, {"segments": "many"}),
 }
 
 
@@ -178,7 +168,7 @@ def test_kernels_match_reference(name, flash_cases):
 def test_traced_window_in_a_layer_scan():
   """The window is a per-layer int32 inside lax.scan (0 = full attention), as in the decoder;
   without return_lse, the default."""
-  q, k, v, do, _, seg, _ = _inputs(100, 2, 1, 64, seed=3)  # 2 tiles of 64 tokens, one ragged
+  q, k, v, do, _, seg, _ = _inputs(130, 2, 1, 64, seed=3)  # 3 tiles of 64 tokens, one ragged
   windows = jnp.array([0, 40], jnp.int32)
 
   def layers(q, k, v, impl):

@@ -129,22 +129,49 @@ A, C = "activations", AUTO_LOSS_CHUNK
 
 
 def test_training_takes_the_nf4_kernels_where_they_measured_faster(monkeypatch):
-  """--nf4-matmul unset: the Pallas kernels train an 8B-wide model at 2 x 2,048 tokens a call
-  on one Hopper GPU in bfloat16 (measured faster than XLA's step there), not a 1B-wide one,
-  more tokens a call, another method (DPO measured slower), several devices, another GPU or
-  dtype, or a length not known yet; the user's choice stands; resolve() passes the
-  micro-batch's tokens and the method."""
+  """--nf4-matmul unset: the Pallas kernels train an 8B NF4 model at 2 x 2,048 tokens a call on
+  one Hopper GPU in bfloat16 (measured faster than XLA's step there), not a 1B-wide one, more
+  or fewer tokens a call, another method (DPO measured slower), an unquantized model, several
+  devices, another GPU or dtype, a length not known yet, or where the operands made for the
+  run would not fit (70B on one 80 GB GPU, or 8B under 16 GiB); the user's choice stands;
+  resolve() passes the micro-batch's tokens, the method and the free memory."""
   from jaxtune import runtime
   from jaxtune.runtime import resolve, resolve_nf4_matmul
 
   h100 = SimpleNamespace(platform="gpu", compute_capability="9.0")
   a100 = SimpleNamespace(platform="gpu", compute_capability="8.0")
-  wide, narrow = SimpleNamespace(hidden_size=4096), SimpleNamespace(hidden_size=2048)
-  fast = dict(method="sft", tokens=2 * 2048, devices=1, device=h100, dtype="bfloat16")
+  hf = dict(max_position_embeddings=2048, vocab_size=128256, num_attention_heads=32)
+  llama = dict(hf, num_key_value_heads=8, head_dim=128, num_hidden_layers=32)
+  wide = ModelConfig.from_hf(
+    family_config("llama", hidden_size=4096, intermediate_size=14336, **llama).to_dict()
+  )
+  narrow = ModelConfig.from_hf(
+    family_config("llama", hidden_size=2048, intermediate_size=8192, **llama).to_dict()
+  )
+  huge = ModelConfig.from_hf(
+    family_config(
+      "llama",
+      hidden_size=8192,
+      intermediate_size=28672,
+      **{**llama, "num_hidden_layers": 80, "num_attention_heads": 64},
+    ).to_dict()
+  )
+  gib = 2**30
+  fast = dict(method="sft", quantized=True, tokens=2 * 2048, devices=1, device=h100,
+              dtype="bfloat16", free=79 * gib)  # fmt: skip
+  # The operands: twice the codes of 7.0e9 weights (and scales) beside a model of ~5.7 GB.
+  assert 7.1e9 < runtime.kernel_operand_bytes(wide) < 7.3e9
+  assert 5.5e9 < runtime.loaded_bytes(wide) < 6e9
   assert resolve_nf4_matmul(None, wide, **fast) == "kernel"
   assert resolve_nf4_matmul("xla", wide, **fast) == "xla"
+  assert resolve_nf4_matmul("kernel", huge, **fast) == "kernel"
   for cfg, changed in (
     (narrow, {}),
+    (huge, {}),
+    (wide, {"free": 16 * gib}),
+    (wide, {"free": None}),
+    (wide, {"quantized": False}),
+    (wide, {"tokens": 1024}),
     (wide, {"tokens": 8 * 2048}),
     (wide, {"tokens": None}),
     (wide, {"method": "dpo"}),
@@ -156,16 +183,21 @@ def test_training_takes_the_nf4_kernels_where_they_measured_faster(monkeypatch):
     assert resolve_nf4_matmul(None, cfg, **{**fast, **changed}) == "auto", (cfg, changed)
   # resolve() on one device taken for a Hopper GPU: a call's tokens are the micro-batch's.
   monkeypatch.setattr(runtime, "_on_hopper", lambda device: True)
-  cfg = ModelConfig.from_hf(
-    family_config("llama", hidden_size=4096, max_position_embeddings=2048).to_dict()
+  monkeypatch.setattr(
+    runtime, "free_device_bytes", lambda limit=None: int(min(79, limit or 79) * gib)
   )
+  cfg = wide
   one = jax.devices()[:1]
   run = RunConfig(dtype="bfloat16", seq_len=2048, batch_size=8)
   assert resolve(run, cfg, devices=one).nf4_matmul == "auto"
   assert resolve(run.replace(grad_accum=4), cfg, devices=one).nf4_matmul == "kernel"
   assert resolve(run.replace(grad_accum=4), cfg, devices=jax.devices()[:2]).nf4_matmul == "auto"
-  dpo = run.replace(grad_accum=4, method="dpo")
-  assert resolve(dpo, cfg, devices=one).nf4_matmul == "auto"
+  for other in (
+    run.replace(grad_accum=4, method="dpo"),
+    run.replace(grad_accum=4, memory_limit=16.0),
+    run.replace(grad_accum=4, quantization=None),
+  ):
+    assert resolve(other, cfg, devices=one).nf4_matmul == "auto", other
 
 
 def test_the_margin_is_a_fraction_of_the_budget_and_at_most_a_few_gib():

@@ -13,14 +13,14 @@ operands made once for the run: ``training_operands``) measured 0.84-1.08x forwa
 with their codes permuted and transposed per call. In the 8B batch-2 step (H100): 1.000x
 XLA's tokens/s with the LoRA's product added after the kernel's (session 29), 1.029x with
 gate/up's LoRA pair inside the kernel (``extra``; session 30, two runs each), 6.2 GiB less at
-the peak; the 1B at 8 x 2,048 tokens 0.971x (XLA's dequantization shared by 4x the tokens, the
-kernels slower at K = 2,048); 8B DPO 0.89x. Per call, dispatch keeps training-size calls on
-XLA: a supervised fine-tuning run picks the kernels for the whole run, with their operands
-made once (jaxtune's ``runtime.resolve_nf4_matmul``, which forces ``impl`` "kernel"). Under a
-multi-device mesh the kernel would need a shard_map wrapper that is not written yet. ``impl``
-forces one:
-"kernel", "xla", or "interpret" (the kernels under Mosaic GPU's CPU interpreter, with the
-lookup and data path the interpreter supports; what the tests run). kernel.py imports Mosaic
+the peak; the 1B at 8 x 2,048 tokens 0.971x (XLA's dequantization shared by 4x the tokens; the
+kernels 0.86-1.15x cuBLAS forward, 1.11-1.43x dx on its shapes); 8B DPO 0.89x. Per call,
+dispatch keeps training-size calls on XLA: a supervised fine-tuning run picks the kernels for
+the whole run, with their operands made once (jaxtune's ``runtime.resolve_nf4_matmul``, which
+forces ``impl`` "kernel"). Under a multi-device mesh the kernel would need a shard_map wrapper
+that is not written yet. ``impl`` forces one: "kernel", "xla", or "interpret" (the kernels
+under Mosaic GPU's CPU interpreter, with the lookup and data path the interpreter supports;
+what the tests run). kernel.py imports Mosaic
 GPU, so it is loaded the first time "kernel" or "interpret" runs.
 
 The forward kernel's table lookup on the GPU: where the caller passes the codes in word order
