@@ -133,8 +133,9 @@ _HELP = {
   "pipe axis)",
   "nf4_matmul": "NF4 linear layers: kernel (Pallas, Hopper GPUs) or xla (dequantize then "
   "dot); unset, on one Hopper GPU in bfloat16: the kernel for at most 64 tokens, and for "
-  "supervised fine-tuning too where a micro-batch has at most 4096 tokens and the model is at "
-  "least 4096 wide (8B-size: measured faster there, slower at 1B and in DPO); XLA otherwise",
+  "supervised fine-tuning too where a micro-batch has 2048-4096 tokens, the model is at least "
+  "4096 wide and the kernels' operands fit (8B-size: measured faster there, slower at 1B and "
+  "in DPO); XLA otherwise",
   "loss_chunk": "compute the loss N tokens per row at a time (the float32 logits of the "
   "whole sequence never exist; where the output layer has LoRA, it runs twice); 0: all at "
   "once; unset: on GPUs, pieces of ~4096 tokens a device where the output layer is frozen "
