@@ -86,6 +86,10 @@ class ModelConfig:
       "down_proj": (d, f),
     }
 
+  def linear_params(self) -> int:
+    """The weights of every layer's projections (what NF4 stores as codes)."""
+    return self.num_layers * sum(o * i for o, i in self.linear_shapes().values())
+
   def num_params(self) -> int:
     """All parameters of the unquantized model, counted as transformers counts them."""
     norms = 4 if self.sandwich_norms else 2

@@ -326,22 +326,22 @@ def resolve_nf4_matmul(
 
 
 def kernel_operand_bytes(cfg: ModelConfig) -> int:
-  """The training kernels' operands of an NF4 model (``step.kernel_operands``, which checks
-  the same against the memory left once loaded): W's and W^T's codes in word order, twice the
-  codes' bytes, and bf16 scales (2 bytes per 64 weights)."""
-  codes = _linear_weights(cfg) // 2
+  """The training kernels' operands of an NF4 model (``operand_bytes`` of its codes)."""
+  return operand_bytes(cfg.linear_params() // 2)
+
+
+def operand_bytes(codes: int) -> int:
+  """The training kernels' operands made for ``codes`` bytes of NF4 codes
+  (``step.kernel_operands``): W's and W^T's codes in word order, twice the codes' bytes, and
+  bf16 scales (2 bytes per 64 weights)."""
   return 2 * codes + codes // 16
 
 
 def loaded_bytes(cfg: ModelConfig) -> int:
   """About what an NF4 model takes on the device: the linear layers' codes and absmax (a byte
   per 64 weights) and the rest (embeddings, output layer, norms) in bf16."""
-  linear = _linear_weights(cfg)
+  linear = cfg.linear_params()
   return linear // 2 + linear // 64 + 2 * (cfg.num_params() - linear)
-
-
-def _linear_weights(cfg: ModelConfig) -> int:
-  return cfg.num_layers * sum(o * i for o, i in cfg.linear_shapes().values())
 
 
 def resolve_attention(

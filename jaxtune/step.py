@@ -27,7 +27,7 @@ from jaxtune.layers import Linear
 from jaxtune.lora import iter_linears
 from jaxtune.losses import loss_sums
 from jaxtune.run_config import RunConfig
-from jaxtune.runtime import DEFAULT, Runtime, free_device_bytes
+from jaxtune.runtime import DEFAULT, Runtime, free_device_bytes, operand_bytes
 from pallas_kernels.nf4_matmul import training_operands
 
 
@@ -311,7 +311,7 @@ def kernel_operands(model: nnx.Module, runtime: Runtime) -> list[tuple[Linear, t
     if linear.quantized and linear.in_features % 32 == 0 and linear.out_features % 32 == 0
   ]
   codes = sum(linear.codes[...].nbytes for linear in linears)
-  need = 2 * codes + codes // 16  # W's and W^T's codes; bf16 scales: 2 bytes per 64 weights
+  need = operand_bytes(codes)
   free = free_device_bytes(runtime.memory_limit)  # None: no statistics (CPU)
   if free is not None and need > free // 2:
     return []
