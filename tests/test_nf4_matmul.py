@@ -395,13 +395,14 @@ def test_training_dispatch_takes_the_swept_configurations():
     256, 1, 1, 0, True
   )  # fmt: skip
   assert (cfg.max_concurrent_steps, cfg.out_chunk) == (4, 32)
-  assert cfg.group_m == 8  # the grid walks groups of 8 tile rows where they divide, else 4
+  assert cfg.group_m == 16  # the grid walks groups of 16 tile rows where they divide, else 8, 4
+  assert ops._forward_config(4096 - 8 * 256, 4096, 4096, interpret=False).group_m == 8
   assert ops._forward_config(4096 - 4 * 256, 4096, 4096, interpret=False).group_m == 4
   assert ops._forward_config(4096 - 256, 4096, 4096, interpret=False).group_m == 1
   assert not ops._forward_config(128, 4096, 4096, interpret=False).out_rows  # not measured
   bwd = ops._backward_config(4096, 14336, 4096)  # the forward kernel on W^T's codes
   assert (bwd.block_m, bwd.compute_wgs, bwd.transposed, bwd.out_rows) == (256, 2, True, True)
-  assert (bwd.group_m, bwd.max_concurrent_steps, bwd.out_chunk) == (8, 4, 32)
+  assert (bwd.group_m, bwd.max_concurrent_steps, bwd.out_chunk) == (16, 4, 32)
   for c in (cfg, bwd):
     assert ops._kernel_args("kernel", None, 4096, c)["lookup"] == "plut"
     assert kernel.forward_smem_bytes(c, lookup="plut") <= kernel.SMEM_BYTES
