@@ -282,11 +282,12 @@ def _on_hopper(device) -> bool:
 
 # Training on the Pallas NF4 kernels by default (``resolve_nf4_matmul``) where they measured
 # faster than XLA's dequantize-then-dot in the step, on one H100 (experiments/RESULTS.md,
-# session 30): Llama-3.1-8B at 2 x 2,048 tokens a call 1.029x XLA's tokens/s (and 1.017x in
-# session 29), in 31.7 GiB at the peak against 37.9; Llama-3.2-1B at 8 x 2,048 0.971x. XLA's
-# dequantization is a cost per weight that a call's tokens share (its time over cuBLAS bf16:
-# 1.11-1.13 at 4,096 tokens, 1.00-1.04 at 16,384), while the kernels' (codes made once) was
-# 0.84-1.10 on the 8B's shapes at 4,096 tokens and 0.86-1.15 forward, 1.11-1.43 input gradient
+# sessions 30-31): Llama-3.1-8B at 2 x 2,048 tokens a call 1.026-1.044x XLA's tokens/s over
+# four run pairs (1.044x since the grid order of session 31; 1.017x in session 29), in 31.7 GiB
+# at the peak against 37.9; Llama-3.2-1B at 8 x 2,048 0.971x. XLA's dequantization is a cost
+# per weight that a call's tokens share (its time over cuBLAS bf16: 1.11-1.13 at 4,096 tokens,
+# 1.00-1.04 at 16,384, 1.04-1.07 at 8,192), while the kernels' (codes made once) was
+# 0.77-1.08 on the 8B's shapes at 4,096 tokens and 0.86-1.15 forward, 1.11-1.43 input gradient
 # on the 1B's at 16,384. Supervised fine-tuning only: DPO on the kernels (8B, 2 rows of 2,304
 # tokens) ran 0.89x XLA's tokens/s. From ``TRAIN_KERNEL_MIN_TOKENS`` the input gradient is the
 # forward kernel on W^T's codes (made once with the rest), as measured; below, another kernel.

@@ -90,9 +90,10 @@ BESIDE: list[str] = []  # the node ids this session moved to the child
 
 def pytest_collection_finish(session):
   """Python's cyclic garbage collector, once the test modules (torch, transformers, jax) are
-  imported: those objects frozen out of its sweeps, and young collections 30x rarer. Tracing
-  and lowering make millions of short-lived objects; test_train's mesh tests spent 3.0 s of
-  49 s collecting (2.4 s of it in full sweeps over the imports), 1.3 s with this."""
+  imported: those objects frozen out of its sweeps, young collections ~30x rarer and full ones
+  ~100x. Tracing and lowering make millions of short-lived objects; test_train's mesh tests
+  spent 3.0 s of 49 s collecting (2.4 s of it in full sweeps over the imports), 1.3 s with
+  this."""
   gc.collect()
   gc.freeze()
   gc.set_threshold(20_000, 20, 20)

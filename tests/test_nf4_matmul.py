@@ -396,6 +396,7 @@ def test_training_dispatch_takes_the_swept_configurations():
   )  # fmt: skip
   assert (cfg.max_concurrent_steps, cfg.out_chunk) == (4, 32)
   assert cfg.group_m == 16  # the grid walks groups of 16 tile rows where they divide, else 8, 4
+  assert ops._forward_config(8192, 4096, 4096, interpret=False).group_m == 16  # not 32
   assert ops._forward_config(4096 - 8 * 256, 4096, 4096, interpret=False).group_m == 8
   assert ops._forward_config(4096 - 4 * 256, 4096, 4096, interpret=False).group_m == 4
   assert ops._forward_config(4096 - 256, 4096, 4096, interpret=False).group_m == 1

@@ -236,9 +236,9 @@ def _group_m(m: int, bm: int) -> int:
   they divide, else 8, else 4, else row by row. sweep_nf4_train.py, H100, 8B shapes at 4096
   tokens: 4 took 1-2% less time than 1 on every shape, forward and transposed (session 17); 8
   0.6-0.8% less than 4 on all six rows with plut (session 29, call 4); 16 (4096 tokens: the
-  whole column of tiles) 1.1-1.7% less than 8 on the forward and the input gradient of q/o,
+  whole column of tiles) 0.6-1.7% less than 8 on the forward and the input gradient of q/o,
   gate/up and down, k/v within 0.5% (session 31, call 3); at 8192 tokens 16 beat 8 on seven
-  of eight rows and 32 was no better than 16 on the 8B's."""
+  of eight rows, and 32 was no better than 16 over a layer's products (+-1% by row)."""
   if bm != TRAIN_TILE:
     return 1
   return next((g for g in (16, 8, 4) if -(-m // bm) % g == 0), 1)
