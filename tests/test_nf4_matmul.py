@@ -73,6 +73,8 @@ def test_forward_matches_reference(lead, k, n):
     (kernel.Config(block_m=32, compute_wgs=2, out_rows=True, out_chunk=8, a_from_smem=True), 256),
     # The grid walked in groups of tile rows: 4 x 2 tiles in 2 groups, out of launch order.
     (kernel.Config(block_m=8, compute_wgs=1, group_m=2, out_rows=True, a_from_smem=True), 256),
+    # One group of every tile row (dispatch's 16 at 4,096 tokens): the grid column by column.
+    (kernel.Config(block_m=8, compute_wgs=1, group_m=4, out_rows=True, a_from_smem=True), 256),
   ],
   ids=[
     "split-k",
@@ -82,6 +84,7 @@ def test_forward_matches_reference(lead, k, n):
     "four-compute-warpgroups",
     "output-stored-as-rows",
     "grid-in-groups-of-tile-rows",
+    "grid-as-one-group-of-all-tile-rows",
   ],  # fmt: skip
 )
 def test_forward_configs(cfg, k):
