@@ -100,12 +100,10 @@ def main():
         # As the decode loop runs it: the kernel's scales made once, outside the token step;
         # the codes copied in word order where that fits, else permuted in place (70B on one
         # GPU: decoding.codes_in_word_order, as generate does), put back after the profile.
-        fit = decoding.word_codes_fit(model, b)
         with contextlib.ExitStack() as in_place:
-          if not fit:
-            in_place.enter_context(decoding.codes_in_word_order(model, b))
+          word = decoding.loop_codes(model, b, in_place, "inplace")
           prepared = nnx.merge(*nnx.split(model))
-          decoding.prepare_kernel_operands(prepared, b, True if fit else "inplace")
+          decoding.prepare_kernel_operands(prepared, b, word)
           pgraph, pstate = nnx.split(prepared)
 
           @functools.partial(jax.jit, donate_argnums=(2,))

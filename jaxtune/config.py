@@ -93,7 +93,7 @@ class ModelConfig:
   def num_params(self) -> int:
     """All parameters of the unquantized model, counted as transformers counts them."""
     norms = 4 if self.sandwich_norms else 2
-    per_layer = sum(o * i for o, i in self.linear_shapes().values()) + norms * self.hidden_size
+    per_layer = norms * self.hidden_size
     if self.qkv_bias:
       per_layer += self.q_size + 2 * self.kv_size
     if self.o_bias:
@@ -102,7 +102,7 @@ class ModelConfig:
       per_layer += 2 * self.head_dim
     embed = self.vocab_size * self.hidden_size
     head = 0 if self.tie_word_embeddings else embed
-    return embed + head + self.num_layers * per_layer + self.hidden_size
+    return embed + head + self.linear_params() + self.num_layers * per_layer + self.hidden_size
 
   @classmethod
   def from_hf(cls, config: dict[str, Any] | str | Path) -> "ModelConfig":

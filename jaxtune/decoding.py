@@ -326,6 +326,25 @@ def word_codes_fit(model: nnx.Module, tokens: int, fuse: bool = True) -> bool:
   return free is not None and need <= free // 2
 
 
+def loop_codes(
+  model: nnx.Module,
+  tokens: int,
+  stack: contextlib.ExitStack,
+  word_lookup: bool | str | None = None,
+  fuse: bool = True,
+) -> bool | str:
+  """The codes a decode loop of ``tokens`` rows gives the NF4 kernel (``prepare_kernel_operands``'
+  ``word``), as ``generate_ids`` decides from its ``word_lookup``: True (a word-order copy) where
+  it fits or is asked for; "inplace" where it is asked for and no copy fits: the model's own
+  codes permuted (``codes_in_word_order``, entered on ``stack``: put back when it closes); else
+  False."""
+  word = word_codes_fit(model, tokens, fuse) if word_lookup in (None, "inplace") else word_lookup
+  if word_lookup == "inplace" and not word:
+    if stack.enter_context(codes_in_word_order(model, tokens)):
+      word = "inplace"
+  return word
+
+
 def _decode_loop(
   graphdef,
   state,
@@ -427,12 +446,10 @@ def generate_ids(
     graphdef, state, jnp.asarray(tokens), positions, init_cache(model, b, length), key_valid
   )
   eos = jnp.asarray(list(eos_token_ids), jnp.int32)
-  word = word_codes_fit(model, b, fuse) if word_lookup in (None, "inplace") else word_lookup
   with contextlib.ExitStack() as stack:
-    if word_lookup == "inplace" and not word:
-      if stack.enter_context(codes_in_word_order(model, b)):
-        word = "inplace"
-        graphdef, state = nnx.split(model)
+    word = loop_codes(model, b, stack, word_lookup, fuse)
+    if word == "inplace":
+      graphdef, state = nnx.split(model)
     wide = b >= WIDE_ROWS and jax.devices()[0].platform in WIDE_PLATFORMS
     loop = _decode_wide if wide else _decode
     new, steps = jax.block_until_ready(  # the loop ends before in-place codes are put back
