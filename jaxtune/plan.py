@@ -18,13 +18,17 @@ import dataclasses
 import functools
 import glob
 import hashlib
+import hmac
 import importlib
 import importlib.util
+import json
 import math
 import os
 import pickle
 import platform
 import re
+import secrets
+import stat
 import sys
 import threading
 import time
@@ -409,11 +413,20 @@ class _StepStore:
   the arguments' tree, shapes, dtypes, placements and devices, the runtime, the budget, the
   source of the packages a step runs (SOURCE_PACKAGES), the library versions, the backend
   and JAX's settings (XLA_FLAGS among them). A key that differs in anything compiles anew.
-  An entry is written whole or not at all (a temporary file renamed), holds a digest of the
-  program that is checked when it is read, and one that cannot be read is removed with one
-  line; the program is compiled then.
+
+  JAX's serialized executables are pickles (and programs are machine code): an entry runs
+  whatever its writer put there, so only this user's own entries are ever read. Before every
+  read and write the store's directory must be this user's and writable by no one else, and
+  an entry a regular file of this user's (``private_problem``); an entry is then a small
+  header (JSON) and the pickled program, and the header's HMAC-SHA256 of both, keyed by a
+  secret only this user can read (``KEY_NAME``, mode 0600), is checked before anything else
+  of the file is parsed. An entry that fails any check is never unpickled: it is renamed
+  ``*.refused`` (kept for whoever looks into it) with one line, and the step compiled anew.
+  An entry is written whole or not at all (a temporary file renamed).
   Programs with host callbacks (interpreted Pallas kernels) are not kept, nor, on CPUs,
   programs that JAX read back from its compilation cache (``_FROM_CACHE``)."""
+
+  MAGIC = b"jaxtune step store 2\n"
 
   def __init__(self, path: Path):
     self.path = path
@@ -441,15 +454,23 @@ class _StepStore:
     """(compiled step, its plan's fields), or None where no entry is kept."""
     from jax.experimental import serialize_executable
 
-    if not self.path.exists():
+    try:
+      st = os.lstat(self.path)
+    except OSError:
+      return None
+    problem = private_problem(self.path.parent) or _entry_problem(st)
+    key = None if problem else _store_key(self.path.parent)
+    if key is None:
+      self._refuse(problem or "this user's key of the store cannot be read")
       return None
     try:
-      entry = pickle.loads(self.path.read_bytes())
-      if hashlib.sha256(entry["program"]).hexdigest() != entry["digest"]:
-        raise ValueError("its digest does not match")
-      if len(entry["plan"]) != 8:  # (remat, loss_chunk, scan_layers, kept_layers, planned, ...)
-        raise ValueError("its plan has another form")
-      in_tree = entry["in_tree"]
+      header, payload = _read_entry(self.path.read_bytes(), key)
+    except ValueError as e:  # not signed by this user's key: never unpickled
+      self._refuse(str(e))
+      return None
+    try:
+      program, in_tree, out_tree = pickle.loads(payload)  # signed by this user: their own
+      plan_fields = _plan_fields(header["plan"])
       if in_tree != jax.tree.structure((tuple(args), {})):
         raise ValueError("its arguments' tree differs")
       devices = {d.id: d for d in jax.devices()}
@@ -461,12 +482,9 @@ class _StepStore:
         # experiments/check_step_store.py.) Tracing the step imports it otherwise.
         importlib.import_module("jax.experimental.mosaic.gpu")
       compiled = serialize_executable.deserialize_and_load(
-        entry["program"],
-        in_tree,
-        entry["out_tree"],
-        execution_devices=[devices[i] for i in entry["devices"]],
+        program, in_tree, out_tree, execution_devices=[devices[i] for i in header["devices"]]
       )
-    except Exception as e:  # noqa: BLE001 (a damaged or foreign file: compiled anew, removed)
+    except Exception as e:  # noqa: BLE001 (this user's own entry, of another jax or devices)
       _remove(self.path)
       print(
         f"jaxtune: the step store held an entry that could not be read ({self.path.name}: "
@@ -475,13 +493,29 @@ class _StepStore:
         flush=True,
       )
       return None
-    with contextlib.suppress(OSError):  # removed meanwhile, or a store this user cannot write
+    with contextlib.suppress(OSError):  # removed meanwhile
       os.utime(self.path)  # recently used
-    return compiled, entry["plan"]
+    return compiled, plan_fields
+
+  def _refuse(self, why: str) -> None:
+    """An entry that is not certainly this user's: never read, renamed aside with one line."""
+    aside = self.path.with_name(f"{self.path.name}.refused")
+    try:
+      os.replace(self.path, aside)
+      kept = f"kept as {aside}"
+    except OSError:
+      kept = "left in place"
+    print(
+      f"jaxtune: the step store entry {self.path} was not read ({why}); {kept}, and the step "
+      "compiled anew.",
+      file=sys.stderr,
+      flush=True,
+    )
 
   def save(self, compiled: Any, chosen: Plan) -> None:
     """Keep ``compiled`` (best effort: a program that cannot be serialized, or on a CPU one
-    that JAX read back from its compilation cache, is not kept)."""
+    that JAX read back from its compilation cache, is not kept; nor anything in a store that
+    is not this user's alone)."""
     from jax.experimental import serialize_executable
 
     unloaded = getattr(compiled._executable, "_unloaded_executable", None)
@@ -490,38 +524,131 @@ class _StepStore:
     if compiled in _FROM_CACHE and jax.default_backend() == "cpu":  # see _FROM_CACHE
       return
     try:
-      program, in_tree, out_tree = serialize_executable.serialize(compiled)
-      rt = chosen.runtime
-      fields = (rt.remat, rt.loss_chunk, rt.scan_layers, rt.kept_layers, chosen.planned,
-                chosen.budget, chosen.budget_source, chosen.rejected)  # fmt: skip
-      entry = pickle.dumps(
-        {
-          "program": program,
-          "digest": hashlib.sha256(program).hexdigest(),
-          "in_tree": in_tree,
-          "out_tree": out_tree,
-          "devices": [d.id for d in unloaded.device_list],
-          "plan": fields,
-        },
-        protocol=pickle.HIGHEST_PROTOCOL,
-      )
+      payload = pickle.dumps(serialize_executable.serialize(compiled), pickle.HIGHEST_PROTOCOL)
     except Exception:  # noqa: BLE001 (not serializable here: the compilation cache still helps)
       return
+    rt = chosen.runtime
+    fields = (rt.remat, rt.loss_chunk, rt.scan_layers, rt.kept_layers, chosen.planned,
+              chosen.budget, chosen.budget_source, chosen.rejected)  # fmt: skip
+    header = {"plan": fields, "devices": [d.id for d in unloaded.device_list]}
+    directory = self.path.parent
     part = self.path.with_name(f"{self.path.name}.{os.getpid()}.part")
     try:
-      self.path.parent.mkdir(parents=True, exist_ok=True)
-      part.write_bytes(entry)
+      directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+      key = None if private_problem(directory) else _store_key(directory, create=True)
+      if key is None:
+        return
+      fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+      with os.fdopen(fd, "wb") as f:
+        f.write(_entry_bytes(header, payload, key))
       os.replace(part, self.path)
     except OSError:  # a full or read-only disk: the run goes on without the entry
       _remove(part)
       return
-    kept = sorted(self.path.parent.glob("*.step"), key=_mtime, reverse=True)
+    kept = sorted(directory.glob("*.step"), key=_mtime, reverse=True)
     for old in kept[STORE_ENTRIES:]:
       _remove(old)
     # What a writer killed mid-write left (an hour old: not a running writer's).
-    for left in self.path.parent.glob("*.part"):
+    for left in directory.glob("*.part"):
       if _mtime(left) < time.time() - 3600:
         _remove(left)
+
+
+KEY_NAME = "key"  # the step store's secret (32 random bytes, mode 0600) in its directory
+
+
+def private_problem(directory: Path) -> str | None:
+  """Why ``directory`` is not this user's alone (None when it is): a symbolic link, not a
+  directory, another user's, or writable by its group or by others."""
+  try:
+    st = os.lstat(directory)
+  except OSError as e:
+    return f"{directory} cannot be read ({e.strerror})"
+  if stat.S_ISLNK(st.st_mode):
+    return f"{directory} is a symbolic link"
+  if not stat.S_ISDIR(st.st_mode):
+    return f"{directory} is not a directory"
+  if st.st_uid != os.getuid():
+    return f"{directory} belongs to another user (uid {st.st_uid})"
+  if st.st_mode & 0o022:
+    return f"{directory} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+  return None
+
+
+def _entry_problem(st: os.stat_result) -> str | None:
+  if not stat.S_ISREG(st.st_mode):
+    return "it is not a regular file"
+  if st.st_uid != os.getuid():
+    return f"it belongs to another user (uid {st.st_uid})"
+  if st.st_mode & 0o022:
+    return f"it is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+  return None
+
+
+def _store_key(directory: Path, create: bool = False) -> bytes | None:
+  """This user's secret of the store in ``directory`` (made on the first write), or None
+  where it is missing or could be anyone's (not a private regular file of this user's)."""
+  path = directory / KEY_NAME
+  if create and not path.exists():
+    part = directory / f"{KEY_NAME}.{os.getpid()}.part"
+    try:
+      fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+      with os.fdopen(fd, "wb") as f:
+        f.write(secrets.token_bytes(32))
+      os.link(part, path)  # fails where another writer made one first: theirs is kept
+    except FileExistsError:
+      pass
+    finally:
+      _remove(part)
+  try:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+  except OSError:
+    return None
+  with os.fdopen(fd, "rb") as f:
+    st = os.fstat(f.fileno())
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+      return None
+    key = f.read(64)
+  return key if len(key) == 32 else None
+
+
+def _entry_bytes(header: dict, payload: bytes, key: bytes) -> bytes:
+  """MAGIC, the header's length (8 bytes), the header (JSON), the payload; the header holds
+  the HMAC of the rest of the header and of the payload."""
+  body = json.dumps(header).encode()
+  mac = hmac.new(key, body + b"\0" + payload, hashlib.sha256).hexdigest()
+  signed = json.dumps({"hmac": mac, "body": body.decode()}).encode()
+  return _StepStore.MAGIC + len(signed).to_bytes(8, "little") + signed + payload
+
+
+def _read_entry(data: bytes, key: bytes) -> tuple[dict, bytes]:
+  """(header, payload) of an entry whose HMAC checks out; ValueError otherwise, before any of
+  it but the signed header's JSON is parsed."""
+  magic = _StepStore.MAGIC
+  if not data.startswith(magic) or len(data) < len(magic) + 8:
+    raise ValueError("it is not an entry of this jaxtune's step store")
+  n = int.from_bytes(data[len(magic) : len(magic) + 8], "little")
+  start = len(magic) + 8
+  if n > 1 << 20 or start + n > len(data):
+    raise ValueError("its header is cut short")
+  try:
+    signed = json.loads(data[start : start + n])
+    body, mac = signed["body"].encode(), signed["hmac"]
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
+    raise ValueError("its header is damaged") from e
+  payload = data[start + n :]
+  want = hmac.new(key, body + b"\0" + payload, hashlib.sha256).hexdigest()
+  if not isinstance(mac, str) or not hmac.compare_digest(mac, want):
+    raise ValueError("it is not signed by this user's key: written by someone else, or damaged")
+  return json.loads(body), payload
+
+
+def _plan_fields(fields: list) -> tuple:
+  """The plan's fields as saved (JSON lists back to the tuples Plan holds)."""
+  if len(fields) != 8:  # (remat, loss_chunk, scan_layers, kept_layers, planned, ...)
+    raise ValueError("its plan has another form")
+  *head, rejected = fields
+  return (*head, tuple(tuple(r) for r in rejected))
 
 
 def _remove(path: Path) -> None:
@@ -641,7 +768,8 @@ def use_compile_cache(enabled: bool = True) -> Path | None:
   entries under a file lock, where without one it writes in place, unguarded. An entry cut
   short (a run killed while writing it) is skipped with a warning and compiled anew.
   ``enabled=False`` (``--no-compile-cache``) or an empty ``$JAXTUNE_COMPILE_CACHE`` leave the
-  cache off. With the cache on, the training step chosen is also kept whole in its directory
+  cache off; so does a directory that is not this user's alone (``private_problem``: another
+  user's, or writable by others), with one line: a shared cache would run others' programs. With the cache on, the training step chosen is also kept whole in its directory
   ``jaxtune-steps`` (``_StepStore``; ``JAXTUNE_STEP_STORE=0`` keeps the cache only).
   """
   global _store_dir
@@ -655,9 +783,22 @@ def use_compile_cache(enabled: bool = True) -> Path | None:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     place = os.path.join(base, "jaxtune", "xla")
   try:
-    os.makedirs(place, exist_ok=True)
+    os.makedirs(place, mode=0o700, exist_ok=True)
   except OSError:
     return None  # a read-only home: compile as without the cache
+  problem = private_problem(Path(place))
+  if problem is not None:
+    # Its entries are programs (machine code, and pickles in the step store) that this run
+    # would execute: anyone who can write there could run code in every later job.
+    print(
+      f"jaxtune: the compilation cache is off for this run: {problem}, so the programs it "
+      "holds could be anyone's; make it this user's alone (chmod go-w) or set "
+      f"${CACHE_VAR} to a directory of your own.",
+      file=sys.stderr,
+      flush=True,
+    )
+    jax.config.update("jax_compilation_cache_dir", None)  # JAX's own setting may name it
+    return None
   jax.config.update("jax_compilation_cache_dir", place)
   if os.environ.get(STORE_VAR, "1") != "0":
     _store_dir = Path(place) / STORE_NAME

@@ -826,7 +826,8 @@ def test_the_step_store_reads_a_chosen_step_back_without_tracing_or_choosing(
   choose(identity=None)  # no identity: not kept
   assert len(built) == 7 and len(list(store.glob("*.step"))) == 6
 
-  # A damaged entry: one line, removed, compiled anew and kept again.
+  # A damaged entry: never unpickled (its HMAC fails), kept aside with one line, compiled
+  # anew and kept again.
   entry = max(store.glob("*.step"), key=lambda p: p.stat().st_mtime_ns)  # remat full's
   data = bytearray(entry.read_bytes())
   data[len(data) // 2] ^= 0xFF
@@ -834,10 +835,13 @@ def test_the_step_store_reads_a_chosen_step_back_without_tracing_or_choosing(
   capsys.readouterr()
   choose(runtime=Runtime(remat="full"))
   assert len(built) == 8 and entry.exists()  # kept again, whole
+  refused = entry.with_name(entry.name + ".refused")
+  assert refused.read_bytes() == bytes(data)
   err = capsys.readouterr().err
   assert re.fullmatch(
-    rf"jaxtune: the step store held an entry that could not be read \({entry.name}: "
-    r"[^\n]+\); compiled anew and removed it\.\n",
+    rf"jaxtune: the step store entry {re.escape(str(entry))} was not read \(it is not signed "
+    r"by this user's key: written by someone else, or damaged\); kept as [^\n]+\.refused, and "
+    r"the step compiled anew\.\n",
     err,
   ), err
   choose(runtime=Runtime(remat="full"))
@@ -849,6 +853,83 @@ def test_the_step_store_reads_a_chosen_step_back_without_tracing_or_choosing(
   choose(identity="a third step")
   kept = list(store.glob("*.step"))
   assert len(kept) == 2 and entry not in kept
+
+
+class _Planted:
+  """A pickle that, when loaded, creates ``marker``: what an adversary plants in a cache."""
+
+  def __init__(self, marker: Path):
+    self.marker = marker
+
+  def __reduce__(self):
+    return (open, (str(self.marker), "w"))
+
+
+def test_a_planted_pickle_in_the_step_store_is_never_loaded(tmp_path, monkeypatch, capsys):
+  """Whatever another user could have written is never unpickled: not a bare pickle, not an
+  entry in the store's format signed without this user's key, not a real entry in a store (or
+  a cache) that others can write, not an entry file others can write; each is refused with
+  one line, kept aside, and the step compiled anew."""
+  import pickle
+
+  cache = tmp_path / "cache"
+  store = cache / plan.STORE_NAME
+  monkeypatch.setattr(plan, "_store_dir", store)
+  devices = [jax.devices()[0]]
+  built: list = []
+
+  def choose():
+    return plan.choose(lambda rt: _store_step(rt, built, True), _store_args(devices),
+                       Runtime(remat="full"), (GIB, "test"), identity="planted")  # fmt: skip
+
+  choose()
+  (entry,) = store.glob("*.step")
+  real = entry.read_bytes()
+  assert (store / plan.KEY_NAME).stat().st_mode & 0o777 == 0o600
+  marker = tmp_path / "pwned"
+  bare = pickle.dumps(_Planted(marker))
+  # The store's own format around the payload, signed with a key the planter guessed.
+  forged = plan._entry_bytes({"plan": [], "devices": [0]}, bare, b"\0" * 32)
+  for planted in (bare, forged):
+    entry.write_bytes(planted)
+    capsys.readouterr()
+    choose()
+    assert not marker.exists()
+    assert entry.with_name(entry.name + ".refused").read_bytes() == planted
+    assert "was not read" in capsys.readouterr().err
+  assert len(built) == 3
+
+  # A real entry of this user's, in places others can write: not read either.
+  for place, mode in ((store, 0o777), (entry, 0o666), (store / plan.KEY_NAME, 0o644)):
+    entry.write_bytes(real)
+    entry.chmod(0o600)
+    place.chmod(mode)
+    choose()
+    place.chmod(0o700 if place == store else 0o600)
+    assert entry.with_name(entry.name + ".refused").read_bytes() == real
+  assert len(built) == 6  # each compiled anew
+  choose()  # (with the key refused the last one was not kept)
+  choose()
+  assert len(built) == 7  # kept in a private store again, and read back
+
+  # The compilation cache itself in a shared directory: off, with one line.
+  shared = tmp_path / "shared"
+  shared.mkdir(mode=0o777)
+  shared.chmod(0o777)
+  saved = jax.config.jax_compilation_cache_dir
+  try:
+    monkeypatch.setenv(plan.CACHE_VAR, str(shared))
+    capsys.readouterr()
+    assert plan.use_compile_cache(True) is None and plan._store_dir is None
+    assert jax.config.jax_compilation_cache_dir is None
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+      rf"jaxtune: the compilation cache is off for this run: {re.escape(str(shared))} is "
+      r"writable by others \(mode 777\)[^\n]+\.\n",
+      err,
+    ), err
+  finally:
+    jax.config.update("jax_compilation_cache_dir", saved)
 
 
 def test_the_step_store_keeps_no_program_with_host_callbacks(tmp_path, monkeypatch):
