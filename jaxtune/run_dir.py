@@ -7,6 +7,7 @@ anything expensive runs, and a record of every start.
   start time, command) so a second run can say which run is using the directory.
 - ``check_place``: ``--out`` (and ``OUT/export``) usable: not a file, on a writable disk.
 - ``check_room``: free space against what the run will write (checkpoints, the export).
+- ``check_links``: no symbolic link inside ``--out`` (a write would follow it outside).
 - ``record_start``: ``OUT/config-history/NNN.yaml``, one per start, with what changed.
 
 Only process 0 of a multi-process run takes the lock and writes the history.
@@ -66,6 +67,38 @@ def _read_only_mount(path: Path) -> bool:
     return False
 
 
+def check_links(out: Path) -> None:
+  """Refuse a run directory holding a symbolic link anywhere inside it: every file jaxtune
+  writes there (lock, metrics, logs, config history, checkpoints, the export) would follow
+  it and write outside ``--out``. (``--out`` itself may be a link: the user named it.)"""
+  for root, dirs, files in os.walk(out):
+    for name in sorted(dirs + files):
+      path = Path(root) / name
+      if path.is_symlink():
+        raise _link_error(path)
+
+
+def _link_error(path: Path) -> UserError:
+  try:
+    target = f" (to {os.readlink(path)})"
+  except OSError:
+    target = ""
+  return UserError(
+    f"{path} is a symbolic link{target}, and jaxtune writes only inside --out, following no "
+    "links there; remove the link, or choose another --out."
+  )
+
+
+def open_append(path: Path):
+  """``path`` opened to append text, refusing to follow a symbolic link (``check_links``)."""
+  try:
+    return open(path, "a", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW, 0o644))
+  except OSError as e:
+    if e.errno == errno.ELOOP:
+      raise _link_error(path) from None
+    raise
+
+
 def free_bytes(path: Path) -> int:
   return shutil.disk_usage(_existing_ancestor(Path(path))).free
 
@@ -121,6 +154,11 @@ class Lock:
     except OSError as e:
       raise UserError(f"cannot write into {self.out} ({e.strerror}); choose another --out.") from e
     self.created = missing
+    try:
+      check_links(self.out)
+    except UserError:
+      self._remove_created()
+      raise
     fd = self._locked_fd()
     previous = _read_holder(fd)
     if previous:
@@ -146,9 +184,11 @@ class Lock:
     between our open and our lock (the lock would then be on a file no one else sees)."""
     while True:
       try:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
       except OSError as e:
         self._remove_created()
+        if e.errno == errno.ELOOP:
+          raise _link_error(self.path) from None
         raise UserError(
           f"cannot write into {self.out} ({e.strerror}); choose another --out."
         ) from e

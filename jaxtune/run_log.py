@@ -18,6 +18,7 @@ from pathlib import Path
 
 import jax
 
+from jaxtune import run_dir
 from jaxtune.run_dir import write_error
 
 
@@ -156,7 +157,7 @@ class RunLog:
     self.trackers = []
     if enabled:
       try:
-        self.metrics = open(self.path, "a")
+        self.metrics = run_dir.open_append(self.path)
         kinds = {"tensorboard": _TensorBoard, "wandb": _WandB}
         self.trackers = [kinds[n](Path(out), config or {}) for n in trackers(report_to)]
       except OSError as e:

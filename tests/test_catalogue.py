@@ -177,6 +177,15 @@ def _remove(w: Work, *names: str) -> list[str]:
   return w.train_args()
 
 
+def _link(w: Work, name: str, target: Path | None = None) -> bool:
+  """OUT/name a symbolic link to a file outside OUT (which the case must leave as it was)."""
+  if target is None:
+    target = w.file("victim.txt", "a file of the user's, outside the run directory\n")
+  w.out.mkdir(exist_ok=True)
+  (w.out / name).symlink_to(target)
+  return True
+
+
 _HELD = []  # locks held by cases (released when the test process ends)
 
 
@@ -875,6 +884,22 @@ CASES = [
     "export-place-is-a-file",
     lambda w: _mkdir(w.out) and w.file("run/export", "notes") and w.train_args("--export", "peft"),
     r"run/export is a file, where the export is written; move it away or choose another --out",
+  ),
+  Case(
+    "out-lock-is-a-symlink",
+    lambda w: _link(w, ".jaxtune.lock") and w.train_args(),
+    r"run/\.jaxtune\.lock is a symbolic link \(to .*victim\.txt\), and jaxtune writes only "
+    r"inside --out, following no links there; remove the link, or choose another --out",
+  ),
+  Case(
+    "out-metrics-is-a-symlink",
+    lambda w: _link(w, "metrics.jsonl") and w.train_args(),
+    r"run/metrics\.jsonl is a symbolic link \(to .*victim\.txt\)",
+  ),
+  Case(
+    "out-checkpoints-is-a-symlink",
+    lambda w: _link(w, "checkpoints", _mkdir(w.root / "elsewhere")) and w.train_args(),
+    r"run/checkpoints is a symbolic link \(to .*elsewhere\)",
   ),
   Case(
     "out-in-use",

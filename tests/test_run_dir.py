@@ -248,3 +248,23 @@ def test_temporaries_of_killed_exports_are_removed(tmp_path):
   removed = export.remove_stale_temporaries(out)
   assert sorted(p.name for p in removed) == [f".export.{dead}-a1.tmp", f".export.{dead}-b2.tmp.old"]
   assert sorted(p.name for p in tmp_path.iterdir()) == [f".export.{alive}-c3.tmp", ".other.1-x.tmp"]
+
+
+def test_metrics_and_lock_never_follow_a_link_made_after_the_check(tmp_path):
+  """The start's check_links aside, the lock and metrics.jsonl are opened refusing to follow
+  a symbolic link (O_NOFOLLOW): a link made later still writes nothing through it."""
+  from jaxtune.errors import UserError
+
+  victim = tmp_path / "victim.txt"
+  victim.write_text("theirs\n")
+  out = tmp_path / "run"
+  out.mkdir()
+  (out / "metrics.jsonl").symlink_to(victim)
+  with pytest.raises(UserError, match=r"metrics\.jsonl is a symbolic link \(to .*victim\.txt\)"):
+    RunLog(out, total_steps=1, report_to="none")
+  (out / "metrics.jsonl").unlink()
+  lock = run_dir.Lock(out)
+  (out / run_dir.LOCK_NAME).symlink_to(victim)
+  with pytest.raises(UserError, match=r"\.jaxtune\.lock is a symbolic link"):
+    lock._locked_fd()
+  assert victim.read_text() == "theirs\n"
