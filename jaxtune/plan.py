@@ -769,7 +769,8 @@ def use_compile_cache(enabled: bool = True) -> Path | None:
   short (a run killed while writing it) is skipped with a warning and compiled anew.
   ``enabled=False`` (``--no-compile-cache``) or an empty ``$JAXTUNE_COMPILE_CACHE`` leave the
   cache off; so does a directory that is not this user's alone (``private_problem``: another
-  user's, or writable by others), with one line: a shared cache would run others' programs. With the cache on, the training step chosen is also kept whole in its directory
+  user's, or writable by others), with one line: a shared cache would run others' programs.
+  With the cache on, the training step chosen is also kept whole in its directory
   ``jaxtune-steps`` (``_StepStore``; ``JAXTUNE_STEP_STORE=0`` keeps the cache only).
   """
   global _store_dir
