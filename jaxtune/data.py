@@ -97,6 +97,17 @@ class Dataset:
     """Rows (sequences of seq_len tokens)."""
     return len(self._ptr) - 1
 
+  def fingerprint(self) -> str:
+    """A digest of every token and label and of the rows' layout: what the batches are made
+    of, so a resumed run can tell whether its data is still the data its checkpoint saw."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{self.seq_len} {self.pairs}".encode())
+    for a in (self._tokens, self._labels, self._starts, self._lengths, self._members, self._ptr):
+      a = np.ascontiguousarray(a)
+      h.update(f"{a.dtype} {a.shape}".encode())
+      h.update(memoryview(a).cast("B"))
+    return h.hexdigest()
+
   @property
   def packed(self) -> bool:
     """Whether some row holds more than one example."""
