@@ -90,10 +90,19 @@ def checksum(state: dict) -> list[list[int]]:
 
 
 class Checkpoints:
-  def __init__(self, directory: str | Path, keep: int = 2, read_only: bool = False):
+  def __init__(
+    self,
+    directory: str | Path,
+    keep: int = 2,
+    read_only: bool = False,
+    data_fingerprint: str | None = None,
+  ):
     """``read_only``: for readers of a run (export, generate), which may run while it trains
-    and must not clean up its checkpoint in progress (nor move a damaged one aside)."""
+    and must not clean up its checkpoint in progress (nor move a damaged one aside).
+    ``data_fingerprint``: the training data's (data.Dataset.fingerprint), saved with every
+    checkpoint so that a resume can tell the data changed (``saved_data_fingerprint``)."""
     _quiet_orbax()
+    self.data_fingerprint = data_fingerprint
     self.directory = Path(directory).absolute()
     self.read_only = read_only
     # Made here (orbax creates it): removed again by close() while no checkpoint is in it.
@@ -128,6 +137,8 @@ class Checkpoints:
     # The data position is the step (batches are a pure function of it: data.Dataset.batch),
     # and for a stream where it stands in the source.
     meta = {"step": step, "data_position": step, "data": data}
+    if self.data_fingerprint is not None:
+      meta["data_fingerprint"] = self.data_fingerprint
     items = {"state": ocp.args.StandardSave(state)}
     summed = state
     if rollout is not None:
@@ -171,6 +182,19 @@ class Checkpoints:
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
+
+  def saved_data_fingerprint(self) -> tuple[int, str] | None:
+    """(step, data fingerprint) of the newest checkpoint, None where it saved none (written
+    before fingerprints were kept, or not readable: restoring it reports that)."""
+    step = self.manager.latest_step()
+    if step is None:
+      return None
+    try:
+      meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+      saved = meta["meta"].get("data_fingerprint")
+    except Exception:  # noqa: BLE001 (restore_latest reports an unreadable checkpoint)
+      return None
+    return None if saved is None else (step, saved)
 
   def restore_latest(self, target: dict) -> tuple[dict, int] | None:
     """(state, step) from the newest checkpoint that reads back, or None when there is none.

@@ -41,6 +41,7 @@ from typing import Any
 import jax
 import jax.extend
 
+from jaxtune.cli import CACHE_HELP  # noqa: F401 (the command lines' --no-compile-cache)
 from jaxtune.errors import UserError, size_text
 from jaxtune.runtime import Runtime
 
@@ -750,11 +751,6 @@ def _listen_for_cache_hits() -> None:
 
 CACHE_GIB = 16  # the cache's size limit
 CACHE_VAR = "JAXTUNE_COMPILE_CACHE"  # a directory for the compiled programs; "" turns it off
-CACHE_HELP = (
-  "compile everything anew: without it, compiled programs are kept in "
-  "~/.cache/jaxtune/xla ($JAXTUNE_COMPILE_CACHE) and a second run, a resume, an export or a "
-  "generate of the same shapes reads them from there"
-)
 
 
 def use_compile_cache(enabled: bool = True) -> Path | None:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from jaxtune.errors import SaveError, UserError, size_text
+from jaxtune.run_config import RunConfig
 
 LOCK_NAME = ".jaxtune.lock"
 
@@ -252,6 +253,20 @@ def _describe(holder: dict | None) -> str:
     return "its holder is unknown"
   where = f"pid {holder.get('pid')} on {holder.get('host')}"
   return f"{where}, started {holder.get('started')}: {holder.get('command')}"
+
+
+def resumed_settings(out: Path, given: dict) -> dict:
+  """A resumed run's settings: those of ``OUT/config.yaml`` (the run as it ran), with the
+  ``given`` ones (flags, a --config file, Python's) over them; check_resume lists and
+  records each that differs. ``given`` steps or epochs replace the saved pair whole."""
+  path = Path(out) / "config.yaml"
+  if not path.is_file():
+    return given  # no saved settings: check_resume says what --resume needs
+  saved = {k: v for k, v in RunConfig.read_yaml(path).items() if k != "out"}
+  if "steps" in given or "epochs" in given:
+    saved.pop("steps", None)
+    saved.pop("epochs", None)
+  return {**saved, **given}
 
 
 def record_start(out: Path, yaml_text: str, header: str) -> Path:

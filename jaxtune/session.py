@@ -282,6 +282,28 @@ def _write_config(run: RunConfig, out: Path) -> None:
   distributed.barrier("jaxtune run directory")
 
 
+def _check_resumed_data(
+  ckpt_dir: Path, fingerprint: str, name: str, previous: checks.Resume, allow_changes: bool
+) -> None:
+  """--resume on data whose tokens differ from those the latest checkpoint trained on (a file
+  changed in place, another tokenizer or format): refused, or with --allow-changes continued
+  and listed among the changes."""
+  ckpts = checkpoint.Checkpoints(ckpt_dir, read_only=True)
+  try:
+    saved = ckpts.saved_data_fingerprint()
+  finally:
+    ckpts.close()
+  if saved is None or saved[1] == fingerprint:
+    return
+  if not allow_changes:
+    raise UserError(
+      f"--resume: the data {name} is not what checkpoint {saved[0]} in {ckpt_dir} trained on "
+      "(its tokens differ: the file changed, or its tokenizer, format or layout did); resume "
+      "with that data, or pass --allow-changes to continue on this data."
+    )
+  previous.changes["data content"] = (saved[1], fingerprint)
+
+
 def _start_header(resume: bool, previous: checks.Resume, allow_changes: bool) -> str:
   """The comment atop this start's config-history file: when, and what changed."""
   when = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -426,6 +448,9 @@ def _run_locked(
   tokenizer = load_tokenizer(model_path)
   checks.check_vocabulary(tokenizer, cfg, model_path)
   dataset, eval_dataset, report = _load_data(run, tokenizer, cfg, data, eval_data)
+  fingerprint = dataset.fingerprint() if isinstance(dataset, data_lib.Dataset) else None
+  if resume and fingerprint is not None:
+    _check_resumed_data(out / "checkpoints", fingerprint, report.name, previous, allow_changes)
   run = run.replace(seq_len=dataset.seq_len, steps=_steps(run, dataset))
   packed = getattr(dataset, "packed", False) or (eval_dataset is not None and eval_dataset.packed)
   rt = runtime.resolve(run.replace(batch_size=per_step), cfg, packed=packed)
@@ -485,7 +510,7 @@ def _run_locked(
     )
 
   ckpt_dir = out / "checkpoints"
-  ckpts = checkpoint.Checkpoints(ckpt_dir, keep=run.keep_checkpoints)
+  ckpts = checkpoint.Checkpoints(ckpt_dir, keep=run.keep_checkpoints, data_fingerprint=fingerprint)
   sample_fn = make_sample_fn(prompts, tokenizer)
   was_steps = previous.saved.steps if previous.saved is not None else None
   try:
@@ -562,7 +587,10 @@ def train(
         "config must be a RunConfig, a YAML path or a dict of settings, got "
         f"{type(config).__name__}."
       )
-    run = RunConfig.from_settings({**base, **settings})
+    given = {**base, **settings}
+    if resume:  # the run's own config.yaml first, as on the command line
+      given = run_dir.resumed_settings(Path(given.get("out", RunConfig.out)), given)
+    run = RunConfig.from_settings(given)
   if isinstance(data, str | Path):
     run, data = run.replace(data=str(data)), None
   if isinstance(eval_data, str | Path):

@@ -30,6 +30,29 @@ def test_help_documents_every_setting():
     assert flag in text
 
 
+def test_help_renders_before_jax_is_imported():
+  """`python -m jaxtune.train --help` answers from argparse alone (JAX and the trainer are
+  imported after parsing), and every help string renders: a bare % in one would make
+  argparse paste its own action into the text, or fail."""
+  import subprocess
+  import sys
+
+  code = (
+    "import sys, contextlib, io\n"
+    "from jaxtune.train import main\n"
+    "buf = io.StringIO()\n"
+    "with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit): main(['--help'])\n"
+    "print(sorted(m for m in ('jax', 'jaxtune.session', 'jaxtune.trainer') if m in sys.modules))\n"
+    "print(buf.getvalue())\n"
+  )
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  first, text = proc.stdout.split("\n", 1)
+  assert first == "[]", first
+  assert "--remat" in text and "~3% slower than full" in text
+  for bad in ("%(", "{'", "'option_strings'"):
+    assert bad not in text, bad
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_configs_parse(path):
   run = RunConfig.from_yaml(path)

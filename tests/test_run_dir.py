@@ -268,3 +268,39 @@ def test_metrics_and_lock_never_follow_a_link_made_after_the_check(tmp_path):
   with pytest.raises(UserError, match=r"\.jaxtune\.lock is a symbolic link"):
     lock._locked_fd()
   assert victim.read_text() == "theirs\n"
+
+
+def test_resume_reads_the_runs_config_and_knows_its_data(tmp_path, capsys):
+  """`--out RUN --resume` alone continues a run started with --model and --data (their values
+  from OUT/config.yaml); the same data path with other content is refused (its tokens differ)
+  with nothing changed, and --allow-changes continues on it and records the change."""
+  from jaxtune import default_model
+
+  data = tmp_path / "data.jsonl"
+  lines = default_model.DATASET.read_text().splitlines()
+  data.write_text("\n".join(lines) + "\n")
+  out = tmp_path / "run"
+  model = str(default_model.ensure_default_checkpoint())
+  assert train_main(["--out", str(out), "--model", model, "--data", str(data), *FLAGS,
+                     "--steps", "2"]) == 0  # fmt: skip
+  capsys.readouterr()
+  assert train_main(["--out", str(out), "--resume", "--steps", "3"]) == 0
+  said = capsys.readouterr()
+  assert "resuming from step 2 of 3" in said.err and "trained steps 3-3 of 3" in said.out
+  assert f"data {data}:" in said.out
+
+  data.write_text("\n".join(reversed(lines)) + "\n")  # the same path, the lines reversed
+  before = _snapshot(tmp_path)
+  assert train_main(["--out", str(out), "--resume", "--steps", "4"]) == 2
+  line = _one_sentence(capsys.readouterr().err)
+  assert line == (
+    f"error: --resume: the data {data} is not what checkpoint 3 in {out / 'checkpoints'} "
+    "trained on (its tokens differ: the file changed, or its tokenizer, format or layout did); "
+    "resume with that data, or pass --allow-changes to continue on this data."
+  )
+  assert _snapshot(tmp_path) == before
+
+  assert train_main(["--out", str(out), "--resume", "--steps", "4", "--allow-changes"]) == 0
+  capsys.readouterr()
+  history = sorted((out / "config-history").iterdir())[-1].read_text()
+  assert "# changed data content: '" in history
