@@ -53,7 +53,8 @@ def make_optimizer(
   run: RunConfig, numbers: dict[str, Any] | None = None
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """AdamW on the adapters, after clipping by the global norm, with the run's schedule (a
-  linear warmup from 0, then ``run.schedule``'s decay): (transformation, schedule).
+  linear warmup from lr / (warmup + 1), then ``run.schedule``'s decay): (transformation,
+  schedule).
   ``numbers``: ``optimizer_numbers(run)`` (the default), or the training step's argument of
   that form (traced), so that no number of them is a constant of the step's program. (A
   weight decay of 0 is then added as 0 x the adapters, where optax skips a Python 0: the same
@@ -80,7 +81,8 @@ def host_learning_rate(
 
 
 def _learning_rate(kind: str, numbers: dict[str, Any], xp: Any, count: Any) -> Any:
-  """The learning rate at step ``count``: optax's join of linear_schedule(0, lr, warmup) and
+  """The learning rate at step ``count``: optax's join of linear_schedule(lr / (warmup + 1), lr,
+  warmup) (step k of the warmup at lr (k + 1) / (warmup + 1)) and
   cosine_decay_schedule(lr, decay_steps), linear_schedule(lr, 0, decay_steps) or
   constant_schedule(lr), written out with the numbers as arrays (optax's schedules take Python
   numbers: they branch on them), in optax's operations and order (tests compare them), in
@@ -88,7 +90,9 @@ def _learning_rate(kind: str, numbers: dict[str, Any], xp: Any, count: Any) -> A
   lr, warmup, decay = numbers["learning_rate"], numbers["warmup"], numbers["decay_steps"]
   f32 = lambda x: xp.asarray(x, xp.float32)  # noqa: E731  (jnp divides integers so)
   up = f32(xp.clip(count, 0, warmup))
-  warm = (0.0 - lr) * (1 - up / f32(xp.maximum(warmup, 1))) + lr  # warmup 0: never taken
+  # From lr / (warmup + 1), not 0: the first step trains (HF's warmup spends it at 0).
+  first = f32(lr) / f32(warmup + 1)
+  warm = (first - lr) * (1 - up / f32(xp.maximum(warmup, 1))) + lr  # warmup 0: never taken
   t = count - warmup
   if kind == "cosine":
     t = f32(xp.minimum(t, decay))

@@ -71,12 +71,12 @@ def test_resume_takes_over_a_stale_lock_compares_settings_and_records_each_start
   assert not (out / run_dir.LOCK_NAME).exists()
 
   # Longer: the schedule is rebuilt over 4 steps (warmup min(10, 3) = 3 steps: step 3 gets
-  # 2/3 of the default run's 2e-3), and the line says so.
+  # 3/4 of the default run's 2e-3), and the line says so.
   assert train_main([*run, "--steps", "4", "--resume"]) == 0
   said = capsys.readouterr()
   assert (
     "jaxtune: resuming from step 2 of 4; the cosine schedule continues at learning rate "
-    "0.00133 (the run was for 2 steps, where step 3 had 0: the schedule now spans 4 steps)."
+    "0.0015 (the run was for 2 steps, where step 3 had 0: the schedule now spans 4 steps)."
   ) in said.err
   assert "trained steps 3-4 of 4" in said.out
   history = sorted((out / "config-history").iterdir())
