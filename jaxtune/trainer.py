@@ -73,6 +73,7 @@ class StopSignals:
 
   def __init__(self):
     self.signum: int | None = None
+    self.step: int | None = None  # the step in progress (dispatched), which the loop sets
     self._previous = {}
 
   def __enter__(self):
@@ -92,8 +93,9 @@ class StopSignals:
       os.kill(os.getpid(), signum)
       return
     self.signum = signum
+    which = "the step in progress" if self.step is None else f"step {self.step}, in progress"
     print(
-      f"\njaxtune: {signal.Signals(signum).name} received; saving a checkpoint after this step, "
+      f"\njaxtune: {signal.Signals(signum).name} received; saving a checkpoint after {which}, "
       "then stopping (send it again to stop at once).",
       file=sys.stderr,
       flush=True,
@@ -280,6 +282,12 @@ def train(
 
   try:
     for i in range(start, run.steps):
+      if stop is not None and stop.signum is not None and i > start and jax.process_count() == 1:
+        # A signal that came after the last check, before this step is dispatched: stop at
+        # the step the message named. (Several processes agree once a step, below.)
+        read_pending()
+        save(i)
+        raise Stopped(stop.signum, i, checkpoints is not None)
       t0 = time.perf_counter()
       batch, first = first if first is not None else next_batch(i), None
       rolled = figures
@@ -287,6 +295,8 @@ def train(
       lora, opt_state, m = step_fn(
         lora, opt_state, frozen, batch, jax.random.fold_in(key, i), numbers
       )
+      if stop is not None:
+        stop.step = i + 1
       if prefetch and i + 1 < run.steps:  # built on the host while the device runs step i
         first = next_batch(i + 1)
       read_pending()

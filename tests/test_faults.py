@@ -317,7 +317,7 @@ def test_checkpoint_of_other_shapes_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_signals_ask_the_loop_to_stop_after_saving(hf_llama_dir, tmp_path):
+def test_signals_ask_the_loop_to_stop_after_saving(hf_llama_dir, tmp_path, capsys):
   """SIGINT (Ctrl-C) as SIGTERM: the handler only records it; the loop saves and raises."""
   from test_train import _dataset, _tiny_dir
 
@@ -338,6 +338,25 @@ def test_signals_ask_the_loop_to_stop_after_saving(hf_llama_dir, tmp_path):
     one = runtime.resolve(run, model.config, devices=jax.devices()[:1])
     trainer.train(model, _dataset(), run, one, ckpts, stop=stop)  # the signal already came
   assert info.value.saved and ckpts.latest_step() == 1
+
+  # Mid-run (Ctrl-C while a batch is made): the message names the step in progress, and the
+  # run stops right after it, not a step later.
+  dataset, batch = _dataset(), None
+  batch = dataset.batch
+
+  def batch_then_signal(i, *args):
+    if i == 3:
+      os.kill(os.getpid(), signal.SIGINT)
+    return batch(i, *args)
+
+  dataset.batch = batch_then_signal
+  model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float32"), rank=4)
+  ckpts = checkpoint.Checkpoints(tmp_path / "again")
+  with trainer.StopSignals() as stop, pytest.raises(trainer.Stopped) as info:
+    trainer.train(model, dataset, run, one, ckpts, stop=stop)
+  said = capsys.readouterr().err
+  named = int(re.search(r"saving a checkpoint after step (\d+), in progress", said)[1])
+  assert info.value.step == named and ckpts.latest_step() == named
 
 
 def test_export_is_atomic_and_replaces_only_when_asked(hf_llama_dir, tmp_path, monkeypatch):
