@@ -10,7 +10,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from types import EllipsisType
 from typing import Any, NamedTuple
@@ -353,7 +353,18 @@ def _summary(history: list[dict], start_time: float, out: Path, run: RunConfig) 
       else f"reward accuracy {last['eval_reward_accuracy']:.3f}"
     )
     parts.append(f"eval loss {last['eval_loss']:.4f} ({how})")
-  parts.append(f"{tokens:,} trained tokens")
+  processed = [r for r in train if "processed_tokens" in r]
+  if processed:
+    # tok/s counts processed tokens (the progress line's figure), past the first step's
+    # compile where there is more than one step.
+    timed = processed[1:] or processed
+    rate = sum(r["processed_tokens"] for r in timed) / sum(
+      r["processed_tokens"] / r["tokens_per_s"] for r in timed
+    )
+    total = sum(r["processed_tokens"] for r in processed)
+    parts.append(f"{total:,} tokens processed ({rate:,.0f} tok/s), {tokens:,} of them trained")
+  else:
+    parts.append(f"{tokens:,} trained tokens")
   where = [f"checkpoints in {out / 'checkpoints'}", f"metrics in {out / 'metrics.jsonl'}"]
   if run.export:
     where.append(f"{run.export} export in {out / 'export'}")
@@ -395,15 +406,18 @@ def run_training(
   eval_data: Any = None,
   command: str | None = None,
   allow_changes: bool = False,
+  given: Collection[str] | None = None,
 ) -> Trained:
   """Train as ``run`` says (``resume``: from OUT/checkpoints); returns (OUT, model).
 
   ``data``/``eval_data``: examples given as objects (a datasets.Dataset, an iterable of dicts)
   in place of run.data/run.eval_data. ``command``: how the run was started, for the model card.
   ``allow_changes``: resume even where the settings differ from the saved run's.
+  ``given``: the settings the user gave (None: those that differ from RunConfig's defaults);
+  on a CPU-only machine the others of CPU_DEFAULTS are the laptop's (said on the start line).
   One run at a time holds OUT (``run_dir.Lock``).
   """
-  run = run.checked()
+  run, laptop = _cpu_defaults(run.checked(), given)
   checks.check_data_settings(run, given=data is not None)
   checks.check_export_settings(run)
   checks.check_report_to(run)
@@ -421,7 +435,31 @@ def run_training(
     if isinstance(lock, run_dir.Lock) and lock.took_over:
       say(f"jaxtune: took over {out} from a run that is no longer running ({lock.took_over})")
     previous = checks.check_resume(run, out, model_path, resume, allow_changes)
-    return _run_locked(previous, resume, model_path, data, eval_data, command, allow_changes)
+    return _run_locked(
+      previous, resume, model_path, data, eval_data, command, allow_changes, laptop
+    )
+
+
+# A real model's settings on a machine without an accelerator, where the user set none of
+# them: RunConfig's are sized for a GPU (SmolLM2-135M, 40 steps: a 35-minute first ETA on a
+# laptop); these make a step a few seconds there (README, "Try it on a laptop").
+CPU_DEFAULTS = {"batch_size": 2, "seq_len": 256}
+
+
+def _cpu_defaults(run: RunConfig, given: Collection[str] | None) -> tuple[RunConfig, str]:
+  """(run, note for the start line): CPU_DEFAULTS for what ``given`` leaves unset, when a real
+  model trains on CPUs alone."""
+  if run.model is None or jax.default_backend() != "cpu":
+    return run, ""
+  if given is None:
+    given = {f.name for f in dataclasses.fields(run) if getattr(run, f.name) != f.default}
+  changes = {k: v for k, v in CPU_DEFAULTS.items() if k not in given}
+  if "batch_size" in changes and run.grad_accum > 1:
+    changes.pop("batch_size")  # the user's micro-batching decides the batch
+  if not changes:
+    return run, ""
+  shown = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in changes.items())
+  return run.replace(**changes).checked(), f" (CPU only: {shown}, set them to override)"
 
 
 def _run_locked(
@@ -432,6 +470,7 @@ def _run_locked(
   eval_data: Any,
   command: str | None,
   allow_changes: bool,
+  laptop: str = "",
 ) -> Trained:
   t_start = time.perf_counter()
   run, out = previous.run, Path(previous.run.out)
@@ -494,6 +533,7 @@ def _run_locked(
     f"{run.steps} steps{epochs}, "
     + (f"{_method(run)}, " if run.method != "sft" else "")
     + f"mesh {rt.mesh_shape} on {jax.device_count()} {jax.devices()[0].platform} device(s)"
+    + laptop
     + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
   )
 
@@ -573,6 +613,7 @@ def train(
   Hub dataset id, a ``datasets.Dataset`` or an iterable of dicts. Returns ``(run_dir,
   model)``; a mistake raises ``jaxtune.UserError`` (one sentence) before anything is written.
   """
+  given = None  # a RunConfig: its settings that differ from the defaults (run_training)
   if isinstance(config, RunConfig):
     run = config.replace(**settings)
   else:
@@ -587,14 +628,14 @@ def train(
         "config must be a RunConfig, a YAML path or a dict of settings, got "
         f"{type(config).__name__}."
       )
-    given = {**base, **settings}
+    chosen = {**base, **settings}
     if resume:  # the run's own config.yaml first, as on the command line
-      given = run_dir.resumed_settings(Path(given.get("out", RunConfig.out)), given)
-    run = RunConfig.from_settings(given)
+      chosen = run_dir.resumed_settings(Path(chosen.get("out", RunConfig.out)), chosen)
+    run, given = RunConfig.from_settings(chosen), set(chosen)
   if isinstance(data, str | Path):
     run, data = run.replace(data=str(data)), None
   if isinstance(eval_data, str | Path):
     run, eval_data = run.replace(eval_data=str(eval_data)), None
   return run_training(
-    run, resume=resume, data=data, eval_data=eval_data, allow_changes=allow_changes
+    run, resume=resume, data=data, eval_data=eval_data, allow_changes=allow_changes, given=given
   )

@@ -22,7 +22,9 @@ from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 
 if __name__ == "__main__":  # the command line: XLA's C++ warnings only when asked (before jax)
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  # (3: ERROR too, where XLA prints banners such as "Very slow compile?"; a failure still
+  # raises in Python with its traceback)
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 # Only light modules here: --help and a bad flag answer before JAX and the trainer import
 # (~0.1 s against ~28 s); main imports the rest once the arguments parse.
@@ -190,9 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
-def resolve_config(argv: Sequence[str] | None = None) -> tuple[RunConfig, bool]:
-  """The run's settings (YAML, then flags) and whether to resume; RunConfigError if wrong.
-  (``--allow-changes``: ``build_parser().parse_args``.)"""
+def given_settings(argv: Sequence[str] | None = None) -> tuple[dict, bool]:
+  """The settings the user gave (a --config file, then flags; for --resume over the run's
+  own config.yaml) and whether to resume; RunConfigError if wrong."""
   args = build_parser().parse_args(argv)
   settings = RunConfig.read_yaml(args.config) if args.config else {}
   overrides = {
@@ -203,7 +205,14 @@ def resolve_config(argv: Sequence[str] | None = None) -> tuple[RunConfig, bool]:
   settings = {**settings, **overrides}
   if args.resume:  # the run's own config.yaml first: `--out RUN --resume` is enough
     settings = run_dir.resumed_settings(Path(settings.get("out", RunConfig.out)), settings)
-  return RunConfig.from_settings(settings).checked(), args.resume
+  return settings, args.resume
+
+
+def resolve_config(argv: Sequence[str] | None = None) -> tuple[RunConfig, bool]:
+  """The run's settings (YAML, then flags) and whether to resume; RunConfigError if wrong.
+  (``--allow-changes``: ``build_parser().parse_args``.)"""
+  settings, resume = given_settings(argv)
+  return RunConfig.from_settings(settings).checked(), resume
 
 
 HOST_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
@@ -277,7 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   run_log.quiet_third_party()
   try:
-    run, resume = resolve_config(argv)
+    given, resume = given_settings(argv)
+    run = RunConfig.from_settings(given).checked()
     allow_changes = flags.allow_changes
     if allow_changes and not resume:
       raise UserError("--allow-changes is for --resume; pass --resume too, or drop it.")
@@ -288,7 +298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = shlex.join(
       ["python", "-m", "jaxtune.train", *(sys.argv[1:] if argv is None else argv)]
     )
-    out, _ = run_training(run, resume=resume, command=command, allow_changes=allow_changes)
+    out, _ = run_training(
+      run, resume=resume, command=command, allow_changes=allow_changes, given=set(given)
+    )
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -461,8 +461,9 @@ def _row(i: int, m: dict, learning_rate, tokens: int, t0: float) -> dict:
     "loss": loss,
     "lr": learning_rate(i),
     "grad_norm": float(m["grad_norm"]),
-    "tokens": int(m["tokens"]),
-    "tokens_per_s": tokens / (time.perf_counter() - t0),
+    "tokens": int(m["tokens"]),  # trained: those the loss is on
+    "processed_tokens": tokens,  # every position of the batch, padding and prompts too
+    "tokens_per_s": tokens / (time.perf_counter() - t0),  # processed
     **{k: float(v) for k, v in m.items() if k not in _STEP_KEYS},
   }
 

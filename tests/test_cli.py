@@ -90,7 +90,9 @@ def test_flags_override_yaml(tmp_path):
 def test_unknown_yaml_key_is_named(tmp_path):
   bad = tmp_path / "bad.yaml"
   bad.write_text("steps: 3\nlearning_rte: 0.1\n")
-  with pytest.raises(RunConfigError, match="unknown run setting.*learning_rte"):
+  with pytest.raises(
+    RunConfigError, match="unknown setting 'learning_rte'; did you mean 'learning_rate'"
+  ):
     RunConfig.from_yaml(bad)
 
 
@@ -109,3 +111,20 @@ def test_fused_attention_equals_xla_for_one_document_per_row():
   real = np.asarray(seg).astype(bool)  # outputs at padding positions are never used
   np.testing.assert_allclose(np.asarray(fused)[real], np.asarray(xla)[real], rtol=1e-5, atol=1e-5)
   assert jax.default_backend() == "cpu"
+
+
+def test_a_real_model_on_cpus_alone_gets_a_laptops_batch_and_length():
+  """On a machine without an accelerator (this one), a real model's run takes CPU_DEFAULTS
+  for what the user left unset, and says so; what the user set stays; the built-in default
+  run keeps its own settings."""
+  from jaxtune import session
+
+  run, note = session._cpu_defaults(RunConfig(model="org/name").checked(), set())
+  assert (run.batch_size, run.seq_len) == (2, 256)
+  assert note == " (CPU only: --batch-size 2, --seq-len 256, set them to override)"
+  run, note = session._cpu_defaults(RunConfig(model="m", batch_size=8).checked(), {"batch_size"})
+  assert (run.batch_size, run.seq_len) == (8, 256) and "--batch-size" not in note
+  mine = RunConfig(model="m", batch_size=6, seq_len=512).checked()
+  assert session._cpu_defaults(mine, None) == (mine, "")  # differs from the defaults: given
+  toy = RunConfig().checked()
+  assert session._cpu_defaults(toy, set()) == (toy, "")
