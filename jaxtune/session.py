@@ -198,15 +198,16 @@ def make_sample_fn(
   return sample
 
 
-def _load_data(run: RunConfig, tokenizer, cfg: ModelConfig, data: Any, eval_data: Any):
+def _load_data(run: RunConfig, tokenizer, positions: int, data: Any, eval_data: Any):
   """(training rows, held-out rows or None, report); ``data``/``eval_data`` stand for
-  run.data/run.eval_data when given as objects (jaxtune.train)."""
+  run.data/run.eval_data when given as objects (jaxtune.train); ``positions``: the longest
+  row the model (and on CPUs, the laptop's cap) allows."""
   data = run.data or default_model.DATASET if data is None else data
   eval_data = run.eval_data if eval_data is None else eval_data
   if run.method == "grpo":  # prompts; completions come from the model as it trains
     prompts = rl.Prompts(
       data, tokenizer, seq_len=run.seq_len, max_new_tokens=run.max_new_tokens,
-      max_positions=cfg.max_position_embeddings, config=run.data_config, split=run.data_split,
+      max_positions=positions, config=run.data_config, split=run.data_split,
       columns=run.data_columns,
     )  # fmt: skip
     return prompts, None, prompts
@@ -218,7 +219,7 @@ def _load_data(run: RunConfig, tokenizer, cfg: ModelConfig, data: Any, eval_data
     train_on_prompt=run.train_on_prompt,
     pack=run.packing,
     long_examples=run.long_examples,
-    max_positions=cfg.max_position_embeddings,
+    max_positions=positions,
   )
   if run.data_streaming:
     dataset = data_lib.StreamingDataset(
@@ -280,6 +281,15 @@ def _write_config(run: RunConfig, out: Path) -> None:
       tmp.unlink(missing_ok=True)
       raise run_dir.write_error(out / "config.yaml", e) from e
   distributed.barrier("jaxtune run directory")
+
+
+def _setting_text(value: Any) -> str:
+  """A setting as the command line spells it (None: none; a tuple: comma-separated)."""
+  if value is None:
+    return "none"
+  if isinstance(value, tuple | list):
+    return ",".join(map(str, value))
+  return str(value)
 
 
 def _check_resumed_data(
@@ -442,24 +452,34 @@ def run_training(
 
 # A real model's settings on a machine without an accelerator, where the user set none of
 # them: RunConfig's are sized for a GPU (SmolLM2-135M, 40 steps: a 35-minute first ETA on a
-# laptop); these make a step a few seconds there (README, "Try it on a laptop").
-CPU_DEFAULTS = {"batch_size": 2, "seq_len": 256}
+# laptop); these make a step a few seconds there (README, "Try it on a laptop"): two rows a
+# device, and rows of at most CPU_SEQ_LEN tokens where the length is chosen from the data.
+CPU_ROWS_PER_DEVICE, CPU_SEQ_LEN = 2, 256
 
 
 def _cpu_defaults(run: RunConfig, given: Collection[str] | None) -> tuple[RunConfig, str]:
-  """(run, note for the start line): CPU_DEFAULTS for what ``given`` leaves unset, when a real
-  model trains on CPUs alone."""
+  """(run, note for the start line): the CPU's batch, and its cap on the chosen seq-len
+  (``run.seq_len`` None: ``cpu_seq_cap``), for what ``given`` leaves unset, when a real model
+  trains on CPUs alone."""
   if run.model is None or jax.default_backend() != "cpu":
     return run, ""
   if given is None:
     given = {f.name for f in dataclasses.fields(run) if getattr(run, f.name) != f.default}
-  changes = {k: v for k, v in CPU_DEFAULTS.items() if k not in given}
-  if "batch_size" in changes and run.grad_accum > 1:
-    changes.pop("batch_size")  # the user's micro-batching decides the batch
-  if not changes:
+  notes = []
+  batch = CPU_ROWS_PER_DEVICE * jax.device_count()
+  if "batch_size" not in given and run.grad_accum == 1 and batch < run.batch_size:
+    run = run.replace(batch_size=batch).checked()
+    notes.append(f"--batch-size {batch}")
+  if "seq_len" not in given and run.seq_len is None:
+    notes.append(f"--seq-len at most {CPU_SEQ_LEN}")
+  if not notes:
     return run, ""
-  shown = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in changes.items())
-  return run.replace(**changes).checked(), f" (CPU only: {shown}, set them to override)"
+  return run, f" (CPU only: {', '.join(notes)}; set them to override)"
+
+
+def cpu_seq_cap(run: RunConfig, laptop: str) -> int | None:
+  """The cap _cpu_defaults noted on the chosen seq-len, or None."""
+  return CPU_SEQ_LEN if "--seq-len at most" in laptop and run.seq_len is None else None
 
 
 def _run_locked(
@@ -486,7 +506,8 @@ def _run_locked(
   runtime.resolve(run.replace(batch_size=per_step), cfg, packed=run.packing)  # refusals first
   tokenizer = load_tokenizer(model_path)
   checks.check_vocabulary(tokenizer, cfg, model_path)
-  dataset, eval_dataset, report = _load_data(run, tokenizer, cfg, data, eval_data)
+  positions = min(cfg.max_position_embeddings, cpu_seq_cap(run, laptop) or 1 << 62)
+  dataset, eval_dataset, report = _load_data(run, tokenizer, positions, data, eval_data)
   fingerprint = dataset.fingerprint() if isinstance(dataset, data_lib.Dataset) else None
   if resume and fingerprint is not None:
     _check_resumed_data(out / "checkpoints", fingerprint, report.name, previous, allow_changes)
@@ -512,7 +533,9 @@ def _run_locked(
       model_card.write_run_info(out, command or _python_command(run), run.model, given, hardware)
 
   if previous.changes and resume:
-    changed = ", ".join(f"{k} {v[0]} -> {v[1]}" for k, v in previous.changes.items())
+    changed = ", ".join(
+      f"{k} {_setting_text(v[0])} -> {_setting_text(v[1])}" for k, v in previous.changes.items()
+    )
     say(f"jaxtune: resuming with changed settings: {changed}")
   say(f"jaxtune: {report.line()}")
   rows = "" if run.data_streaming else f"{len(dataset)} rows of {run.seq_len} tokens, "

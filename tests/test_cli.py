@@ -114,17 +114,17 @@ def test_fused_attention_equals_xla_for_one_document_per_row():
 
 
 def test_a_real_model_on_cpus_alone_gets_a_laptops_batch_and_length():
-  """On a machine without an accelerator (this one), a real model's run takes CPU_DEFAULTS
-  for what the user left unset, and says so; what the user set stays; the built-in default
-  run keeps its own settings."""
+  """On a machine without an accelerator (this one, with 8 CPU devices), a real model's run
+  takes two rows a device and rows of at most 256 tokens where the user left them unset, and
+  says so; what the user set stays; the built-in default run keeps its own settings."""
   from jaxtune import session
 
-  run, note = session._cpu_defaults(RunConfig(model="org/name").checked(), set())
-  assert (run.batch_size, run.seq_len) == (2, 256)
-  assert note == " (CPU only: --batch-size 2, --seq-len 256, set them to override)"
-  run, note = session._cpu_defaults(RunConfig(model="m", batch_size=8).checked(), {"batch_size"})
-  assert (run.batch_size, run.seq_len) == (8, 256) and "--batch-size" not in note
-  mine = RunConfig(model="m", batch_size=6, seq_len=512).checked()
+  run, note = session._cpu_defaults(RunConfig(model="org/name", batch_size=32).checked(), set())
+  assert (run.batch_size, run.seq_len, session.cpu_seq_cap(run, note)) == (16, None, 256)
+  assert note == " (CPU only: --batch-size 16, --seq-len at most 256; set them to override)"
+  run, note = session._cpu_defaults(RunConfig(model="m", batch_size=32).checked(), {"batch_size"})
+  assert run.batch_size == 32 and note == " (CPU only: --seq-len at most 256; set them to override)"
+  mine = RunConfig(model="m", batch_size=64, seq_len=512).checked()
   assert session._cpu_defaults(mine, None) == (mine, "")  # differs from the defaults: given
   toy = RunConfig().checked()
   assert session._cpu_defaults(toy, set()) == (toy, "")

@@ -282,11 +282,12 @@ def test_resume_reads_the_runs_config_and_knows_its_data(tmp_path, capsys):
   out = tmp_path / "run"
   model = str(default_model.ensure_default_checkpoint())
   assert train_main(["--out", str(out), "--model", model, "--data", str(data), *FLAGS,
-                     "--steps", "2"]) == 0  # fmt: skip
+                     "--steps", "2", "--export", "peft"]) == 0  # fmt: skip
   capsys.readouterr()
-  assert train_main(["--out", str(out), "--resume", "--steps", "3"]) == 0
+  assert train_main(["--out", str(out), "--resume", "--steps", "3", "--export", "none"]) == 0
   said = capsys.readouterr()
   assert "resuming from step 2 of 3" in said.err and "trained steps 3-3 of 3" in said.out
+  assert "resuming with changed settings: steps 2 -> 3, export peft -> none\n" in said.out
   assert f"data {data}:" in said.out
 
   data.write_text("\n".join(reversed(lines)) + "\n")  # the same path, the lines reversed
