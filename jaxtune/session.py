@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import re
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -659,6 +660,29 @@ def train(
     run, data = run.replace(data=str(data)), None
   if isinstance(eval_data, str | Path):
     run, eval_data = run.replace(eval_data=str(eval_data)), None
-  return run_training(
-    run, resume=resume, data=data, eval_data=eval_data, allow_changes=allow_changes, given=given
-  )
+  try:
+    return run_training(
+      run, resume=resume, data=data, eval_data=eval_data, allow_changes=allow_changes, given=given
+    )
+  except UserError as e:  # the sentence names the settings as this caller spells them
+    e.args = (python_names(str(e)),)
+    raise
+
+
+_FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
+
+
+def python_names(sentence: str) -> str:
+  """A command line's sentence with each flag of a run setting spelled as jaxtune.train's
+  keyword (``--batch-size`` -> ``batch_size``; ``--resume`` -> ``resume=True``)."""
+  names = {f.name for f in dataclasses.fields(RunConfig)}
+  switches = {"resume": "resume=True", "allow-changes": "allow_changes=True"}
+
+  def spelled(m: re.Match) -> str:
+    flag = m[1]
+    if flag in switches:
+      return switches[flag]
+    name = flag.replace("-", "_")
+    return name if name in names else m[0]
+
+  return _FLAG.sub(spelled, sentence)

@@ -128,3 +128,16 @@ def test_a_real_model_on_cpus_alone_gets_a_laptops_batch_and_length():
   assert session._cpu_defaults(mine, None) == (mine, "")  # differs from the defaults: given
   toy = RunConfig().checked()
   assert session._cpu_defaults(toy, set()) == (toy, "")
+
+
+def test_the_python_apis_sentences_name_settings_as_keywords():
+  from jaxtune.session import python_names
+
+  assert python_names(
+    "--resume: the checkpoints were trained with --batch-size 8; pass --allow-changes, or "
+    "fix --no-such-flag and --lora-targets."
+  ) == (
+    "resume=True: the checkpoints were trained with batch_size 8; pass allow_changes=True, or "
+    "fix --no-such-flag and lora_targets."
+  )
+  assert python_names("seq-len 256 and e--mesh") == "seq-len 256 and e--mesh"

@@ -331,5 +331,6 @@ def test_training_with_ranks_per_layer_keeps_the_masked_columns_off(tmp_path):
   config = json.loads((run_dir / "export" / "adapter_config.json").read_text())
   assert config["rank_pattern"]["model.layers.1.self_attn.q_proj"] == 2
   assert config["rank_pattern"]["model.layers.0.mlp.down_proj"] == 8
-  with pytest.raises(UserError, match="--lora-rank-pattern: pattern key 'layers.9' names layer 9"):
+  # From Python the sentence names the setting as the keyword it was given by.
+  with pytest.raises(UserError, match="^lora_rank_pattern: pattern key 'layers.9' names layer 9"):
     jaxtune.train(out=str(tmp_path / "bad"), steps=1, lora_rank_pattern="layers.9=4")
