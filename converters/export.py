@@ -2,13 +2,15 @@
 
 The export is written into a temporary directory beside ``out`` and renamed into place when
 complete, so a failed or interrupted export never leaves a half-written model; an existing,
-non-empty ``out`` is replaced only with ``overwrite``.
+non-empty ``out`` is replaced only with ``overwrite``. A killed export's temporary directory
+is removed by the next export into the same place.
 """
 
 import errno
 import glob
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING
 from safetensors import SafetensorError
 
 from converters.gguf_out import export_gguf
-from converters.hf_out import export_bnb4, export_merged, export_peft
+from converters.hf_out import MERGE_INTO, export_bnb4, export_merged, export_peft
 from jaxtune.errors import ExportError
 
 if TYPE_CHECKING:
@@ -80,8 +82,13 @@ def remove_stale_temporaries(out: Path) -> list[Path]:
 
 
 def check_destination(out: Path, overwrite: bool) -> None:
-  """Refuse ``out`` before anything is loaded: a file, or a non-empty directory without
-  ``overwrite``."""
+  """Refuse ``out`` before anything is loaded: a symbolic link, a file, or a non-empty
+  directory without ``overwrite``."""
+  if out.is_symlink():  # replacing it would rename the link, then fail to remove it
+    raise ExportError(
+      f"--out {out} is a symbolic link (to {os.readlink(out)}); pass the directory it points "
+      "to, or another --out."
+    )
   if out.exists() and not out.is_dir():
     raise ExportError(f"--out {out} is a file; pass a directory.")
   base = out.absolute()
@@ -105,14 +112,20 @@ def write(
   overwrite: bool = False,
   card: str | None = None,
   gguf_type: str = "f16",
+  merge_into: str = "original",
 ) -> Path:
   """Export ``model`` as ``fmt`` (one of FORMATS) into ``out``, atomically; returns ``out``.
 
   ``card``: the model card, written as README.md beside the weights. Files get the modes a
-  new file gets here (0644 under the usual umask), directories 0755.
+  new file gets here (0644 under the usual umask), directories 0755. ``merge_into`` (merged,
+  bnb4 and gguf): the base the LoRA update is added to, "original" (the checkpoint's own
+  weights, read again from its files: the model its PEFT adapter gives) or "dequantized"
+  (the model's NF4 weights: the model as it trained).
   """
   out = Path(out)
   check_destination(out, overwrite)
+  if merge_into not in MERGE_INTO:
+    raise ExportError(f"--merge-into must be original or dequantized, got {merge_into!r}.")
   try:
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out)
@@ -126,13 +139,13 @@ def write(
   old = None
   try:
     if fmt == "merged":
-      export_merged(model, tmp, dtype=dtype)
+      export_merged(model, tmp, dtype=dtype, merge_into=merge_into)
     elif fmt == "bnb4":
-      export_bnb4(model, tmp, dtype=dtype)
+      export_bnb4(model, tmp, dtype=dtype, merge_into=merge_into)
     elif fmt == "peft":
       export_peft(model, tmp)
     elif fmt == "gguf":
-      export_gguf(model, tmp, gguf_type=gguf_type)
+      export_gguf(model, tmp, gguf_type=gguf_type, merge_into=merge_into)
     else:
       raise ValueError(f"export format must be one of {FORMATS}, got {fmt!r}")
     if card is not None:
@@ -143,9 +156,10 @@ def write(
       out.rename(old)
     try:
       tmp.rename(out)
-    except OSError:
+    except BaseException:  # an interrupt too: the previous export goes back in place
       if old is not None:
         old.rename(out)
+        old = None
       raise
   except (OSError, SafetensorError) as e:
     if isinstance(e, SafetensorError) and "I/O error" not in str(e):
@@ -158,7 +172,15 @@ def write(
     ) from e
   finally:
     if tmp.exists():
-      shutil.rmtree(tmp)
+      shutil.rmtree(tmp, ignore_errors=True)
   if old is not None:
-    shutil.rmtree(old)
+    try:
+      shutil.rmtree(old)
+    except OSError as e:  # the export is in place; only the copy of the one it replaced stays
+      print(
+        f"jaxtune: the previous export, moved to {old}, could not be removed "
+        f"({e.strerror or _first_line(e)}); remove it yourself",
+        file=sys.stderr,
+        flush=True,
+      )
   return out

@@ -5,9 +5,10 @@ example ``model-q8_0.gguf``) the way llama.cpp's convert_hf_to_gguf.py writes th
 checkpoint: its tensor names (``token_embd.weight``, ``blk.N.attn_q.weight``, ...), Llama's
 q/k rows permuted for llama.cpp's rope, Gemma's norm weights stored as ``1 + w``, Llama 3's
 rope scaling as a ``rope_freqs`` tensor, and the tokenizer (converters/gguf_vocab.py). Weights
-are the merged ones ``export_merged`` writes (dequantized base plus the LoRA update), computed
-and written one tensor at a time: the header goes first, then each tensor's data as it is
-made, so host memory holds one tensor.
+are the merged ones ``export_merged`` writes (the LoRA update added to the ``merge_into`` base:
+the dequantized NF4 weights, or the checkpoint's original ones), computed and written one
+tensor at a time: the header goes first, then each tensor's data as it is made, so host memory
+holds one tensor.
 
 Types: f16, bf16, f32, q8_0, q5_1, q5_0, q4_1, q4_0 (the ones gguf-py can quantize). Norms,
 biases and other 1-D tensors stay f32. A matrix whose rows do not split into the type's
@@ -16,9 +17,10 @@ types the output layer is q8_0, as llama-quantize keeps it at higher precision. 
 of whose projections can take the type is refused.
 """
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,7 +28,13 @@ import jax
 import numpy as np
 
 from converters.gguf_vocab import tokenizer_writer
-from converters.hf_out import _layer, merged_weight, model_tensors
+from converters.hf_out import (
+  OriginalWeights,
+  linear_weight,
+  merge_source,
+  model_tensors,
+  param_value,
+)
 from jaxtune import rope as ropes
 from jaxtune.config import SLIDING, ModelConfig, RopeConfig
 from jaxtune.errors import ExportError
@@ -72,10 +80,31 @@ class _Tensor:
   read: Callable[[], np.ndarray]  # float32 values in GGUF's layout
 
 
+@contextlib.contextmanager
+def _quiet_gguf() -> Iterator[None]:
+  """gguf-py's own notes off the terminal while exporting (its crude reading of a tokenizer's
+  post-processor warns "Unknown separator token" for Llama 3's and SmolLM2's, as llama.cpp's
+  converter does): they say nothing a user can act on, and what jaxtune checks itself it says
+  (this module's and gguf_vocab's loggers). gguf-py's errors still show."""
+  logger = logging.getLogger("gguf")
+  level = logger.level
+  logger.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+
+
+@_quiet_gguf()
 def export_gguf(
-  model: "nnx.Module", out_dir: str | Path, gguf_type: str = "f16", name: str | None = None
+  model: "nnx.Module",
+  out_dir: str | Path,
+  gguf_type: str = "f16",
+  name: str | None = None,
+  merge_into: str = "dequantized",
 ) -> Path:
-  """Write ``out_dir/model-<gguf_type>.gguf`` (LoRA merged in); returns its path.
+  """Write ``out_dir/model-<gguf_type>.gguf`` (LoRA merged in, into ``merge_into``'s base as
+  export_merged); returns its path.
 
   Everything that can be refused (the type, the family, the tokenizer) is checked before the
   file is opened.
@@ -88,7 +117,7 @@ def export_gguf(
   arch = ARCHITECTURES[cfg.model_type]
   src = Path(getattr(model, "checkpoint_dir", "") or "")
   vocab = tokenizer_writer(src, cfg.vocab_size)
-  tensors = _plan(model, arch, gguf_type)
+  tensors = _plan(model, arch, gguf_type, merge_source(model, merge_into))
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   path = out / gguf_file_name(gguf_type)
@@ -166,7 +195,7 @@ def _hyperparameters(w: "gguf.GGUFWriter", cfg: ModelConfig, arch: str) -> None:
   # which matches every released checkpoint; GGUF has no key for it.
 
 
-def _plan(model, arch: str, gguf_type: str) -> list[_Tensor]:
+def _plan(model, arch: str, gguf_type: str, source: OriginalWeights | None) -> list[_Tensor]:
   """Every tensor of the file, in order, with its shape and type; no values computed yet."""
   import gguf
 
@@ -186,10 +215,10 @@ def _plan(model, arch: str, gguf_type: str) -> list[_Tensor]:
   for hf_name, target, layer, entry, node in model_tensors(model):
     if entry.kind == "linear":
       shape = (node.out_features, node.in_features)
-      read = _linear_reader(node, layer)
+      read = _linear_reader(node, layer, hf_name, source)
     else:
-      shape = tuple(_layer(node[...], layer).shape)
-      read = _param_reader(node, layer)
+      shape = tuple(node[...].shape[0 if layer is None else 1 :])
+      read = _param_reader(node, layer, hf_name, source)
     base, suffix = hf_name.rsplit(".", 1)
     gguf_name = names.get_name(base)
     if gguf_name is None:
@@ -238,12 +267,12 @@ def _host(x) -> np.ndarray:
   return np.asarray(jax.device_get(x), np.float32)
 
 
-def _linear_reader(linear, layer):
-  return lambda: _host(merged_weight(linear, layer))
+def _linear_reader(linear, layer, name: str, source: OriginalWeights | None):
+  return lambda: _host(linear_weight(linear, layer, name, source))
 
 
-def _param_reader(var, layer):
-  return lambda: _host(_layer(var[...], layer))
+def _param_reader(var, layer, name: str, source: OriginalWeights | None):
+  return lambda: _host(param_value(var, layer, name, source))
 
 
 def _plus_one(read):

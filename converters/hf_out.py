@@ -1,11 +1,17 @@
 """jaxtune model -> Hugging Face: merged safetensors for transformers, or a PEFT adapter dir.
 
-Merged weights are the dequantized base plus scale * (A B)^T, written through the same name
-table the loader reads, as sharded safetensors with the original config and tokenizer.
+Merged weights are a base plus scale * (A B)^T, written through the same name table the loader
+reads, as sharded safetensors with the original config and tokenizer. The base (``merge_into``)
+is either the checkpoint's original weights, read again from the files the model was loaded
+from one tensor at a time ("original": the model a PEFT adapter on that checkpoint gives), or
+the model's own frozen weights, NF4 dequantized ("dequantized": the model jaxtune computed with
+while training).
 """
 
+import functools
 import json
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,12 +21,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from converters import bnb
 from converters import table as tables
+from converters.safetensors_read import safetensors_files
 from jaxtune import nf4
-from jaxtune.errors import ExportError
+from jaxtune.errors import ExportError, UserError
 from jaxtune.layers import dense
 from jaxtune.lora import layer_scale
 
@@ -71,26 +79,139 @@ def model_tensors(model: nnx.Module) -> Iterator[tuple[str, tuple[str, ...], int
     yield name, target, layer, entry, node
 
 
-def merged_weight(linear: "Linear", layer: int | None) -> jax.Array:
-  """float32 [out, in]: frozen weight plus the LoRA update, of one layer if stacked."""
-  frozen = linear.frozen_arrays()
+MERGE_INTO = ("original", "dequantized")
+
+
+def merged_weight(
+  linear: "Linear", layer: int | None, original: np.ndarray | None = None
+) -> jax.Array:
+  """float32 [out, in]: frozen weight plus the LoRA update, of one layer if stacked.
+
+  ``original``: the checkpoint's weight [out, in] to add the update to instead of the
+  frozen (NF4-dequantized) one.
+  """
+  frozen = linear.frozen_arrays() if original is None else (original,)
   lora = ()
   if linear.lora_a is not None:
     scale = jnp.float32(layer_scale(linear, layer))
     lora = (linear.lora_a[...], linear.lora_b[...], scale)
-  return _merged(frozen, lora, None if layer is None else jnp.int32(layer))
+  at = None if layer is None else jnp.int32(layer)
+  return _merged(frozen, lora, at, original is None)
 
 
-@jax.jit
-def _merged(frozen: tuple, lora: tuple, layer: jax.Array | None) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=3)
+def _merged(frozen: tuple, lora: tuple, layer: jax.Array | None, stacked: bool) -> jax.Array:
   """merged_weight as one program per weight shape (the layer traced), not op by op: a
-  tiny model's export compiled for seconds eagerly."""
+  tiny model's export compiled for seconds eagerly. ``stacked``: ``frozen`` holds every
+  layer (the model's own arrays), else this layer's only (an original weight)."""
   pick = (lambda x: x) if layer is None else (lambda x: x[layer])  # noqa: E731
-  w = dense(tuple(pick(x) for x in frozen), jnp.float32)
+  w = dense(tuple(pick(x) if stacked else x for x in frozen), jnp.float32)
   if lora:
     a, b, scale = lora
     w = w + scale * (pick(a) @ pick(b)).T  # columns past a layer's rank are zero
   return w
+
+
+class OriginalWeights:
+  """The checkpoint a model was loaded from, read again one tensor at a time for a merge into
+  its original weights. Each read opens the file, copies that one tensor out and closes it:
+  safe_open maps the file, and a shard kept open shows up whole in the process's resident
+  memory as its tensors are read, so host memory would hold the model, not one tensor."""
+
+  def __init__(self, ckpt: Path):
+    self.ckpt = ckpt
+    if not ckpt.is_dir():
+      raise self._unreadable(ckpt, "it is gone")
+    try:
+      files = safetensors_files(ckpt)
+    except UserError as e:
+      raise self._unreadable(ckpt, str(e).rstrip(".")) from e
+    self._file: dict[str, Path] = {}
+    for file in files:
+      with self._open(file) as f:
+        self._file.update(dict.fromkeys(f.keys(), file))
+
+  def read(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The checkpoint's tensor ``name``, which must have ``shape`` (the model's)."""
+    file = self._file.get(name)
+    if file is None:
+      raise self._unreadable(self.ckpt, f"it holds no {name}")
+    with self._open(file) as f:
+      try:
+        tensor = f.get_tensor(name)
+      except (OSError, SafetensorError) as e:
+        raise self._unreadable(file, _first_line(e)) from e
+    if tuple(tensor.shape) != tuple(shape):
+      raise self._unreadable(
+        file, f"its {name} has the shape {tuple(tensor.shape)}, the model's {tuple(shape)}"
+      )
+    return tensor
+
+  def _open(self, file: Path):
+    try:
+      return safe_open(str(file), framework="np")
+    except (OSError, SafetensorError) as e:
+      raise self._unreadable(file, _first_line(e)) from e
+
+  @staticmethod
+  def _unreadable(where: Path, why: str) -> ExportError:
+    return ExportError(
+      f"merging into the original weights reads {where} again, and {why}; restore the "
+      "checkpoint the model was loaded from, or merge into the dequantized weights "
+      "(--merge-into dequantized)."
+    )
+
+
+def _first_line(e: BaseException) -> str:
+  return (str(e).strip().splitlines() or [type(e).__name__])[0][:200].rstrip(".")
+
+
+def merge_source(model: nnx.Module, merge_into: str) -> OriginalWeights | None:
+  """Where a merge's base weights come from: the checkpoint's files ("original"), or None for
+  the model's own frozen weights ("dequantized"; also for a ``*-bnb-4bit`` checkpoint, which
+  holds no others: said on stderr)."""
+  if merge_into not in MERGE_INTO:
+    raise ExportError(f"--merge-into must be original or dequantized, got {merge_into!r}.")
+  if merge_into == "dequantized":
+    return None
+  src = getattr(model, "checkpoint_dir", None)
+  if not src:
+    raise ExportError(
+      "this model was not loaded from a checkpoint, so it has no original weights to merge "
+      "into; merge into its dequantized weights (merge_into='dequantized')."
+    )
+  ckpt = Path(src)
+  try:
+    config = json.loads((ckpt / "config.json").read_text())
+    prequantized = isinstance(config, dict) and bnb.is_bnb_4bit(config)
+  except (OSError, ValueError):  # gone or damaged since it loaded: OriginalWeights says so
+    prequantized = False
+  if prequantized:
+    print(
+      f"jaxtune: the source {ckpt.name} is a bnb-4bit checkpoint, with no original weights: "
+      "merged into its dequantized weights",
+      file=sys.stderr,
+      flush=True,
+    )
+    return None
+  return OriginalWeights(ckpt)
+
+
+def linear_weight(
+  linear: "Linear", layer: int | None, name: str, source: OriginalWeights | None
+) -> jax.Array:
+  """float32 [out, in]: the merged weight of HF tensor ``name``, on the original weight when
+  ``source`` is given, else on the frozen one."""
+  shape = (linear.out_features, linear.in_features)
+  return merged_weight(linear, layer, None if source is None else source.read(name, shape))
+
+
+def param_value(var: Any, layer: int | None, name: str, source: OriginalWeights | None):
+  """A tensor of no Linear (a norm, bias or embedding) as a merge writes it: the checkpoint's
+  own when ``source`` is given, else the model's."""
+  if source is None:
+    return _layer(var[...], layer)
+  return source.read(name, var[...].shape[0 if layer is None else 1 :])
 
 
 def _copy_side_files(model, out: Path) -> None:
@@ -101,33 +222,48 @@ def _copy_side_files(model, out: Path) -> None:
 
 
 def export_merged(
-  model: nnx.Module, out_dir: str | Path, dtype: str = "bfloat16", max_shard_bytes: int = 4 << 30
+  model: nnx.Module,
+  out_dir: str | Path,
+  dtype: str = "bfloat16",
+  max_shard_bytes: int = 4 << 30,
+  merge_into: str = "dequantized",
 ) -> Path:
-  """Write a checkpoint transformers' from_pretrained loads (LoRA merged in)."""
-  return _export(model, Path(out_dir), dtype, max_shard_bytes, bnb4=False)
+  """Write a checkpoint transformers' from_pretrained loads (LoRA merged in).
+
+  ``merge_into``: "dequantized" (the model as it computes, NF4 base and all) or "original"
+  (the update added to the checkpoint's own weights: what its PEFT adapter gives).
+  """
+  return _export(model, Path(out_dir), dtype, max_shard_bytes, False, merge_into)
 
 
 def export_bnb4(
-  model: nnx.Module, out_dir: str | Path, dtype: str = "bfloat16", max_shard_bytes: int = 4 << 30
+  model: nnx.Module,
+  out_dir: str | Path,
+  dtype: str = "bfloat16",
+  max_shard_bytes: int = 4 << 30,
+  merge_into: str = "dequantized",
 ) -> Path:
   """Write a bitsandbytes 4-bit checkpoint (as the ``*-bnb-4bit`` repos hold them).
 
   NF4 linears without a trained adapter are written byte for byte as stored, so a bnb
   checkpoint loaded and exported again comes back identical; linears with a non-zero LoRA
-  update are merged and quantized anew. Unquantized models are quantized here.
+  update are merged (into ``merge_into``'s base, as export_merged) and quantized anew.
+  Unquantized models are quantized here.
   """
-  return _export(model, Path(out_dir), dtype, max_shard_bytes, bnb4=True)
+  return _export(model, Path(out_dir), dtype, max_shard_bytes, True, merge_into)
 
 
-def _linear_tensors(linear, layer, name: str, dtype: str, bnb4: bool) -> dict[str, np.ndarray]:
+def _linear_tensors(
+  linear, layer, name: str, dtype: str, bnb4: bool, source: OriginalWeights | None
+) -> dict[str, np.ndarray]:
   if not bnb4 or linear.layers is None:  # lm_head stays dense, as bitsandbytes keeps it
-    return {name: _host(merged_weight(linear, layer), dtype)}
+    return {name: _host(linear_weight(linear, layer, name, source), dtype)}
   has_update = linear.lora_b is not None and bool(jnp.any(_layer(linear.lora_b[...], layer) != 0))
   if linear.quantized and not has_update:
     stored = (linear.codes, linear.absmax, linear.nested_absmax, linear.offset)
     q = nf4.NF4Quantized(*(_layer(v[...], layer) for v in stored))
   else:
-    q = nf4.quantize(merged_weight(linear, layer).astype(_JNP[dtype]))
+    q = nf4.quantize(linear_weight(linear, layer, name, source).astype(_JNP[dtype]))
   packed = bnb.pack(q, (linear.out_features, linear.in_features), dtype)
   return {name + suffix if suffix != "weight" else name: v for suffix, v in packed.items()}
 
@@ -136,14 +272,19 @@ def _host(value, dtype: str) -> np.ndarray:
   return np.asarray(jax.device_get(value.astype(jnp.float32))).astype(_NP[dtype])
 
 
-def _export(model, out: Path, dtype: str, max_shard_bytes: int, bnb4: bool) -> Path:
+def _export(
+  model, out: Path, dtype: str, max_shard_bytes: int, bnb4: bool, merge_into: str
+) -> Path:
+  if dtype not in _NP:
+    raise ExportError(f"--dtype must be bfloat16, float16 or float32, got {dtype!r}.")
+  source = merge_source(model, merge_into)
   out.mkdir(parents=True, exist_ok=True)
   shards, current, size = [], {}, 0
   for name, _, layer, entry, node in model_tensors(model):
     if entry.kind == "linear":
-      tensors = _linear_tensors(node, layer, name, dtype, bnb4)
+      tensors = _linear_tensors(node, layer, name, dtype, bnb4, source)
     else:
-      tensors = {name: _host(_layer(node[...], layer), dtype)}
+      tensors = {name: _host(param_value(node, layer, name, source), dtype)}
     current.update(tensors)
     size += sum(a.nbytes for a in tensors.values())
     if size >= max_shard_bytes:
@@ -171,7 +312,9 @@ def _export(model, out: Path, dtype: str, max_shard_bytes: int, bnb4: bool) -> P
   config.pop("quantization_config", None)
   if bnb4:
     config["quantization_config"] = bnb.quantization_config(dtype)
-  config["torch_dtype"] = dtype
+  # transformers 5 reads "dtype" (a base saved by it has one, e.g. "float32"), older versions
+  # "torch_dtype": both name the weights' dtype, or one loads them as the other.
+  config["dtype"] = config["torch_dtype"] = dtype
   (out / "config.json").write_text(json.dumps(config, indent=2))
   _copy_side_files(model, out)
   return out

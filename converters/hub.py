@@ -2,9 +2,13 @@
 
 Through ``huggingface_hub.HfApi.upload_folder`` (large files go by the Hub's chunked
 transfer, and an interrupted push started again skips what already arrived). Every failure
-is an ``ExportError`` sentence that says the export stays on disk and how to push it later.
+(no credentials, offline mode, no network, a refusal by the Hub) is an ``ExportError``
+sentence that names the repo and the cause, and says the export stays on disk and how to
+push it later.
 """
 
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +29,12 @@ def push(folder: str | Path, repo_id: str, private: bool = False, api: Any = Non
       from huggingface_hub import HfApi
 
       api = HfApi()
-    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
+    from huggingface_hub.errors import LocalTokenNotFoundError
   except ImportError as e:
     raise ExportError(f"--push-to-hub needs huggingface_hub; {later}.") from e
+  failures = (LocalTokenNotFoundError, *_network_errors())
   try:
     api.whoami()
-  except (LocalTokenNotFoundError, OfflineModeIsEnabled, HfHubHTTPError, OSError) as e:
-    raise ExportError(_why(e, later)) from e
-  try:
     url = api.create_repo(repo_id, private=private, repo_type="model", exist_ok=True)
     api.upload_folder(
       repo_id=repo_id,
@@ -40,20 +42,44 @@ def push(folder: str | Path, repo_id: str, private: bool = False, api: Any = Non
       repo_type="model",
       commit_message="Upload from jaxtune",
     )
-  except (OfflineModeIsEnabled, HfHubHTTPError, OSError) as e:
-    raise ExportError(_why(e, later)) from e
+  except failures as e:
+    raise ExportError(_why(e, repo_id, getattr(api, "endpoint", None), later)) from e
   return str(url)
 
 
-def _why(e: BaseException, later: str) -> str:
+def _network_errors() -> tuple[type[BaseException], ...]:
+  """What a push raises when it gets no answer or a refusal: huggingface_hub's own errors,
+  OSError (requests' connection errors are OSErrors) and the base error of the HTTP client
+  huggingface_hub imported (httpx, or httpx2 in huggingface_hub 2), whose ConnectError and
+  timeouts are no OSErrors."""
+  from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+  clients = (sys.modules.get(name) for name in ("httpx", "httpx2"))
+  http = tuple(c.HTTPError for c in clients if c is not None and hasattr(c, "HTTPError"))
+  return (HfHubHTTPError, OfflineModeIsEnabled, OSError, *http)
+
+
+def _why(e: BaseException, repo_id: str, endpoint: str | None, later: str) -> str:
   from huggingface_hub.errors import LocalTokenNotFoundError, OfflineModeIsEnabled
 
   if isinstance(e, LocalTokenNotFoundError):
-    return f"--push-to-hub needs Hub credentials (run `hf auth login` or set HF_TOKEN); {later}."
+    return (
+      f"--push-to-hub {repo_id} needs Hub credentials (run `hf auth login` or set HF_TOKEN); "
+      f"{later}."
+    )
   if isinstance(e, OfflineModeIsEnabled):
-    return f"--push-to-hub cannot reach the Hub (HF_HUB_OFFLINE is set); {later}."
+    return f"--push-to-hub cannot reach the Hub (HF_HUB_OFFLINE is set) to push {repo_id}; {later}."
   status = getattr(getattr(e, "response", None), "status_code", None)
   if status in (401, 403):
-    return f"the Hub refused the upload (HTTP {status}: check the token's write access); {later}."
+    return (
+      f"the Hub refused to push {repo_id} (HTTP {status}: check that the token may write to "
+      f"it); {later}."
+    )
+  if status is not None:
+    return f"the Hub answered HTTP {status} to the push of {repo_id}; {later}."
+  # No answer at all: "[Errno 111] Connection refused" -> "connection refused".
   text = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-  return f"--push-to-hub failed ({text.rstrip('.')}); {later}."
+  cause = re.sub(r"^\[Errno -?\d+\]\s*", "", text).rstrip(".")
+  cause = cause[:1].lower() + cause[1:]
+  at = f" at {endpoint}" if endpoint else ""
+  return f"--push-to-hub could not reach the Hub{at} to push {repo_id} ({cause}); {later}."

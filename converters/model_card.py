@@ -4,7 +4,8 @@ Its metadata block (YAML between ``---`` lines, as the Hub reads it) names ``bas
 Hub id when known), ``library_name``, ``tags``, ``datasets`` (when a Hub dataset was used) and
 the base model's ``license``; its body gives the training settings, steps, final train and eval
 loss, tokens/s, hardware and the exact command. Everything comes from files the run wrote:
-``config.yaml``, ``metrics.jsonl`` and ``run.json`` (``write_run_info``).
+``config.yaml``, ``metrics.jsonl`` and ``run.json`` (``write_run_info``). A checkpoint exported
+without a run gets a short card naming its base (``render_base``).
 """
 
 import json
@@ -16,6 +17,7 @@ from typing import Any
 import yaml
 
 from converters.hf_in import hub_id
+from jaxtune.errors import UserError
 
 RUN_INFO = "run.json"
 LIBRARY = {"merged": "transformers", "bnb4": "transformers", "peft": "peft", "gguf": "gguf"}
@@ -81,15 +83,67 @@ def write_run_info(
   tmp.replace(Path(run_dir) / RUN_INFO)
 
 
-def render(run_dir: str | Path, fmt: str) -> str:
-  """The model card of an export in format ``fmt`` of the run in ``run_dir``."""
-  run_dir = Path(run_dir)
-  config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-  info_path = run_dir / RUN_INFO
-  info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+def _read_config(run_dir: Path) -> dict:
+  path = run_dir / "config.yaml"
+  if not path.is_file():
+    raise UserError(f"{run_dir} has no config.yaml; pass the --out directory of a training run.")
+  try:
+    config = yaml.safe_load(path.read_text()) or {}
+  except yaml.YAMLError as e:
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}" if mark is not None else ""
+    raise UserError(f"{path} is not valid YAML{where}; fix the file.") from e
+  if not isinstance(config, dict):
+    raise UserError(f"{path} must hold a mapping of run settings (name: value lines).")
+  return config
+
+
+def _read_info(run_dir: Path) -> dict:
+  path = run_dir / RUN_INFO
+  if not path.is_file():
+    return {}
+  damaged = UserError(
+    f"{path} is damaged (not a JSON object); delete it (the model card then lacks the command "
+    "and the hardware) or restore it."
+  )
+  try:
+    info = json.loads(path.read_text())
+  except ValueError as e:  # JSONDecodeError, or not UTF-8
+    raise damaged from e
+  if not isinstance(info, dict):
+    raise damaged
+  return info
+
+
+def read_metrics(path: Path) -> list[dict]:
+  """The rows of a run's metrics.jsonl. A damaged last row is what a killed run leaves (half
+  written): skipped; a damaged row before it is refused, naming its line."""
+  if not path.is_file():
+    return []
+  text = path.read_text(errors="replace")
+  lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
   rows = []
-  if (run_dir / "metrics.jsonl").is_file():
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+  for i, (n, line) in enumerate(lines):
+    try:
+      row = json.loads(line)
+    except ValueError:
+      row = None
+    if isinstance(row, dict):
+      rows.append(row)
+    elif i < len(lines) - 1:
+      raise UserError(
+        f"{path} line {n} is damaged (not a JSON object); delete that line or restore the file."
+      )
+  return rows
+
+
+def render(run_dir: str | Path, fmt: str) -> str:
+  """The model card of an export in format ``fmt`` of the run in ``run_dir``; a run file that
+  cannot be read is a UserError naming it."""
+  run_dir = Path(run_dir)
+  config = _read_config(run_dir)
+  info = _read_info(run_dir)
+  rows = read_metrics(run_dir / "metrics.jsonl")
   train = [r for r in rows if "loss" in r]
   evals = [r for r in rows if "eval_loss" in r]
   base = base_hub_id(info.get("model"), config.get("model"))
@@ -145,6 +199,32 @@ def render(run_dir: str | Path, fmt: str) -> str:
     "```",
     info.get("command", "(not recorded)"),
     "```",
+    "",
+  ]
+  head = yaml.safe_dump(meta, sort_keys=False).strip()
+  return f"---\n{head}\n---\n\n" + "\n".join(body)
+
+
+def render_base(checkpoint: str | Path, given: str, fmt: str) -> str:
+  """The model card of a checkpoint exported as ``fmt`` without training (``given``: the
+  --model as given, a path or a Hub id)."""
+  base = base_hub_id(given, checkpoint)
+  meta = {
+    "base_model": base or given,
+    "library_name": LIBRARY.get(fmt, "transformers"),
+    "tags": ["jaxtune"] + (["nf4"] if fmt == "bnb4" else []),
+    "pipeline_tag": "text-generation",
+  }
+  license_ = base_license(checkpoint)
+  if license_:
+    meta["license"] = license_
+  what = "safetensors checkpoint" if fmt == "merged" else _what(fmt)
+  name = base.split("/")[-1] if base else Path(given).name or "model"
+  body = [
+    f"# {name}, exported with jaxtune",
+    "",
+    f"A {what} of {base or given}, not fine-tuned: the base model's own "
+    "weights" + (", quantized to NF4." if fmt == "bnb4" else "."),
     "",
   ]
   head = yaml.safe_dump(meta, sort_keys=False).strip()
