@@ -26,6 +26,7 @@ from converters.hf_in import hub_id
 from converters.safetensors_read import iter_tensors
 from jaxtune.errors import CheckpointError, ConfigError
 from jaxtune.lora import LoraConfig, apply_lora, iter_linears
+from jaxtune.run_config import INT32_MAX, shown
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -59,6 +60,7 @@ class AdapterConfig:
   rank_pattern: dict[str, int]  # PEFT's keys: suffixes (regexes) of module names
   alpha_pattern: dict[str, float]
   architecture: str | None  # the transformers class PEFT adapted, when recorded
+  base_model_type: str | None = None  # config.json's model_type, where base is a local dir
 
 
 def is_adapter_dir(path: str | Path) -> bool:
@@ -82,41 +84,140 @@ def read_config(adapter_dir: str | Path) -> AdapterConfig:
     raise CheckpointError(f"{d / CONFIG} is not a valid adapter config ({e}).") from e
   peft_type = cfg.get("peft_type", "LORA")
   if peft_type != "LORA":
-    raise ConfigError(f"{d} holds a {peft_type} adapter; jaxtune loads LoRA adapters only.")
+    kind = peft_type if isinstance(peft_type, str) else shown(peft_type)
+    raise ConfigError(f"{d} holds a {kind[:40]} adapter; jaxtune loads LoRA adapters only.")
   for key, what in _UNSUPPORTED.items():
     if cfg.get(key) not in (None, False, [], {}):
       raise ConfigError(f"{d} uses {what}, which jaxtune's LoRA does not support.")
   if cfg.get("bias", "none") != "none":
-    raise ConfigError(f"{d} trains biases (bias={cfg['bias']!r}), which jaxtune does not support.")
+    raise ConfigError(
+      f"{d} trains biases (bias={shown(cfg['bias'])}), which jaxtune does not support."
+    )
+  path = d / CONFIG
   targets = cfg.get("target_modules")
+  if isinstance(targets, list) and not all(isinstance(t, str) and t for t in targets):
+    raise CheckpointError(_wrong(path, "target_modules", targets, "a list of module names"))
   if not isinstance(targets, list):  # a regex or "all-linear": read what the file adapts
     targets = sorted({_leaf(m) for m, ab in _tensor_modules(d) if ab})
-  rank_pattern = dict(cfg.get("rank_pattern") or {})
-  alpha_pattern = dict(cfg.get("alpha_pattern") or {})
-  try:
-    rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
-  except (KeyError, TypeError, ValueError) as e:
-    raise CheckpointError(f"{d / CONFIG} lacks a valid r and lora_alpha.") from e
+  for key in ("r", "lora_alpha"):
+    if key not in cfg:
+      raise CheckpointError(
+        f"{path} has no {key}; save the adapter again (peft's save_pretrained writes it)."
+      )
+  base = cfg.get("base_model_name_or_path") or None
+  if base is not None and not isinstance(base, str):
+    raise CheckpointError(_wrong(path, "base_model_name_or_path", base, "a Hub id or a path"))
+  rslora = cfg.get("use_rslora") or False
+  if not isinstance(rslora, bool):
+    raise CheckpointError(_wrong(path, "use_rslora", rslora, "true or false"))
   mapping = cfg.get("auto_mapping") or {}
   return AdapterConfig(
-    base=cfg.get("base_model_name_or_path") or None,
-    rank=rank,
-    alpha=alpha,
+    base=base,
+    rank=_checked(path, "r", cfg["r"], _RANK),
+    alpha=_checked(path, "lora_alpha", cfg["lora_alpha"], _ALPHA),
     targets=tuple(targets),
-    dropout=float(cfg.get("lora_dropout") or 0.0),
-    rslora=bool(cfg.get("use_rslora", False)),
-    rank_pattern={k: int(v) for k, v in rank_pattern.items()},
-    alpha_pattern={k: float(v) for k, v in alpha_pattern.items()},
+    dropout=_checked(path, "lora_dropout", cfg.get("lora_dropout") or 0.0, _DROPOUT),
+    rslora=rslora,
+    rank_pattern=_pattern(path, cfg, "rank_pattern", _RANK),
+    alpha_pattern=_pattern(path, cfg, "alpha_pattern", _ALPHA),
     architecture=mapping.get("base_model_class") if isinstance(mapping, dict) else None,
+    base_model_type=_base_model_type(d, base),
   )
+
+
+# What each number of adapter_config.json must be: (test, what the sentence says, type).
+_RANK = (lambda v: 1 <= v <= INT32_MAX, f"a whole number from 1 to {INT32_MAX}", int)
+_ALPHA = (lambda v: v > 0, "a finite number greater than 0", float)
+_DROPOUT = (lambda v: 0 <= v < 1, "a number from 0 to below 1", float)
+
+
+def _json(value: Any) -> str:
+  """A value of the JSON file as JSON writes it (null, "text"), cut short."""
+  if isinstance(value, str):
+    return json.dumps(value if len(value) <= 50 else value[:47] + "...")
+  if (
+    value is None
+    or isinstance(value, bool | float)
+    or (isinstance(value, int) and abs(value) < 10**50)
+  ):
+    return json.dumps(value)
+  return shown(value)  # a list or mapping (or a huge number) in Python's spelling, cut short
+
+
+def _wrong(path: Path, key: str, value: Any, want: str) -> str:
+  return (
+    f"{path} sets {key} to {_json(value)}, but it must be {want}; fix it, or save the adapter "
+    "again."
+  )
+
+
+def _checked(path: Path, key: str, value: Any, rule: tuple) -> int | float:
+  """``value`` of ``key`` as the rule's type, or the sentence saying what it must be (PEFT
+  itself would fail later, or train with a string where a number belongs)."""
+  ok, want, kind = rule
+  number = value if isinstance(value, int | float) and not isinstance(value, bool) else None
+  if kind is int and isinstance(number, float):
+    number = int(number) if number.is_integer() else None  # (False for inf and nan)
+  elif kind is float and number is not None:
+    number = float(number) if abs(number) < 1e308 else None  # (False for nan; no overflow)
+  if number is None or not ok(number):
+    raise CheckpointError(_wrong(path, key, value, want))
+  return number
+
+
+def _pattern(path: Path, cfg: dict, key: str, rule: tuple) -> dict[str, int | float]:
+  """PEFT's rank_pattern / alpha_pattern: regular expressions of module names -> values."""
+  pattern = cfg.get(key) or {}
+  if not isinstance(pattern, dict):
+    raise CheckpointError(_wrong(path, key, pattern, 'a mapping such as {"down_proj": 8}'))
+  out = {}
+  for name, value in pattern.items():
+    try:
+      re.compile(name)
+    except re.error as e:
+      raise CheckpointError(
+        f"{path} has the {key} key {_json(name)}, which is not a regular expression ({e}); "
+        "fix it, or save the adapter again."
+      ) from e
+    out[name] = _checked(path, f"{key}[{_json(name)}]", value, rule)
+  return out
+
+
+def _base_model_type(d: Path, base: str | None) -> str | None:
+  """The model_type in the config.json of the adapter's base model, where that is a local
+  directory (None for a Hub id), read now so that a damaged one is refused before a model
+  loads."""
+  config_json = Path(base or "") / "config.json"
+  if not base or not config_json.is_file():
+    return None
+  try:
+    config = json.loads(config_json.read_text())
+  except (OSError, ValueError) as e:  # JSONDecodeError, or UnicodeDecodeError: not text
+    what = (
+      f"cannot be read ({e.strerror or type(e).__name__})"
+      if isinstance(e, OSError)
+      else f"is not valid JSON ({e})"
+    )
+    raise ConfigError(
+      f"{d} names the base model {base}, whose config.json {what}; re-download that "
+      f"checkpoint, or set base_model_name_or_path in its {CONFIG} to the base model's "
+      "directory or Hub id."
+    ) from e
+  model_type = config.get("model_type") if isinstance(config, dict) else None
+  return model_type if isinstance(model_type, str) else None
 
 
 def lora_settings(adapter_dir: str | Path, model_path: str | Path | None = None) -> dict[str, Any]:
   """The run settings (RunConfig names) an adapter fixes, for continuing to train it; with
   ``model_path``, also refuses an adapter made for another base model."""
   cfg = read_config(adapter_dir)
+  mcfg = None
   if model_path is not None:
+    from jaxtune.config import ModelConfig
+
     _check_base(cfg, adapter_dir, hub_id(model_path), str(model_path))
+    mcfg = ModelConfig.from_hf(model_path)  # (refused before the model loads, not after)
+    _check_base_type(cfg, Path(adapter_dir), mcfg.model_type)
   settings = dict(
     lora_rank=cfg.rank,
     lora_alpha=cfg.alpha,
@@ -126,10 +227,8 @@ def lora_settings(adapter_dir: str | Path, model_path: str | Path | None = None)
     lora_rank_pattern=None,
     lora_alpha_pattern=None,
   )
-  if model_path is not None and (cfg.rank_pattern or cfg.alpha_pattern):
-    from jaxtune.config import ModelConfig
-
-    ranks, alphas = _patterns(cfg, ModelConfig.from_hf(model_path))
+  if mcfg is not None and (cfg.rank_pattern or cfg.alpha_pattern):
+    ranks, alphas = _patterns(cfg, mcfg)
     spec = lambda p: ",".join(f"{k}={v}" for k, v in p.items()) or None  # noqa: E731
     settings.update(lora_rank_pattern=spec(ranks), lora_alpha_pattern=spec(alphas))
   return settings
@@ -323,14 +422,16 @@ def _check_architecture(cfg: AdapterConfig, d: Path, model: nnx.Module) -> None:
         f"{d} is an adapter for a {cfg.architecture}, but the model is a "
         f"{', '.join(architectures)}; load the base model the adapter was made for."
       )
-  base_json = Path(cfg.base or "") / "config.json"
-  if cfg.base and base_json.is_file():
-    model_type = json.loads(base_json.read_text()).get("model_type")
-    if model_type and model_type != model.config.model_type:
-      raise ConfigError(
-        f"{d} is an adapter for {cfg.base}, a {model_type} model, but the model is a "
-        f"{model.config.model_type}; load the base model the adapter was made for."
-      )
+  _check_base_type(cfg, d, model.config.model_type)
+
+
+def _check_base_type(cfg: AdapterConfig, d: Path, model_type: str) -> None:
+  """Refuse an adapter whose local base model is of another model_type."""
+  if cfg.base_model_type and cfg.base_model_type != model_type:
+    raise ConfigError(
+      f"{d} is an adapter for {cfg.base}, a {cfg.base_model_type} model, but the model is a "
+      f"{model_type}; load the base model the adapter was made for."
+    )
 
 
 def _check_shape(d: Path, name: str, got: tuple, want: tuple) -> None:

@@ -12,6 +12,7 @@ copy (``prepare_kernel_operands``). The command line is jaxtune/generate.py.
 
 import contextlib
 import functools
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -25,12 +26,16 @@ from jaxtune.errors import UserError
 from jaxtune.layers import Fused
 from jaxtune.lora import iter_linears
 from jaxtune.models.decoder import MLP, Attention, Decoder
+from jaxtune.run_config import shown
 from jaxtune.runtime import DEFAULT, free_device_bytes
 from pallas_kernels.nf4_matmul import kernel_scales, uses_kernel, word_codes
 
 # Prompt lengths and new-token counts are rounded up to multiples of this (compiled once per
 # bucket, not per length).
 BUCKET = 64
+# The most new tokens one call may ask for: the loop counts them in int32, bucket rounding
+# included.
+MAX_NEW_TOKENS = 2**31 - 1 - BUCKET
 
 
 def init_cache(model: Decoder, batch: int, length: int) -> dict:
@@ -404,6 +409,25 @@ _WIDE_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_tr
 _decode_wide = jax.jit(_decode_loop, static_argnums=_STATIC, compiler_options=_WIDE_OPTIONS)
 
 
+def check_sampling(
+  max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int
+) -> None:
+  """Refuse sampling settings that cannot run, in one sentence naming the flag of
+  ``python -m jaxtune.generate`` (which checks them before it loads a model)."""
+  if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
+    raise UserError(
+      f"--max-new-tokens must be from 1 to {MAX_NEW_TOKENS}, got {shown(max_new_tokens)}."
+    )
+  if not (math.isfinite(temperature) and temperature >= 0):
+    raise UserError(f"--temperature must be 0 (greedy) or more, got {temperature}.")
+  if top_k < 0:
+    raise UserError(f"--top-k must be 0 (off) or more, got {shown(top_k)}.")
+  if not 0 < top_p <= 1:
+    raise UserError(f"--top-p must be in (0, 1] (1: off), got {top_p}.")
+  if not 0 <= seed < 2**32:
+    raise UserError(f"--seed must be a whole number from 0 to {2**32 - 1}, got {shown(seed)}.")
+
+
 def generate_ids(
   model: Decoder,
   prompts: Sequence[Sequence[int]],
@@ -416,6 +440,7 @@ def generate_ids(
   pad_id: int = 0,
   word_lookup: bool | str | None = None,
   fuse: bool = True,
+  max_positions: int | None = None,
 ) -> list[list[int]]:
   """New token ids per prompt (up to and including an EOS, if one is generated).
 
@@ -426,12 +451,26 @@ def generate_ids(
   "inplace": where the copy does not fit, permute the model's own codes for the loop and
   back after it (``codes_in_word_order``: only for a caller that owns the model).
   ``fuse``: with those codes, q/k/v and gate/up each in one kernel launch (False: one per
-  layer, to compare).
+  layer, to compare). ``max_positions``: refuse a prompt whose tokens and max_new_tokens
+  need more positions (the command line passes the model's max_position_embeddings; None:
+  no limit, as past it rope models run on, less well).
   """
+  check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
+  if top_k > model.config.vocab_size:
+    raise UserError(
+      f"--top-k must be at most the vocabulary's {model.config.vocab_size} tokens, got {top_k}."
+    )
   if not prompts or any(len(p) == 0 for p in prompts):
     raise UserError("every prompt needs at least one token.")
+  longest = max(len(p) for p in prompts)
+  if max_positions is not None and longest + max_new_tokens > max_positions:
+    raise UserError(
+      f"a prompt of {longest} tokens and --max-new-tokens {max_new_tokens} need "
+      f"{longest + max_new_tokens} positions, more than the model's {max_positions} "
+      "(max_position_embeddings); shorten the prompt or lower --max-new-tokens."
+    )
   b = len(prompts)
-  p_len = _bucket(max(len(p) for p in prompts))
+  p_len = _bucket(longest)
   room = _bucket(max_new_tokens)
   pad = np.array([p_len - len(p) for p in prompts])
   tokens = np.full((b, p_len), pad_id, np.int32)
@@ -482,9 +521,10 @@ def generate(
   top_p: float = 1.0,
   seed: int = 0,
   word_lookup: bool | str | None = None,
+  max_positions: int | None = None,
 ) -> list[str]:
   """Completions of ``prompts`` (chat=True renders each as a user turn with the chat template).
-  ``word_lookup``: as ``generate_ids``'s."""
+  ``word_lookup``, ``max_positions``: as ``generate_ids``'s."""
   if isinstance(prompts, str):
     prompts = [prompts]
   if chat:
@@ -514,5 +554,6 @@ def generate(
     seed,
     pad_id=tokenizer.pad_token_id or 0,
     word_lookup=word_lookup,
+    max_positions=max_positions,
   )
   return [tokenizer.decode(t, skip_special_tokens=True) for t in new]

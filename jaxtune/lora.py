@@ -31,7 +31,13 @@ from jaxtune.layers import Linear, LoRAConstant
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-_KEY = re.compile(r"(?:layers\.(?P<first>\d+)(?:-(?P<last>\d+))?)?\.?(?P<name>[A-Za-z_]\w*)?$")
+# (Layer numbers of at most 9 digits: a longer one is no layer, and int() of one over 4,300
+# digits would raise.)
+_KEY = re.compile(
+  r"(?:layers\.(?P<first>\d{1,9})(?:-(?P<last>\d{1,9}))?)?\.?(?P<name>[A-Za-z_]\w*)?$"
+)
+# Pattern values past this are no rank or alpha (and overflow int32 shapes).
+_MAX_VALUE = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +65,17 @@ def parse_pattern(spec: str | None, kind: type = int) -> dict[str, int | float]:
     if not part.strip():
       continue
     key, _, value = part.partition("=")
+    shown = repr(part.strip()[:60])
     try:
-      out[key.strip()] = kind(value)
-    except ValueError:
+      number = kind(value)
+    except ValueError:  # (also int() of a number over 4,300 digits)
       raise UserError(
         f"a LoRA pattern takes KEY=VALUE pairs separated by commas, e.g. "
-        f"down_proj=64,layers.0-7=32; got {part.strip()!r}."
+        f"down_proj=64,layers.0-7=32; got {shown}."
       ) from None
+    if not (math.isfinite(number) and abs(number) <= _MAX_VALUE):
+      raise UserError(f"the LoRA pattern entry {shown} needs a finite value below 2**31.")
+    out[key.strip()] = number
   return out
 
 

@@ -1,13 +1,15 @@
 """Everything about a run (not the architecture): YAML file, overridden by command-line flags."""
 
 import dataclasses
+import difflib
 import math
+import reprlib
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from jaxtune.errors import RunConfigError
+from jaxtune.errors import RunConfigError, size_text
 
 # Activation checkpointing per layer (models/decoder.py REMAT_POLICIES holds what each keeps).
 REMAT = ("none", "full", "lean", "activations", "dots", "dots_no_batch", "offload")
@@ -33,6 +35,7 @@ CHOICES = {
   "export": ("merged", "peft", "bnb4", "gguf", None),
   # converters/gguf_out.GGUF_TYPES (checked here, so a run never fails at its export)
   "gguf_type": ("f16", "bf16", "f32", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"),
+  "merge_into": ("original", "dequantized"),  # converters/hf_out.MERGE_INTO
   "nf4_matmul": ("kernel", "xla", None),
   "data_format": (
     "text",
@@ -81,7 +84,12 @@ MINIMUM = {
   "top_p": 0.0,  # exclusive
   "epsilon": 0.0,  # exclusive
   "num_iterations": 1,
+  "seed": 0,
 }
+# Largest allowed value of whole-number settings: counts and sizes become int32 on the device
+# (the step counter, the schedule, shapes); the seed seeds numpy and JAX as a uint32.
+INT32_MAX = 2**31 - 1
+MAXIMUM = {"seed": 2**32 - 1}
 EXCLUSIVE = {
   "learning_rate",
   "max_grad_norm",
@@ -106,6 +114,10 @@ OPTIONAL_NUMBERS = {
 }
 # The built-in default run (no --model): settings fit for its small model, under the user's.
 DEFAULT_RUN = Path(__file__).parent / "configs" / "default-run.yaml"
+# A --config file is a few lines of settings: past these it is no run config (and an error
+# sentence must never format what a huge or alias-expanded value holds).
+MAX_YAML_BYTES = 2**20
+MAX_YAML_DEPTH = 8
 
 
 @dataclasses.dataclass
@@ -210,6 +222,9 @@ class RunConfig:
   keep_checkpoints: int = 2
   export: str | None = "merged"  # merged | peft | bnb4 | gguf | none, to OUT/export at the end
   gguf_type: str = "f16"  # with export gguf: f16 | bf16 | f32 | q8_0 | q5_1 | q5_0 | q4_1 | q4_0
+  # merged, bnb4, gguf: the LoRA update added to the checkpoint's original weights (read again
+  # from its files: the PEFT adapter's model) or to the NF4-dequantized ones it trained with
+  merge_into: str = "original"
   push_to_hub: str | None = None  # ORG/NAME: upload OUT/export there at the end
   hub_private: bool = False
 
@@ -224,36 +239,59 @@ class RunConfig:
 
   @staticmethod
   def read_yaml(path: str | Path) -> dict[str, Any]:
-    """The settings a YAML file holds (a mapping), or a RunConfigError."""
+    """The settings a YAML file holds (a mapping of known names), or a RunConfigError."""
     path = Path(path)
     if not path.is_file():
       raise RunConfigError(f"config file {path} does not exist.")
     try:
-      data = yaml.safe_load(path.read_text())
+      size = path.stat().st_size
+      raw = path.read_bytes() if size <= MAX_YAML_BYTES else b""
+    except OSError as e:
+      raise RunConfigError(
+        f"cannot read {path} ({e.strerror or type(e).__name__}); make it a readable file."
+      ) from e
+    if size > MAX_YAML_BYTES:
+      raise RunConfigError(
+        f"{path} is {size_text(size)}, too large for a file of run settings (at most "
+        f"{size_text(MAX_YAML_BYTES)}); pass a YAML file of name: value lines."
+      )
+    try:
+      text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise RunConfigError(
+        f"{path} is not UTF-8 text (byte {e.start} is {raw[e.start]:#04x}); pass a YAML file "
+        "of run settings."
+      ) from e
+    try:
+      _refuse_aliases_and_depth(path, text)
+      data = yaml.safe_load(text)
     except yaml.YAMLError as e:
       mark = getattr(e, "problem_mark", None)
       where = f" at line {mark.line + 1}" if mark is not None else ""
       raise RunConfigError(f"{path} is not valid YAML{where}; fix the file.") from e
+    except ValueError as e:  # PyYAML's int() of a number over 4,300 digits, a bad date
+      raise RunConfigError(
+        f"{path} holds a value YAML cannot read ({str(e).split(':')[0][:80]}); fix the file."
+      ) from e
     if data is None:
       data = {}
     if not isinstance(data, dict):
       raise RunConfigError(f"{path} must hold a mapping of run settings (name: value lines).")
+    _check_names(data, f"{path}: ")
     return data
 
   @classmethod
   def from_settings(cls, settings: dict[str, Any]) -> "RunConfig":
     """A run of these settings over the defaults; without a model, over the built-in default
     run's own settings (configs/default-run.yaml) first."""
+    _check_names(settings)  # before ** (which takes only text keys)
     base = cls()
     if settings.get("model") is None:
       base = base.replace(**yaml.safe_load(DEFAULT_RUN.read_text()))
     return base.replace(**settings)
 
   def replace(self, **changes: Any) -> "RunConfig":
-    names = {f.name for f in dataclasses.fields(self)}
-    unknown = sorted(set(changes) - names)
-    if unknown:
-      raise RunConfigError(f"unknown run setting(s) {unknown}; valid ones: {sorted(names)}.")
+    _check_names(changes)
     if "lora_targets" in changes and isinstance(changes["lora_targets"], str):
       changes["lora_targets"] = tuple(t.strip() for t in changes["lora_targets"].split(","))
     elif "lora_targets" in changes and isinstance(changes["lora_targets"], list | tuple):
@@ -274,6 +312,62 @@ class RunConfig:
     return yaml.safe_dump(data, sort_keys=False)
 
 
+NAMES = tuple(f.name for f in dataclasses.fields(RunConfig))
+
+
+def _check_names(settings: dict, where: str = "") -> None:
+  """Every key a setting's name; an unknown one is refused with the nearest name."""
+  for key in settings:
+    if not isinstance(key, str):
+      raise RunConfigError(
+        f"{where}the key {shown(key)} is not a setting name; name settings in text, e.g. "
+        "learning_rate: 2.0e-4."
+      )
+  unknown = [key for key in settings if key not in NAMES]
+  if not unknown:
+    return
+  more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+  close = difflib.get_close_matches(unknown[0][:100], NAMES, n=1)
+  listed = "the settings are the flags of python -m jaxtune.train --help, with _ for -"
+  hint = f"did you mean {close[0]!r}? ({listed})" if close else listed
+  raise RunConfigError(f"{where}unknown setting {shown(unknown[0])}{more}; {hint}.")
+
+
+_REPR = reprlib.Repr(maxlevel=2, maxlist=4, maxtuple=4, maxdict=4, maxset=4, maxstring=50)
+
+
+def shown(value: Any, limit: int = 60) -> str:
+  """``repr(value)`` in at most ``limit`` characters, for an error sentence: a huge value
+  (a long string, a list of lists YAML aliases made) is cut without formatting all of it."""
+  if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 3 * limit:
+    return f"a whole number of about {value.bit_length() * 3 // 10} digits"  # repr: 4,300 at most
+  text = _REPR.repr(value)
+  return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _refuse_aliases_and_depth(path: Path, text: str) -> None:
+  """Refuse YAML aliases (a billion-laughs document expands exponentially) and deep nesting
+  from the parser's events, before anything is built."""
+  depth = 0
+  for event in yaml.parse(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+    if isinstance(event, yaml.AliasEvent):
+      line = event.start_mark.line + 1
+      raise RunConfigError(
+        f"{path} uses the YAML alias *{event.anchor[:40]} at line {line}; write the "
+        "value out in full (run settings take no anchors and aliases)."
+      )
+    if isinstance(event, yaml.CollectionStartEvent):
+      depth += 1
+      if depth > MAX_YAML_DEPTH:
+        line = event.start_mark.line + 1
+        raise RunConfigError(
+          f"{path} nests lists and mappings more than {MAX_YAML_DEPTH} levels deep at line "
+          f"{line}; a run setting is a name: value line."
+        )
+    elif isinstance(event, yaml.CollectionEndEvent):
+      depth -= 1
+
+
 def _check(name: str, value: Any, default: Any) -> Any:
   flag = "--" + name.replace("_", "-")
   if name in ("quantization", "export") and value == "none":
@@ -281,18 +375,18 @@ def _check(name: str, value: Any, default: Any) -> Any:
   choices = CHOICES.get(name)
   if choices is not None:
     if value not in choices:
-      shown = ", ".join("none" if c is None else c for c in choices)
-      raise RunConfigError(f"{flag} must be one of {shown}, got {value!r}.")
+      listed = ", ".join("none" if c is None else c for c in choices)
+      raise RunConfigError(f"{flag} must be one of {listed}, got {shown(value)}.")
     return value
   if name == "lora_targets":
     if not value or not all(isinstance(t, str) and t for t in value):
       raise RunConfigError(
-        f"{flag} must name at least one projection, e.g. q_proj,v_proj, got {value!r}."
+        f"{flag} must name at least one projection, e.g. q_proj,v_proj, got {shown(value)}."
       )
     return tuple(value)
   if isinstance(default, bool):
     if not isinstance(value, bool):
-      raise RunConfigError(f"{name} must be true or false, got {value!r}.")
+      raise RunConfigError(f"{name} must be true or false, got {shown(value)}.")
     return value
   if name in OPTIONAL_NUMBERS and value is None:
     return None
@@ -301,19 +395,25 @@ def _check(name: str, value: Any, default: Any) -> Any:
     number = _number(value, kind)
     if number is None:
       noun = "a whole number" if kind is int else "a number"
-      raise RunConfigError(f"{flag} must be {noun}, got {value!r}.")
-    if name == "eval_split" and not 0 < number < 0.5:
-      raise RunConfigError(f"{flag} must be a fraction between 0 and 0.5, got {number}.")
+      raise RunConfigError(f"{flag} must be {noun}, got {shown(value)}.")
     low = MINIMUM.get(name)
+    if kind is int:
+      high = MAXIMUM.get(name, INT32_MAX)
+      if number > high or (name in MAXIMUM and number < low):
+        raise RunConfigError(
+          f"{flag} must be a whole number from {low} to {high}, got {shown(number)}."
+        )
+    if name == "eval_split" and not 0 < number < 0.5:
+      raise RunConfigError(f"{flag} must be a fraction between 0 and 0.5, got {shown(number)}.")
     if low is not None and (number < low or (name in EXCLUSIVE and number <= low)):
       bound = f"greater than {low}" if name in EXCLUSIVE else f"at least {low}"
-      raise RunConfigError(f"{flag} must be {bound}, got {number}.")
+      raise RunConfigError(f"{flag} must be {bound}, got {shown(number)}.")
     if name == "top_p" and number > 1:
-      raise RunConfigError(f"{flag} must be at most 1, got {number}.")
+      raise RunConfigError(f"{flag} must be at most 1, got {shown(number)}.")
     if name == "label_smoothing" and number >= 0.5:
-      raise RunConfigError(f"{flag} must be below 0.5, got {number}.")
+      raise RunConfigError(f"{flag} must be below 0.5, got {shown(number)}.")
     if name == "lora_dropout" and number >= 1:
-      raise RunConfigError(f"{flag} must be below 1, got {number}.")
+      raise RunConfigError(f"{flag} must be below 1, got {shown(number)}.")
     return number
   # Strings and paths (model, data, out, mesh, eval files); None where optional.
   if value is None:
@@ -321,7 +421,7 @@ def _check(name: str, value: Any, default: Any) -> Any:
       raise RunConfigError(f"{flag} needs a value.")
     return None
   if isinstance(value, bool) or not isinstance(value, str | int):
-    raise RunConfigError(f"{flag} must be text, got {value!r}.")
+    raise RunConfigError(f"{flag} must be text, got {shown(value)}.")
   return str(value)
 
 

@@ -603,7 +603,13 @@ def _run_locked(
     if distributed.is_main():
       card = model_card.render(out, run.export)
       export.write(
-        model, run.export, out / "export", overwrite=True, gguf_type=run.gguf_type, card=card
+        model,
+        run.export,
+        out / "export",
+        overwrite=True,
+        gguf_type=run.gguf_type,
+        card=card,
+        merge_into=run.merge_into,
       )
       say(f"jaxtune: exported {run.export} model to {out / 'export'}")
       if run.push_to_hub:

@@ -157,6 +157,9 @@ _HELP = {
   "push_to_hub": "then upload OUT/export to the Hub model repo ORG/NAME (needs `hf auth login`)",
   "hub_private": "create the --push-to-hub repo private",
   "export": "at the end write OUT/export as merged, peft, bnb4, gguf or none (with a model card)",
+  "merge_into": "with --export merged, bnb4 or gguf: add the LoRA update to the checkpoint's "
+  "original weights (the model its PEFT adapter gives) or to the NF4-dequantized ones the run "
+  "trained with (dequantized)",
   "gguf_type": "with --export gguf: f16, bf16, f32, q8_0, q5_1, q5_0, q4_1 or q4_0 (the file "
   "OUT/export/model-TYPE.gguf)",
 }

@@ -807,7 +807,7 @@ CASES = [
   Case(
     "yaml-unknown-setting",
     lambda w: w.train_args("--config", str(w.file("c.yaml", "learning_rte: 0.1\n"))),
-    r"unknown run setting\(s\) \['learning_rte'\]",
+    r"c\.yaml: unknown setting 'learning_rte'; did you mean 'learning_rate'\?",
   ),
   Case(
     "yaml-missing",
