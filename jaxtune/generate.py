@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 if __name__ == "__main__":  # the command line: XLA's C++ warnings only when asked (before jax)
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # ERROR too: XLA's banners (train.py)
 
 # Only light modules here: --help and a bad flag answer before JAX and the model code import;
 # main imports the rest once the arguments parse.
