@@ -471,7 +471,8 @@ def _cpu_defaults(run: RunConfig, given: Collection[str] | None) -> tuple[RunCon
   if "batch_size" not in given and run.grad_accum == 1 and batch < run.batch_size:
     run = run.replace(batch_size=batch).checked()
     notes.append(f"--batch-size {batch}")
-  if "seq_len" not in given and run.seq_len is None:
+  if "seq_len" not in given and run.seq_len is None and run.method != "grpo":
+    # (GRPO's rows are its prompts and --max-new-tokens: the completions' length decides)
     notes.append(f"--seq-len at most {CPU_SEQ_LEN}")
   if not notes:
     return run, ""

@@ -128,6 +128,8 @@ def test_a_real_model_on_cpus_alone_gets_a_laptops_batch_and_length():
   assert session._cpu_defaults(mine, None) == (mine, "")  # differs from the defaults: given
   toy = RunConfig().checked()
   assert session._cpu_defaults(toy, set()) == (toy, "")
+  grpo = RunConfig(model="m", method="grpo", reward="length").checked()
+  assert "seq-len" not in session._cpu_defaults(grpo, set())[1]  # rows fit the completions
 
 
 def test_the_python_apis_sentences_name_settings_as_keywords():
