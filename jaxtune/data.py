@@ -27,6 +27,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -435,7 +436,7 @@ def tokenize(
     }
   )
   fingerprint = _fingerprint(table._fingerprint, fmt, train_on_prompt, tokenizer)
-  hit = _cached(table, fingerprint)
+  hit = _cache_intact(_cache_files(table, fingerprint), name)
   if num_proc is None and len(table) >= PARALLEL_FROM:
     num_proc = min(8, os.cpu_count() or 1)
   if num_proc and num_proc > 1:
@@ -536,13 +537,30 @@ def _fingerprint(source: str, fmt: str, train_on_prompt: bool, tokenizer: Any) -
   return "jaxtune-" + h.hexdigest()[:32]
 
 
-def _cached(table, fingerprint: str) -> bool:
-  """Whether datasets holds this map's result already (its cache files sit beside the
-  source's, named by the fingerprint)."""
+def _cache_files(table, fingerprint: str) -> list[Path]:
+  """The files in which datasets holds this map's result already (beside the source's, named
+  by the fingerprint); none before the first run."""
   if not table.cache_files:
-    return False
+    return []
   directory = Path(table.cache_files[0]["filename"]).parent
-  return any(directory.glob(f"cache-{fingerprint}*.arrow"))
+  return sorted(directory.glob(f"cache-{fingerprint}*.arrow"))
+
+
+def _cache_intact(files: list[Path], name: str) -> bool:
+  """Whether the tokenized rows are cached in ``files``, whole. A damaged file (a run killed
+  while datasets wrote it, a full disk, a cache cut short by a copy) is said on stderr and
+  removed, with the rest of its map's files, so that the rows are tokenized anew: the cache
+  is jaxtune's own, and datasets would otherwise fail on it in every run."""
+  damage = next(filter(None, map(sources.arrow_damage, files)), None)
+  if damage is None:
+    return bool(files)
+  print(
+    f"jaxtune: the tokenized cache of {name} is damaged ({damage}); tokenizing anew",
+    file=sys.stderr,
+  )
+  for f in files:
+    f.unlink(missing_ok=True)
+  return False
 
 
 # ---------------------------------------------------------------- streaming

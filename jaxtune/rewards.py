@@ -3,19 +3,30 @@
 A reward function takes ``(prompts, completions, **columns)`` (lists of equal length: the
 prompt text and the completion text of each rollout, and every other column of the prompt's
 data row, e.g. ``answer``) and returns one number per completion. ``--reward`` names them
-as ``MODULE:FUNCTION`` (the module importable from the working directory or PYTHONPATH) or
-by a built-in name; several, comma-separated, are summed.
+as ``MODULE:FUNCTION`` (the module importable from the working directory or PYTHONPATH, or a
+file, ``path/to/my_rewards.py:FUNCTION``) or by a built-in name; several, comma-separated, are
+summed.
+
+A reward that raises, or returns anything but a list of one number per completion, stops the
+run with a ``RewardError``: one sentence naming the reward, the step and what happened, and
+the reward's own traceback frames to print below it.
 """
 
 import importlib
+import importlib.util
 import math
+import numbers
 import re
+import reprlib
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxtune.errors import RunConfigError
+import numpy as np
+
+from jaxtune.errors import RunConfigError, TrainingError
 
 RewardFn = Callable[..., Sequence[float]]
 
@@ -72,6 +83,16 @@ BUILT_IN: dict[str, RewardFn] = {
 }
 
 
+class RewardError(TrainingError):
+  """A reward function that raised, or returned something other than one number per
+  completion, during the run. ``frames``: the reward's own traceback frames (text, empty where
+  none), for the command line to print below the sentence."""
+
+  def __init__(self, message: str, frames: str = ""):
+    super().__init__(message)
+    self.frames = frames
+
+
 def load(spec: str) -> list[tuple[str, RewardFn]]:
   """--reward "mod:fn,final_answer" -> [(name, callable)], or a RunConfigError naming the
   one that cannot be imported or called."""
@@ -82,21 +103,13 @@ def load(spec: str) -> list[tuple[str, RewardFn]]:
     if part in BUILT_IN:
       out.append((part, BUILT_IN[part]))
       continue
-    module_name, _, attr = part.partition(":")
+    module_name, _, attr = part.rpartition(":")  # a file's path may hold a colon (C:\)
     if not module_name or not attr:
       raise RunConfigError(
         f"--reward {part!r} is neither MODULE:FUNCTION nor a built-in reward "
         f"({', '.join(BUILT_IN)})."
       )
-    if str(Path.cwd()) not in sys.path and "" not in sys.path:
-      sys.path.insert(0, str(Path.cwd()))
-    try:
-      module = importlib.import_module(module_name)
-    except ImportError as e:
-      raise RunConfigError(
-        f"--reward {part}: module {module_name!r} cannot be imported ({e}); put it in the "
-        "working directory or on PYTHONPATH."
-      ) from e
+    module = _import(part, module_name)
     fn = getattr(module, attr, None)
     if not callable(fn):
       what = "has no" if fn is None else "has a non-callable"
@@ -107,27 +120,128 @@ def load(spec: str) -> list[tuple[str, RewardFn]]:
   return out
 
 
+def _import(part: str, module_name: str) -> Any:
+  """The module of --reward ``part``: a file (``path/x.py``) or an importable name. Whatever
+  its code raises is a RunConfigError naming the module, the error and its line."""
+  file = module_name.endswith(".py") or "/" in module_name or "\\" in module_name
+  if file and not Path(module_name).is_file():
+    raise RunConfigError(
+      f"--reward {part}: {module_name} is not a file; name a Python file or an importable module."
+    )
+  if not file and str(Path.cwd()) not in sys.path and "" not in sys.path:
+    sys.path.insert(0, str(Path.cwd()))
+  try:
+    return _import_file(Path(module_name)) if file else importlib.import_module(module_name)
+  except SyntaxError as e:
+    raise RunConfigError(
+      f"--reward {part}: module {module_name!r} has a syntax error at line {e.lineno} of "
+      f"{e.filename} ({_said(e.msg)}); fix it."
+    ) from e
+  except ModuleNotFoundError as e:
+    # The module itself (or its package) is not found, rather than one that it imports.
+    if e.name and (module_name + ".").startswith(e.name + "."):
+      raise RunConfigError(
+        f"--reward {part}: module {module_name!r} cannot be imported ({e}); put it in the "
+        "working directory or on PYTHONPATH."
+      ) from e
+    raise _import_failed(part, module_name, e, "install what it imports, or fix the module") from e
+  except Exception as e:  # the module's own code: reported with its line, never passed over
+    raise _import_failed(part, module_name, e, "fix the module") from e
+
+
+def _import_file(path: Path) -> Any:
+  """The module in the file ``path``, run once per process (kept in sys.modules by its path)."""
+  key = f"jaxtune.rewards:{path.resolve()}"  # no importable name: the file's own stays free
+  if key not in sys.modules:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[key] = module
+  return sys.modules[key]
+
+
+def _import_failed(part: str, module_name: str, e: Exception, fix: str) -> RunConfigError:
+  """The sentence for a reward module whose code raised ``e`` while it was imported, at the
+  line of the module (the first frame outside jaxtune and importlib) that was running."""
+  importlib_dir = str(Path(importlib.__file__).parent)
+  frames = [
+    f
+    for f in traceback.extract_tb(e.__traceback__)
+    if f.filename != __file__ and not f.filename.startswith(("<frozen ", importlib_dir))
+  ]
+  where = f" at line {frames[0].lineno} of {frames[0].filename}" if frames else ""
+  return RunConfigError(
+    f"--reward {part}: importing module {module_name!r} raised {type(e).__name__} "
+    f"({_said(e)}){where}; {fix}."
+  )
+
+
 def score(
   fns: list[tuple[str, RewardFn]], prompts: list, completions: list[str], columns: dict, step: int
 ) -> dict[str, list[float]]:
-  """Each function's rewards {name: [float per completion]}; a wrong length or a value that
-  is not a finite number is a RunConfigError naming the function and the step."""
+  """Each function's rewards {name: [float per completion]}. A function that raises, or
+  returns anything but a list (or 1-D array) of one finite number per completion, is a
+  RewardError naming the function and the step."""
   out = {}
   for name, fn in fns:
-    values = fn(prompts, completions, **columns)
     try:
-      values = [float(v) for v in values]
-    except (TypeError, ValueError) as e:
-      raise RunConfigError(
-        f"reward {name} returned a value that is not a number at step {step}; it must "
-        "return one float per completion."
+      returned = fn(prompts, completions, **columns)
+    except Exception as e:  # the user's code: stops the run, said with its own frames
+      own = traceback.extract_tb(e.__traceback__)[1:]  # below this frame's call
+      raise RewardError(
+        f"reward {name} raised {type(e).__name__} at step {step} ({_said(e)}); fix the "
+        "reward, then run again or --resume.",
+        "".join(traceback.format_list(own)),
       ) from e
-    if len(values) != len(completions):
-      raise RunConfigError(
-        f"reward {name} returned {len(values)} values for {len(completions)} completions at "
-        f"step {step}; it must return one per completion."
-      )
-    if not all(math.isfinite(v) for v in values):
-      raise RunConfigError(f"reward {name} returned a NaN or infinite value at step {step}.")
-    out[name] = values
+    out[name] = _numbers(name, returned, len(completions), step)
   return out
+
+
+def _numbers(name: str, returned: Any, n: int, step: int) -> list[float]:
+  """What reward ``name`` returned for ``n`` completions, as floats, or a RewardError."""
+  values = returned
+  if hasattr(returned, "__array__") and not isinstance(returned, list | tuple):
+    array = np.asarray(returned)  # numpy, JAX and torch arrays
+    if array.ndim == 1:
+      values = array.tolist()
+  if not isinstance(values, list | tuple):
+    raise RewardError(
+      f"reward {name} returned {_shown(returned)} at step {step}, not a list; it must return "
+      "one number per completion."
+    )
+  if len(values) != n:
+    raise RewardError(
+      f"reward {name} returned {len(values)} values for {n} completions at step {step}; it "
+      "must return one per completion."
+    )
+  for i, v in enumerate(values):
+    if not isinstance(v, numbers.Real):
+      raise RewardError(
+        f"reward {name} returned a value that is not a number at step {step} (for completion "
+        f"{i + 1}: {_shown(v)}); it must return one number per completion."
+      )
+    if not math.isfinite(v):
+      raise RewardError(
+        f"reward {name} returned a NaN or infinite value at step {step} (for completion "
+        f"{i + 1}: {v}); it must return finite numbers."
+      )
+  return [float(v) for v in values]
+
+
+_REPR = reprlib.Repr(maxstring=40, maxother=40)
+
+
+def _shown(value: Any) -> str:
+  """A value as a sentence names it: its kind and a short repr."""
+  if hasattr(value, "shape") and hasattr(value, "dtype"):
+    return f"an array of shape {tuple(value.shape)}"
+  kind = type(value).__name__
+  article = "an" if kind[:1].lower() in "aeiou" else "a"
+  return f"{article} {kind} ({_said(_REPR.repr(value))})" if value is not None else "None"
+
+
+def _said(e: BaseException | str) -> str:
+  """The first line of an error message (or text), as part of one sentence: ". X" -> "; X"."""
+  text = str(e).strip()
+  text = text.splitlines()[0][:200] if text else type(e).__name__
+  return re.sub(r"\.\s+(?=[A-Z])", "; ", text)

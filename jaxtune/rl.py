@@ -22,6 +22,8 @@ and p_old is computed once, before the first. Prompts and completions sit in row
 """
 
 import dataclasses
+import hashlib
+import json
 import time
 from typing import Any
 
@@ -156,6 +158,14 @@ class Prompts:
     self.columns = {c: [rows[i][c] for i in keep] for c in others}
     self.seq_len = seq_len
     self.format = "prompts"
+
+  def fingerprint(self) -> str:
+    """A digest of every prompt's tokens and text and of the reward columns (as data.Dataset's:
+    a resumed run tells whether its prompts are still those its checkpoint saw)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps([self.seq_len, self.ids, self.texts]).encode())
+    h.update(json.dumps(self.columns, sort_keys=True, default=repr).encode())
+    return h.hexdigest()
 
   @staticmethod
   def _encode(row: dict, i: int, tokenizer: Any, encoder: formats.Encoder):

@@ -510,7 +510,8 @@ def _run_locked(
   checks.check_vocabulary(tokenizer, cfg, model_path)
   positions = min(cfg.max_position_embeddings, cpu_seq_cap(run, laptop) or 1 << 62)
   dataset, eval_dataset, report = _load_data(run, tokenizer, positions, data, eval_data)
-  fingerprint = dataset.fingerprint() if isinstance(dataset, data_lib.Dataset) else None
+  # (A stream has none: its position is checked where it seeks.)
+  fingerprint = dataset.fingerprint() if hasattr(dataset, "fingerprint") else None
   if resume and fingerprint is not None:
     _check_resumed_data(out / "checkpoints", fingerprint, report.name, previous, allow_changes)
   run = run.replace(seq_len=dataset.seq_len, steps=_steps(run, dataset))

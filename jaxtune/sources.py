@@ -8,9 +8,11 @@ directory written by ``datasets.save_to_disk``, a Hub dataset id (``org/name``),
 """
 
 import codecs
+import functools
 import glob
 import os
 import re
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -80,21 +82,34 @@ def open_source(
     return (table.to_iterable_dataset() if streaming else table), "the given examples"
   path = Path(data).expanduser()
   name = str(data)
-  if any(c in data for c in "*?["):
-    files = sorted(glob.glob(str(path), recursive=True))
-    if not files:
-      raise DataError(f"--data {data} matches no file.")
-    return _load_files(ds, [Path(f) for f in files], name, streaming), name
+  # A path that exists is the file or directory it names, before any glob: data[1].jsonl is a
+  # file, not a pattern matching data1.jsonl.
   if path.is_file():
     return _load_files(ds, [path], name, streaming), name
   if path.is_dir():
     if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
-      saved = ds.load_from_disk(str(path))
+      saved = _load_saved(ds, path, name)
       if isinstance(saved, ds.DatasetDict):
         saved = _pick_split(saved, split, name)
       _check_rows(saved, name)
       return (saved.to_iterable_dataset() if streaming else saved), name
+    if glob.escape(str(path)) != str(path):  # datasets finds a directory's files by pattern
+      raise DataError(
+        f"the directory {data} has *, ? or [ in its path, which datasets reads as a pattern; "
+        "rename it, or pass one of its data files."
+      )
     return _load_repo(ds, str(path), config, split, streaming, name, local=True), name
+  if any(c in data for c in "*?["):
+    files = sorted(glob.glob(str(path), recursive=True))
+    if not files:
+      raise DataError(f"--data {data} matches no file.")
+    folder = next((f for f in files if os.path.isdir(f)), None)
+    if folder is not None:
+      raise DataError(
+        f"--data {data} matches the directory {folder}, not a data file; narrow the pattern "
+        "to files (such as *.jsonl), or pass the directory itself."
+      )
+    return _load_files(ds, [Path(f) for f in files], name, streaming), name
   if data.endswith(tuple(BUILDERS)) or data.startswith((".", "/", "~")) or data.count("/") > 1:
     raise DataError(f"data file {data} does not exist; pass --data FILE, a directory or a Hub id.")
   return _load_repo(ds, data, config, split, streaming, name, local=False), name
@@ -111,39 +126,160 @@ def _load_files(ds, files: list[Path], name: str, streaming: bool):
   if len(kinds) > 1:
     raise DataError(f"--data {name} mixes file types ({', '.join(sorted(kinds))}); use one.")
   builder = kinds.pop()
-  for f in files:
-    _check_text_file(f, builder)
+  # Zero bytes or blank lines: datasets' JSON reader fails on them with a bare StopIteration
+  # (a list, not a generator: every file is checked, all of them may be empty).
+  if not any([_check_text_file(f, builder) for f in files]):
+    raise DataError(f"{name} holds no examples; it is empty.")
+  # Escaped: datasets reads data_files as patterns, where [ ] * ? in a file's name are not.
+  data_files = [glob.escape(str(f)) for f in files]
   try:
-    table = ds.load_dataset(builder, data_files=[str(f) for f in files], split="train",
-                            streaming=streaming)  # fmt: skip
+    table = _read_files(ds, builder, data_files, name, streaming)
   except ValueError as e:
     if "corresponds to no data" in str(e) or "no data" in str(e).lower():
       raise DataError(f"{name} holds no examples; it is empty.") from e
     raise DataError(f"{name} cannot be read as {builder} ({_first_line(e)}).") from e
   except ds.exceptions.DatasetGenerationError as e:
-    bad = _bad_line(files, builder)
-    if bad is None and _empty(e):
-      raise DataError(f"{name} holds no examples; it is empty.") from e
+    bad = _bad_line(files)
     if bad is not None:
-      raise DataError(f"{bad}; fix that line (one JSON object per line).") from e
-    why = _first_line(e.__cause__ or e.__context__ or e)
+      raise DataError(f"{bad}.") from e
+    parse = _in_chain(e, "ParserError")  # pandas' (CSV), beside datasets' "no example" after it
+    if parse is None and _empty(e):
+      raise DataError(f"{name} holds no examples; it is empty.") from e
+    why = _first_line(parse or e.__cause__ or e.__context__ or e)
     raise DataError(f"{name} cannot be read as {builder} ({why}).") from e
   if not streaming:
     _check_rows(table, name)
   return table
 
 
-def _check_text_file(path: Path, builder: str) -> None:
+def _read_files(ds, builder: str, data_files: list[str], name: str, streaming: bool):
+  """load_dataset of the files; where datasets' cache of them (the Arrow file it made of them
+  in an earlier run) is damaged, said on stderr and made anew: it is a copy of the files."""
+  read = functools.partial(ds.load_dataset, builder, data_files=data_files, split="train")
+  try:
+    table = read(streaming=streaming)
+  except (OSError, ValueError):
+    damage = None if streaming else _cache_damage(ds, builder, data_files)
+    if damage is None:
+      raise
+  else:
+    damage = None if streaming else _rows_lost(table)
+    if damage is None:
+      return table
+  print(
+    f"jaxtune: datasets' cache of {name} is damaged ({damage}); reading it anew", file=sys.stderr
+  )
+  return read(download_mode="force_redownload")
+
+
+def _rows_lost(table) -> str | None:
+  """Whether the cache ``table`` was read from holds fewer rows than datasets wrote there (an
+  Arrow stream cut between two record batches reads without an error)."""
+  split = (table.info.splits or {}).get("train")
+  if split is None or not split.num_examples or split.num_examples == len(table):
+    return None
+  files = ", ".join(f["filename"] for f in table.cache_files)
+  return f"{files} holds {len(table):,} of its {split.num_examples:,} rows"
+
+
+def _cache_damage(ds, builder: str, data_files: list[str]) -> str | None:
+  """What of datasets' prepared copy of ``data_files`` cannot be read (None: nothing, or there
+  is no copy yet); its map caches beside it (data.py's tokenized rows) are not looked at."""
+  directory = Path(ds.load_dataset_builder(builder, data_files=data_files).cache_dir)
+  for f in sorted(directory.glob("*.arrow")):
+    if not f.name.startswith("cache-") and (damage := arrow_damage(f)) is not None:
+      return damage
+  return None
+
+
+# The last 8 bytes of an Arrow stream file: its end-of-stream marker (datasets writes one).
+_ARROW_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
+def arrow_damage(path: Path) -> str | None:
+  """Why the Arrow stream file ``path`` (as datasets writes its caches and save_to_disk)
+  cannot be read whole, as "PATH is missing" or "PATH is truncated or damaged (...)"; None:
+  it reads. A file cut between two record batches reads without error: its missing
+  end-of-stream marker tells."""
+  import pyarrow as pa
+
+  try:
+    with pa.memory_map(str(path)) as mapped:
+      pa.ipc.open_stream(mapped).read_all()
+      mapped.seek(max(0, mapped.size() - len(_ARROW_END)))
+      end = mapped.read()
+  except FileNotFoundError:
+    return f"{path} is missing"
+  except (OSError, pa.ArrowInvalid) as e:
+    return f"{path} is truncated or damaged ({_first_line(e)})"
+  if end != _ARROW_END:
+    return f"{path} is truncated (its Arrow stream has no end)"
+  return None
+
+
+def _load_saved(ds, path: Path, name: str):
+  """A datasets.save_to_disk directory; a damaged one is named with what is damaged."""
+  try:
+    return ds.load_from_disk(str(path))
+  except (OSError, ValueError, KeyError) as e:  # pyarrow's ArrowInvalid and JSON's errors too
+    damage = _saved_damage(path) or f"datasets cannot read it ({_first_line(e)})"
+    raise DataError(
+      f"the datasets.save_to_disk directory {name} is damaged: {damage}; save the dataset "
+      "there again, or pass its original data files."
+    ) from e
+
+
+def _saved_damage(directory: Path) -> str | None:
+  """What of a save_to_disk directory (a Dataset's, or a DatasetDict's with one per split)
+  cannot be read: a missing file, a JSON file that is not JSON, a damaged Arrow file; None:
+  nothing found."""
+  import json
+
+  def read(f: Path):
+    try:
+      return json.loads(f.read_text(encoding="utf-8")), None
+    except FileNotFoundError:
+      return None, f"{f} is missing"
+    except (OSError, ValueError) as e:
+      return None, f"{f} is not valid JSON ({_first_line(e)})"
+
+  index = directory / "dataset_dict.json"
+  if index.is_file():
+    splits, damage = read(index)
+    if damage is not None:
+      return damage
+    if not isinstance(splits, dict) or not isinstance(splits.get("splits"), list):
+      return f"{index} does not list the splits"
+    return next(filter(None, (_saved_damage(directory / str(s)) for s in splits["splits"])), None)
+  state, damage = read(directory / "state.json")
+  if damage is None:
+    damage = read(directory / "dataset_info.json")[1]
+  if damage is not None:
+    return damage
+  try:
+    names = [entry["filename"] for entry in state["_data_files"]]
+  except (KeyError, TypeError):
+    return f"{directory / 'state.json'} does not list the data files (_data_files)"
+  return next(filter(None, (arrow_damage(directory / n) for n in names)), None)
+
+
+def _check_text_file(path: Path, builder: str) -> bool:
   """UTF-8, and for JSON no lone surrogate and no row nested deeper than Arrow holds: checked
   here so that the error names the line (arrow's reader names neither, reads some invalid UTF-8
-  without a word, and crashes on very deep nesting before any error can be caught)."""
+  without a word, and crashes on very deep nesting before any error can be caught). Returns
+  whether the file holds more than blank space (a binary file: True)."""
   if builder not in ("json", "csv"):
-    return
+    return True
   decoder = codecs.getincrementaldecoder("utf-8")()
   nesting = _Nesting(per_line=_suffix(path) == ".jsonl") if builder == "json" else None
-  line = 1
-  with open(path, "rb") as f:
+  line, filled = 1, False
+  try:
+    f = open(path, "rb")  # noqa: SIM115 - closed below; only opening it is guarded here
+  except OSError as e:
+    raise DataError(f"cannot read {path} ({e.strerror}); make it a readable file.") from e
+  with f:
     while chunk := f.read(1 << 24) + f.readline():  # whole lines: no escape is cut in two
+      filled = filled or bool(chunk.strip())
       try:
         decoder.decode(chunk)
       except UnicodeDecodeError as e:
@@ -165,6 +301,7 @@ def _check_text_file(path: Path, builder: str) -> None:
             "can hold; flatten that row, keep its deep part as a JSON string, or remove it."
           )
       line += chunk.count(b"\n")
+  return filled
 
 
 def _lone_surrogate(chunk: bytes) -> int | None:
@@ -254,22 +391,49 @@ class _Nesting:
     return int(deeper[0]) if len(deeper) else None
 
 
-def _bad_line(files: list[Path], builder: str) -> str | None:
-  """Where the first line of a JSON-lines file that is not JSON is (None: none is)."""
+def _bad_line(files: list[Path]) -> str | None:
+  """Where the first line that datasets cannot read is, with how to fix it (None: none found):
+  a line of a JSON-lines file that is not JSON, a CSV row with more fields than its header."""
   import json
 
-  if builder == "json":
-    for f in files:
-      if _suffix(f) != ".jsonl":
-        continue
-      with open(f, encoding="utf-8") as lines:
-        for n, text in enumerate(lines, 1):
-          if not text.strip():
-            continue
-          try:
-            json.loads(text)
-          except json.JSONDecodeError as bad:
-            return f"{f}:{n} is not valid JSON ({bad.msg})"
+  for f in files:
+    if _suffix(f) == ".csv" and (ragged := _ragged_row(f)) is not None:
+      return ragged
+    if _suffix(f) != ".jsonl":
+      continue
+    with open(f, encoding="utf-8") as lines:
+      for n, text in enumerate(lines, 1):
+        if not text.strip():
+          continue
+        try:
+          json.loads(text)
+        except json.JSONDecodeError as bad:
+          return f"{f}:{n} is not valid JSON ({bad.msg}); fix that line (one JSON object per line)"
+  return None
+
+
+def _ragged_row(path: Path) -> str | None:
+  """The first row of a CSV file with more fields than its header (pandas, which datasets reads
+  CSV with, refuses it; fewer it fills with nulls), by the line it starts on; None: none."""
+  import csv
+
+  with open(path, encoding="utf-8", newline="") as f:
+    rows = csv.reader(f)
+    header, end = None, 0
+    try:
+      for row in rows:
+        start, end = end + 1, rows.line_num  # a quoted field may span lines
+        if not row:  # a blank line
+          continue
+        if header is None:
+          header = row
+        elif len(row) > len(header):
+          return (
+            f"{path}:{start} has {len(row)} fields, more than the {len(header)} columns of its "
+            "header; quote the field that holds a comma, or fix that row"
+          )
+    except csv.Error:  # pandas' own message says what it could not read then
+      return None
   return None
 
 
@@ -309,31 +473,52 @@ def _load_repo(ds, path: str, config, split: str, streaming: bool, name: str, lo
     if "corresponds to no data" in text:
       raise DataError(f"the {where} {path} holds no examples in split {split!r}.") from e
     raise DataError(f"the {where} {path} cannot be read ({_first_line(e)}).") from e
+  except StopIteration as e:  # datasets' JSON reader, on files of zero bytes
+    raise DataError(
+      f"the {where} {path} holds no examples in split {split!r}; fill it, or pick another "
+      "with --data-split."
+    ) from e
   except ds.exceptions.DatasetGenerationError as e:
-    if _empty(e):
+    bad = _bad_line(sorted(p for p in Path(path).rglob("*") if p.is_file())) if local else None
+    if bad is not None:
+      raise DataError(f"{bad}.") from e
+    parse = _in_chain(e, "ParserError")
+    if parse is None and _empty(e):
       raise DataError(
         f"the {where} {path} holds no examples in split {split!r}; fill it, or pick another "
         "with --data-split."
       ) from e
-    raise DataError(f"the {where} {path} cannot be read ({_first_line(e.__cause__ or e)}).") from e
+    why = _first_line(parse or e.__cause__ or e)
+    raise DataError(f"the {where} {path} cannot be read ({why}).") from e
   if not streaming:
     _check_rows(table, name)
   return table
 
 
-def _empty(e: BaseException) -> bool:
-  """Whether datasets failed because a file or split holds no rows (it cannot build those)."""
-  seen, todo = set(), [e]
+def _chain(e: BaseException) -> list[BaseException]:
+  """``e`` and every exception it was raised from or while handling."""
+  seen, todo, out = set(), [e], []
   while todo:
     e = todo.pop()
     if e is None or id(e) in seen:
       continue
     seen.add(id(e))
-    text = str(e)
-    if "at least one example" in text or "BatchSize must be greater than 0" in text:
-      return True
+    out.append(e)
     todo += [e.__cause__, e.__context__]
-  return False
+  return out
+
+
+def _empty(e: BaseException) -> bool:
+  """Whether datasets failed because a file or split holds no rows (it cannot build those)."""
+  return any(
+    "at least one example" in str(x) or "BatchSize must be greater than 0" in str(x)
+    for x in _chain(e)
+  )
+
+
+def _in_chain(e: BaseException, type_name: str) -> BaseException | None:
+  """The first exception of class ``type_name`` in ``e``'s chain (None: none)."""
+  return next((x for x in _chain(e) if type(x).__name__ == type_name), None)
 
 
 def _pick_split(dd, split: str, name: str):
@@ -362,8 +547,9 @@ def _suffix(path: Path) -> str:
 
 
 def _first_line(e: BaseException) -> str:
+  """The first line of ``e``'s message, as part of one sentence (". X" becomes "; X")."""
   text = str(e).strip()
-  return text.splitlines()[0][:200] if text else type(e).__name__
+  return re.sub(r"\.\s+(?=[A-Z])", "; ", text.splitlines()[0][:200]) if text else type(e).__name__
 
 
 def cache_root() -> str:

@@ -60,8 +60,8 @@ _HELP = {
   "label_smoothing": "dpo: the assumed probability that a pair's preference is flipped "
   "(conservative DPO), 0 to 0.5",
   "orpo_lambda": "orpo: the weight of the odds-ratio term beside the chosen responses' NLL",
-  "reward": "grpo: reward functions, comma-separated: MODULE:FUNCTION taking (prompts, "
-  "completions, **columns) and returning a float per completion, or final_answer, "
+  "reward": "grpo: reward functions, comma-separated: MODULE:FUNCTION or FILE.py:FUNCTION "
+  "taking (prompts, completions, **columns) and returning a float per completion, or final_answer, "
   "think_format, length_penalty (built in); summed",
   "num_generations": "grpo: completions sampled per prompt (the group their rewards are "
   "normalised in)",
@@ -306,6 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
+    # Code of the user's that failed (a GRPO reward): its own frames, below the sentence.
+    print(getattr(e.__cause__, "frames", ""), end="", file=sys.stderr)
     return 2
   except Stopped as e:
     if e.saved:
