@@ -106,7 +106,7 @@ def _part(out: Path, fraction: float):
 GGUF_MOMENTS = {
   "imports": lambda out, text: True,
   "load": lambda out, text: any(out.parent.glob(f".{out.name}.*")),
-  **{f"write {int(f * 100)}%": _part(None, f) for f in (0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99)},
+  **{f"write {int(f * 100)}%": _part(None, f) for f in (0.01, 0.1, 0.25, 0.4, 0.5, 0.6, 0.75)},
   "rename": lambda out, text: (
     (out / "README.md").exists() or any(out.parent.glob(f".{out.name}.*.old"))
   ),

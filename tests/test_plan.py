@@ -668,11 +668,12 @@ def test_a_real_run_under_a_memory_limit_takes_a_leaner_setting_and_learns_the_s
 
 @pytest.mark.parametrize("cli", ["train", "export", "generate"])
 def test_the_command_lines_keep_xla_warnings_off_unless_asked(cli, monkeypatch):
-  """Run as `python -m jaxtune.X`, each CLI sets TF_CPP_MIN_LOG_LEVEL=2 before jax loads (XLA
-  warns while --remat auto compiles settings that do not fit), and keeps a user's value."""
+  """Run as `python -m jaxtune.X`, each CLI sets TF_CPP_MIN_LOG_LEVEL=3 before jax loads (XLA
+  warns while --remat auto compiles settings that do not fit, and prints banners such as
+  "Very slow compile?" as errors), and keeps a user's value."""
   import runpy
 
-  for value, expected in ((None, "2"), ("0", "0")):
+  for value, expected in ((None, "3"), ("0", "0")):
     if value is None:
       monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     else:
