@@ -206,7 +206,9 @@ def linear_weight(
   return merged_weight(linear, layer, None if source is None else source.read(name, shape))
 
 
-def param_value(var: Any, layer: int | None, name: str, source: OriginalWeights | None):
+def param_value(
+  var: Any, layer: int | None, name: str, source: OriginalWeights | None
+) -> np.ndarray | jax.Array:
   """A tensor of no Linear (a norm, bias or embedding) as a merge writes it: the checkpoint's
   own when ``source`` is given, else the model's."""
   if source is None:

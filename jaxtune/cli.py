@@ -2,6 +2,7 @@
 their arguments parse: --help and a mistyped flag answer without importing JAX."""
 
 import argparse
+from typing import NoReturn
 
 CACHE_HELP = (
   "compile everything anew: without it, compiled programs are kept in "
@@ -13,5 +14,5 @@ CACHE_HELP = (
 class Parser(argparse.ArgumentParser):
   """argparse, but a bad flag gets one line (no usage block)."""
 
-  def error(self, message):
+  def error(self, message: str) -> NoReturn:
     self.exit(2, f"error: {message}; see {self.prog} --help.\n")

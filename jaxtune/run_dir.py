@@ -22,6 +22,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 from jaxtune.errors import SaveError, UserError, size_text
 from jaxtune.run_config import RunConfig
@@ -90,7 +91,7 @@ def _link_error(path: Path) -> UserError:
   )
 
 
-def open_append(path: Path):
+def open_append(path: Path) -> TextIO:
   """``path`` opened to append text, refusing to follow a symbolic link (``check_links``)."""
   try:
     return open(path, "a", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW, 0o644))
