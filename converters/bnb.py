@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from converters.safetensors_read import CheckpointError
-from jaxtune import nf4
-from jaxtune.nf4_maps import DYNAMIC_MAP, NF4_CODE
+from pallas_kernels import nf4
+from pallas_kernels.nf4_maps import DYNAMIC_MAP, NF4_CODE
 
 STATE_SUFFIX = ".quant_state.bitsandbytes__nf4"
 SUFFIXES = (".absmax", ".nested_absmax", ".quant_map", ".nested_quant_map", STATE_SUFFIX)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jaxtune.errors import ExportError
+from converters.errors import ExportError
 
 if TYPE_CHECKING:
   import gguf

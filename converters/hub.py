@@ -1,4 +1,5 @@
-"""--push-to-hub: an export directory uploaded to a Hub model repository.
+"""The Hub: a checkpoint's repo id (read off a path or a cache snapshot), and --push-to-hub,
+an export directory uploaded to a Hub model repository.
 
 Through ``huggingface_hub.HfApi.upload_folder`` (large files go by the Hub's chunked
 transfer, and an interrupted push started again skips what already arrived). Every failure
@@ -12,7 +13,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jaxtune.errors import ExportError
+from converters.errors import ExportError
+
+_SNAPSHOT = re.compile(r"(?:^|/)models--(?P<repo>[^/]+)/snapshots/[^/]+/?$")
+
+
+def hub_id(path_or_hub_id: str | Path) -> str | None:
+  """The Hub repo id a checkpoint came from: the id itself, or read off a Hub cache snapshot
+  path (.../models--ORG--NAME/snapshots/HASH); None for any other local directory."""
+  text = str(path_or_hub_id)
+  m = _SNAPSHOT.search(text.replace("\\", "/"))
+  if m:
+    return m["repo"].replace("--", "/")
+  return text if looks_like_hub_id(text) and not Path(text).expanduser().is_dir() else None
+
+
+def looks_like_hub_id(text: str) -> bool:
+  return text.count("/") == 1 and not text.startswith((".", "/", "~"))
 
 
 def push(folder: str | Path, repo_id: str, private: bool = False, api: Any = None) -> str:

@@ -16,8 +16,8 @@ from typing import Any
 
 import yaml
 
-from converters.hf_in import hub_id
-from jaxtune.errors import UserError
+from converters.errors import UserError
+from converters.hub import hub_id
 
 RUN_INFO = "run.json"
 LIBRARY = {"merged": "transformers", "bnb4": "transformers", "peft": "peft", "gguf": "gguf"}

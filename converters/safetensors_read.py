@@ -22,7 +22,7 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
-from jaxtune.errors import CheckpointError
+from converters.errors import CheckpointError
 
 
 def safetensors_files(ckpt: Path) -> list[Path]:

@@ -137,8 +137,8 @@ def _random_bnb(pool: np.ndarray, shape: tuple[int, int], dtype: str, rng) -> di
   codes from ``pool`` (rotated), every block's absmax the dynamic map's 1.0 times
   nested_absmax 0.02 plus the offset 0.03."""
   from converters import bnb
-  from jaxtune import nf4
-  from jaxtune.nf4_maps import DYNAMIC_MAP
+  from pallas_kernels import nf4
+  from pallas_kernels.nf4_maps import DYNAMIC_MAP
 
   n = int(np.prod(shape))
   blocks = -(-n // nf4.BLOCKSIZE)

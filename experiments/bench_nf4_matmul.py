@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.record import record  # noqa: E402
-from jaxtune import nf4  # noqa: E402
+from pallas_kernels import nf4  # noqa: E402
 from pallas_kernels.nf4_matmul import kernel, ops, reference  # noqa: E402
 
 LLAMA_8B = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]

@@ -19,10 +19,10 @@ from pathlib import Path
 import jax.numpy as jnp
 
 import jaxtune
-from converters import export
 from converters.synthetic import write_random_checkpoint
 from experiments.record import record
 from jaxtune import default_model
+from jaxtune.hf import export
 from jaxtune.lora import iter_linears
 
 

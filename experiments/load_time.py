@@ -38,7 +38,7 @@ from converters import safetensors_read  # noqa: E402
 from experiments.measure import host_peak, reset_host_peak  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
-from jaxtune import nf4  # noqa: E402
+from pallas_kernels import nf4  # noqa: E402
 
 COMPILE_EVENTS = (
   "/jax/core/compile/jaxpr_trace_duration",

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.bench_nf4_matmul import rel_err, time_per_call, weights  # noqa: E402
 from experiments.record import record  # noqa: E402
-from jaxtune import nf4  # noqa: E402
+from pallas_kernels import nf4  # noqa: E402
 from pallas_kernels.nf4_matmul import kernel, kernel_scales, ops, reference  # noqa: E402
 
 

@@ -22,7 +22,7 @@ if __name__ == "__main__":  # the command line: XLA's C++ warnings only when ask
 from jaxtune.cli import CACHE_HELP, Parser
 from jaxtune.errors import ExportError, UserError
 
-# converters.export.FORMATS and converters.gguf_out.GGUF_TYPES, which import JAX: --help
+# jaxtune.hf.export.FORMATS and jaxtune.hf.gguf.GGUF_TYPES, which import JAX: --help
 # answers without it (tests/test_export_more.py holds them equal).
 FORMATS = ("merged", "peft", "bnb4", "gguf")
 GGUF_TYPES = ("f16", "bf16", "f32", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
@@ -68,9 +68,10 @@ def parser() -> Parser:
 def main(argv: Sequence[str] | None = None) -> int:
   args = parser().parse_args(argv)
   # Only now the heavy modules (JAX, the model): --help and a mistyped flag answer at once.
-  from converters import export, hub, model_card
-  from converters.gguf_out import check_gguf_type
+  from converters import hub, model_card
   from jaxtune import plan, run_log
+  from jaxtune.hf import export
+  from jaxtune.hf.gguf import check_gguf_type
 
   run_log.quiet_third_party()
   plan.use_compile_cache(not args.no_compile_cache)
@@ -126,7 +127,7 @@ def _load_checkpoint(path: str):
   """The checkpoint as it is, in NF4 (the least device memory: the merge into the original
   weights reads them again from the files, and bnb4 writes the NF4 codes as stored) with its
   other tensors in float32 (exact, for --merge-into dequantized)."""
-  from converters.hf_in import from_pretrained
+  from jaxtune.hf.load import from_pretrained
 
   model = from_pretrained(path, quantization="nf4", dtype="float32")
   return model, path

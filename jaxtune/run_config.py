@@ -33,9 +33,9 @@ CHOICES = {
   "quantization": ("nf4", None),
   "dtype": ("bfloat16", "float32", "float16"),
   "export": ("merged", "peft", "bnb4", "gguf", None),
-  # converters/gguf_out.GGUF_TYPES (checked here, so a run never fails at its export)
+  # jaxtune/hf/gguf.GGUF_TYPES (checked here, so a run never fails at its export)
   "gguf_type": ("f16", "bf16", "f32", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"),
-  "merge_into": ("original", "dequantized"),  # converters/hf_out.MERGE_INTO
+  "merge_into": ("original", "dequantized"),  # jaxtune/hf/write.MERGE_INTO
   "nf4_matmul": ("kernel", "xla", None),
   "data_format": (
     "text",

@@ -20,9 +20,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from converters import export, hub, model_card
-from converters.hf_in import from_pretrained, resolve_checkpoint
-from converters.peft_in import is_adapter_dir, load_adapter, lora_settings, read_config
+from converters import hub, model_card
 from jaxtune import (
   checkpoint,
   checks,
@@ -41,6 +39,9 @@ from jaxtune import data as data_lib
 from jaxtune.config import ModelConfig
 from jaxtune.decoding import generate
 from jaxtune.errors import RunConfigError, TrainingError, UserError
+from jaxtune.hf import export
+from jaxtune.hf.adapters import is_adapter_dir, load_adapter, lora_settings, read_config
+from jaxtune.hf.load import from_pretrained, resolve_checkpoint
 from jaxtune.lora import apply_lora, parse_pattern
 from jaxtune.run_config import RunConfig
 

@@ -13,8 +13,9 @@ from conftest import max_rel_err
 from safetensors.numpy import load_file, save_file
 
 import jaxtune
-from jaxtune import CheckpointError, nf4
+from jaxtune import CheckpointError
 from jaxtune.lora import iter_linears
+from pallas_kernels import nf4
 
 
 @pytest.fixture
@@ -154,7 +155,7 @@ def test_a_random_bnb_checkpoint_written_in_place_reads_in_transformers_and_jaxt
   from transformers import AutoModelForCausalLM
 
   from converters.synthetic import write_random_checkpoint
-  from jaxtune.nf4_maps import NF4_CODE
+  from pallas_kernels.nf4_maps import NF4_CODE
 
   cfg = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 128,

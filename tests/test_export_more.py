@@ -21,11 +21,12 @@ from safetensors.numpy import load_file
 from test_catalogue import TINY, Work, _assert_one_sentence, _snapshot, _write_tiny_model
 
 import jaxtune
-from converters import export, model_card
-from converters.hf_out import merged_weight, model_tensors
+from converters import model_card
 from converters.synthetic import write_random_checkpoint
 from jaxtune import export as export_cli
 from jaxtune.errors import ExportError, UserError
+from jaxtune.hf import export
+from jaxtune.hf.write import merged_weight, model_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -342,7 +343,9 @@ try:
   parser().parse_args(["--help"])
 except SystemExit:
   pass
-print(sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "flax", "converters")))
+light = ("converters", "converters.errors")  # the UserError hierarchy: imports nothing
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "flax", "converters")
+             and m not in light))
 """
   child = subprocess.run(
     [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120
@@ -352,7 +355,7 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "flax", "conve
 
 
 def test_the_command_lines_choices_are_the_converters():
-  from converters.gguf_out import GGUF_TYPES
+  from jaxtune.hf.gguf import GGUF_TYPES
 
   assert export_cli.FORMATS == export.FORMATS
   assert export_cli.GGUF_TYPES == tuple(GGUF_TYPES)

@@ -361,7 +361,7 @@ def test_signals_ask_the_loop_to_stop_after_saving(hf_llama_dir, tmp_path, capsy
 
 def test_export_is_atomic_and_replaces_only_when_asked(hf_llama_dir, tmp_path, monkeypatch):
   import jaxtune
-  from converters import export
+  from jaxtune.hf import export
 
   path, _ = hf_llama_dir()
   model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float32"), rank=4)

@@ -22,9 +22,9 @@ from conftest import family_config
 from safetensors.numpy import load_file
 
 import jaxtune
-from converters import export
-from converters.gguf_out import GGUF_TYPES, export_gguf, gguf_file_name
 from jaxtune.errors import ExportError
+from jaxtune.hf import export
+from jaxtune.hf.gguf import GGUF_TYPES, export_gguf, gguf_file_name
 from jaxtune.run_config import CHOICES, RunConfig
 
 gguf = pytest.importorskip("gguf")

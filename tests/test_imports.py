@@ -23,7 +23,7 @@ PACKAGES = ("jaxtune", "converters", "pallas_kernels")
 MOSAIC = ("jax.experimental.pallas.mosaic_gpu", "jax.experimental.mosaic.gpu")
 KERNEL_FILES = ("kernel", "kernel_backward", "lookups")  # they import Mosaic GPU
 ENTRY_POINTS = ("jaxtune.train", "jaxtune.export", "jaxtune.generate")
-NF4_FORMAT = ("jaxtune.nf4", "jaxtune.nf4_maps")
+NF4_FORMAT = ("pallas_kernels.nf4", "pallas_kernels.nf4_maps")
 
 
 def _module_files() -> dict[str, Path]:
@@ -106,7 +106,7 @@ def imported() -> dict[str, dict]:
 
 
 def test_modules_are_discovered():
-  some = {"jaxtune", "jaxtune.models.decoder", "converters.hf_in", "pallas_kernels.nf4_matmul.ops"}
+  some = {"jaxtune", "jaxtune.models.decoder", "jaxtune.hf.load", "pallas_kernels.nf4_matmul.ops"}
   assert some <= MODULES.keys()
 
 
@@ -160,7 +160,7 @@ def test_kernels_depend_on_the_nf4_format_and_jax_only():
     if not name.startswith("pallas_kernels"):
       return False
     if _ours(m):
-      return not (m.startswith("pallas_kernels") or m in NF4_FORMAT)
+      return not m.startswith("pallas_kernels")
     return _third_party(m) not in (None, "jax", "numpy")
 
   assert not _violations(bad)
@@ -196,7 +196,6 @@ _TRAINING = (
   "checks", "session", "default_model", "run_dir", "plan", "preference", "rl", "rewards",
 )  # fmt: skip
 LAYERS = {
-  **{m: 1 for m in (*NF4_FORMAT, "jaxtune.errors")},
   **{f"jaxtune.{m}": 5 for m in _TRAINING},
   **{m: 6 for m in (*ENTRY_POINTS, "jaxtune")},
 }
@@ -206,13 +205,25 @@ def _layer(module: str) -> int:
   """Which layer of DESIGN.md a module of ours belongs to."""
   if module in LAYERS:
     return LAYERS[module]
+  if module == "jaxtune.hf" or module.startswith("jaxtune.hf."):
+    return 4
   top = module.split(".")[0]
-  return {"pallas_kernels": 2, "jaxtune": 3, "converters": 4}[top]
+  return {"pallas_kernels": 1, "converters": 2, "jaxtune": 3}[top]
 
 
 def test_every_import_goes_down_the_layers():
-  """NF4 format (and errors) < kernels < models < converters < training < entry points."""
+  """NF4 format and kernels < file formats < models < HF in and out < training < entry
+  points."""
   assert not _violations(lambda name, m: _ours(m) and _layer(m) > _layer(name))
+
+
+def test_converters_import_nothing_of_jaxtune_and_kernels_nothing_above_them():
+  """The arrows between the top-level folders go one way: pallas_kernels <- converters <-
+  jaxtune."""
+  assert not _violations(lambda name, m: name.startswith("converters") and m.startswith("jaxtune"))
+  assert not _violations(
+    lambda name, m: name.startswith("pallas_kernels") and m.startswith(("jaxtune", "converters"))
+  )
 
 
 def test_package_is_lazy_and_generate_stays_the_function():
@@ -228,8 +239,9 @@ from jaxtune.decoding import generate
 from jaxtune.generate import main
 assert jaxtune.generate is generate, jaxtune.generate
 assert main.__module__ == "jaxtune.generate"
-from jaxtune import CheckpointError, from_pretrained, nf4
-assert nf4.__name__ == "jaxtune.nf4" and callable(from_pretrained)
+from jaxtune import CheckpointError, from_pretrained
+from pallas_kernels import nf4
+assert nf4.__name__ == "pallas_kernels.nf4" and callable(from_pretrained)
 """
   child = subprocess.run(
     [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300

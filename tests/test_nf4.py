@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from jaxtune import nf4
-from jaxtune.nf4_maps import DYNAMIC_MAP, NF4_CODE
+from pallas_kernels import nf4
+from pallas_kernels.nf4_maps import DYNAMIC_MAP, NF4_CODE
 
 # Several shapes: a Llama-like matrix, one whose size is not a multiple of 64, one with an odd
 # number of elements, and sizes whose absmax count ends in a partial group of 256.

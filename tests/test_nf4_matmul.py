@@ -17,9 +17,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxtune import nf4
-from jaxtune.nf4_maps import NF4_CODE
-from pallas_kernels import _gpu
+from pallas_kernels import _gpu, nf4
+from pallas_kernels.nf4_maps import NF4_CODE
 from pallas_kernels.nf4_matmul import (
   kernel,
   kernel_scales,

@@ -12,9 +12,9 @@ import torch
 from conftest import build_hf_llama, max_rel_err, torch_logits
 
 import jaxtune
-from converters.hf_in import hub_id
 from jaxtune import checks, default_model, session
 from jaxtune.errors import CheckpointError, ConfigError, UserError
+from jaxtune.hf.load import hub_id
 from jaxtune.lora import iter_linears
 from jaxtune.run_config import RunConfig
 

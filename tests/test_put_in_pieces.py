@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 
-from converters import device_put
+from jaxtune.hf import device_put
 
 
 def test_a_large_tensor_arrives_whole_in_bounded_pieces(monkeypatch):

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from converters import export
 from jaxtune import checkpoint, run_dir
 from jaxtune.errors import SaveError
+from jaxtune.hf import export
 from jaxtune.run_log import RunLog
 from jaxtune.train import main as train_main
 

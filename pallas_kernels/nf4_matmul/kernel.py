@@ -60,8 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxtune import nf4
-from pallas_kernels import _gpu
+from pallas_kernels import _gpu, nf4
 from pallas_kernels.nf4_matmul.lookups import TABLE_LOOKUPS, levels, lookup_table
 from pallas_kernels.nf4_matmul.reference import word_bytes
 
@@ -158,7 +157,7 @@ def kernel_operands(
   *,
   swap_nibbles: bool,
 ) -> tuple[jax.Array, jax.Array]:
-  """(w4 int4 [N, K], scales bf16 [K/64, N]) from the 2-D layout of ``jaxtune.nf4``."""
+  """(w4 int4 [N, K], scales bf16 [K/64, N]) from the 2-D layout of ``pallas_kernels.nf4``."""
   scales = nf4.dequantize_absmax(absmax, nested_absmax, offset)  # [N, K/64] float32
   return kernel_codes(codes, swap_nibbles=swap_nibbles), scales.T.astype(jnp.bfloat16)
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxtune.nf4_maps import NF4_CODE
+from pallas_kernels.nf4_maps import NF4_CODE
 
 
 def _bf16_bits(values: np.ndarray) -> np.ndarray:

@@ -42,8 +42,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxtune import nf4
-from pallas_kernels import _gpu
+from pallas_kernels import _gpu, nf4
 from pallas_kernels.nf4_matmul import reference
 
 IMPLS = ("kernel", "xla", "interpret")
@@ -483,7 +482,7 @@ def nf4_matmul(
   dequantize_again: bool = False,
   extra: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
-  """x [..., K] @ dequant(W)^T -> [..., N]; W [N, K] in the 2-D layout of ``jaxtune.nf4``.
+  """x [..., K] @ dequant(W)^T -> [..., N]; W [N, K] in the 2-D layout of ``pallas_kernels.nf4``.
 
   ``extra`` = (extra_x [..., E], extra_w [N, E]): adds extra_x @ extra_w^T, differentiable in
   both (a LoRA's scaled x A and B^T, jaxtune.layers). XLA's path appends them to x and W along

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from jaxtune import nf4
-from jaxtune.nf4_maps import NF4_CODE
+from pallas_kernels import nf4
+from pallas_kernels.nf4_maps import NF4_CODE
 
 
 def nf4_matmul_reference(
@@ -17,7 +17,7 @@ def nf4_matmul_reference(
   nested_absmax: jax.Array,
   offset: jax.Array,
 ) -> jax.Array:
-  """float32 x @ dequant(W)^T; W [N, K] in the 2-D NF4 layout of ``jaxtune.nf4``. -> [..., N]."""
+  """float32 x @ dequant(W)^T -> [..., N]; W [N, K] in the 2-D NF4 layout of ``nf4``."""
   w = nf4.dequantize_linear(codes, absmax, nested_absmax, offset, jnp.float32)
   return jnp.einsum("...k,nk->...n", x.astype(jnp.float32), w)
 

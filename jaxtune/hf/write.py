@@ -27,10 +27,10 @@ from safetensors.numpy import save_file
 from converters import bnb
 from converters import table as tables
 from converters.safetensors_read import safetensors_files
-from jaxtune import nf4
 from jaxtune.errors import ExportError, UserError
 from jaxtune.layers import dense
 from jaxtune.lora import layer_scale
+from pallas_kernels import nf4
 
 if TYPE_CHECKING:
   from jaxtune.layers import Linear

@@ -8,13 +8,12 @@ largest single tensor, never near the model.
 
 The stages overlap: background threads read tensors and copy them to the device
 (converters/safetensors_read.py) while this thread dispatches the quantization of earlier
-ones (converters/device_put.py), so a load costs about as long as its slowest stage. A
+ones (jaxtune/hf/device_put.py), so a load costs about as long as its slowest stage. A
 ``*-bnb-4bit`` checkpoint's Linears arrive as six tensors each, assembled by converters/bnb.py.
 """
 
 import json
 import logging
-import re
 from pathlib import Path
 
 import jax
@@ -25,10 +24,11 @@ from jax.sharding import Mesh
 
 from converters import bnb
 from converters import table as tables
-from converters.device_put import DeviceBuffers, put_in_pieces
+from converters.hub import hub_id, looks_like_hub_id
 from converters.safetensors_read import CheckpointError, Prefetcher, safetensors_files
 from jaxtune.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from jaxtune.errors import ConfigError, UserError
+from jaxtune.hf.device_put import DeviceBuffers, put_in_pieces
 from jaxtune.models.decoder import Decoder
 
 log = logging.getLogger("jaxtune")
@@ -37,30 +37,13 @@ DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float
 MODELS = dict.fromkeys(SUPPORTED_MODEL_TYPES, Decoder)
 
 
-_SNAPSHOT = re.compile(r"(?:^|/)models--(?P<repo>[^/]+)/snapshots/[^/]+/?$")
-
-
-def hub_id(path_or_hub_id: str | Path) -> str | None:
-  """The Hub repo id a checkpoint came from: the id itself, or read off a Hub cache snapshot
-  path (.../models--ORG--NAME/snapshots/HASH); None for any other local directory."""
-  text = str(path_or_hub_id)
-  m = _SNAPSHOT.search(text.replace("\\", "/"))
-  if m:
-    return m["repo"].replace("--", "/")
-  return text if _looks_like_hub_id(text) and not Path(text).expanduser().is_dir() else None
-
-
-def _looks_like_hub_id(text: str) -> bool:
-  return text.count("/") == 1 and not text.startswith((".", "/", "~"))
-
-
 def resolve_checkpoint(path_or_hub_id: str | Path) -> Path:
   """A local checkpoint directory, downloading from the Hub when given a repo id."""
   path = Path(path_or_hub_id).expanduser()
   if path.is_dir():
     return path
   text = str(path_or_hub_id)
-  if not _looks_like_hub_id(text):
+  if not looks_like_hub_id(text):
     raise CheckpointError(f"checkpoint directory {text} does not exist; check the path.")
   try:
     from huggingface_hub import snapshot_download

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 
 from safetensors import SafetensorError
 
-from converters.gguf_out import export_gguf
-from converters.hf_out import MERGE_INTO, export_bnb4, export_merged, export_peft
 from jaxtune.errors import ExportError
+from jaxtune.hf.gguf import export_gguf
+from jaxtune.hf.write import MERGE_INTO, export_bnb4, export_merged, export_peft
 
 if TYPE_CHECKING:
   from flax import nnx

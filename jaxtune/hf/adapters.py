@@ -22,7 +22,7 @@ from flax import nnx
 from safetensors import safe_open
 
 from converters import table as tables
-from converters.hf_in import hub_id
+from converters.hub import hub_id
 from converters.safetensors_read import iter_tensors
 from jaxtune.errors import CheckpointError, ConfigError
 from jaxtune.lora import LoraConfig, apply_lora, iter_linears

@@ -28,16 +28,16 @@ import jax
 import numpy as np
 
 from converters.gguf_vocab import tokenizer_writer
-from converters.hf_out import (
+from jaxtune import rope as ropes
+from jaxtune.config import SLIDING, ModelConfig, RopeConfig
+from jaxtune.errors import ExportError
+from jaxtune.hf.write import (
   OriginalWeights,
   linear_weight,
   merge_source,
   model_tensors,
   param_value,
 )
-from jaxtune import rope as ropes
-from jaxtune.config import SLIDING, ModelConfig, RopeConfig
-from jaxtune.errors import ExportError
 
 if TYPE_CHECKING:
   import gguf

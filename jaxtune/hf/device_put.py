@@ -19,7 +19,8 @@ from jax.sharding import Mesh
 
 from converters import bnb
 from converters.safetensors_read import CheckpointError
-from jaxtune import nf4, sharding
+from jaxtune import sharding
+from pallas_kernels import nf4
 
 if TYPE_CHECKING:
   from flax import nnx

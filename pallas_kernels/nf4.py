@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxtune.nf4_maps import DYNAMIC_MAP, NF4_CODE
+from pallas_kernels.nf4_maps import DYNAMIC_MAP, NF4_CODE
 
 BLOCKSIZE = 64
 NESTED_BLOCKSIZE = 256
@@ -200,7 +200,7 @@ def quantize_linear(w: jax.Array) -> NF4Quantized:
   """Quantize a PyTorch-layout weight [out, in] into the 2-D layout (in % 64 == 0).
 
   The three steps are public so that a loader can overlap the host's mean of one weight with
-  the device's work on the next (converters/hf_in.py); composed, they are this function.
+  the device's work on the next (jaxtune/hf/load.py); composed, they are this function.
   """
   check_linear_shape(w.shape)
   codes, absmax = quantize_linear_4bit(w)
