@@ -91,7 +91,7 @@ def write_inputs(
 
   from converters.synthetic import write_random_checkpoint
   from experiments.write_checkpoint import hf_config, write
-  from jaxtune import default_model
+  from jaxtune.run import default_model
 
   t = time.perf_counter()
   ckpt = root / shape
@@ -129,7 +129,7 @@ def _words():
   """Every word of the bundled dataset's messages, as a numpy array."""
   import numpy as np
 
-  from jaxtune import default_model
+  from jaxtune.run import default_model
 
   text = " ".join(
     m["content"]
@@ -248,7 +248,7 @@ def run_cli(entry: str, ckpt: Path, data: Path, out: Path, args) -> dict:
   timed = [r["tokens_per_s"] for r in steps if r["step"] > args.warmup]
   if not timed:
     raise RuntimeError(f"no step after the {args.warmup} warm-up steps; raise --steps")
-  from jaxtune import mesh as meshlib
+  from jaxtune.parallel import mesh as meshlib
 
   sizes = meshlib.parse_mesh(mesh, 1 if single else args.devices)
   devices = math.prod(sizes.values())

@@ -41,7 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.record import record  # noqa: E402
-from jaxtune.data import IGNORE, Dataset  # noqa: E402
+from jaxtune.data.rows import IGNORE, Dataset  # noqa: E402
 
 # experiments/RESULTS.md, "Session 6: the 8B step before and after the architecture refactor
 # (issue 18)" (2026-11-24, NVIDIA H100 80GB HBM3): llama-3.1-8b, NF4 + LoRA r=16, batch 2 x seq
@@ -182,8 +182,10 @@ def main():
   args = ap.parse_args()
 
   head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-  dirty = subprocess.run(["git", "status", "--porcelain", "jaxtune/data.py"], capture_output=True)
-  tree = head.stdout.strip() + (" (jaxtune/data.py modified)" if dirty.stdout.strip() else "")
+  dirty = subprocess.run(
+    ["git", "status", "--porcelain", "jaxtune/data/rows.py"], capture_output=True
+  )
+  tree = head.stdout.strip() + (" (jaxtune/data/rows.py modified)" if dirty.stdout.strip() else "")
   load_before = os.getloadavg()
   rows = []
   for n in args.rows:

@@ -1,4 +1,4 @@
-"""Decode speed of jaxtune.decoding's KV-cache path, NF4 against the same model in bf16.
+"""Decode speed of jaxtune.models.decoding's KV-cache path, NF4 against the same model in bf16.
 
 Writes a random-weight checkpoint of the shape, loads it twice (NF4 base, and bf16 without
 NF4), and for each batch size times generate_ids with 1 and with 1 + N new tokens after a
@@ -24,8 +24,8 @@ import jaxtune  # noqa: E402
 from experiments.measure import wall_ms  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
-from jaxtune import decoding  # noqa: E402
-from jaxtune.decoding import generate_ids  # noqa: E402
+from jaxtune.models import decoding  # noqa: E402
+from jaxtune.models.decoding import generate_ids  # noqa: E402
 from pallas_kernels.nf4_matmul import ops  # noqa: E402
 
 

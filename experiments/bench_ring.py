@@ -3,7 +3,7 @@ ways of computing a block (XLA's tiles, the flash op per chunk pair) against one
 
 Shape: Llama 3.1 8B attention (32 query heads, 8 KV heads, head dim 128), bf16, one row of T
 tokens packed with documents of mixed lengths (positions restart per document), in zigzag
-order over C devices (jaxtune.context).
+order over C devices (jaxtune.parallel.ring_attention).
 
 (a) Correctness at --check-seq tokens, per C and way: the output and the q/k/v gradients of
 sum(out * r) (r random) against one device's float32 reference (the flash op's jnp
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from experiments.bench_nf4_matmul import rel_err  # noqa: E402
 from experiments.measure import wall_ms  # noqa: E402
 from experiments.record import record  # noqa: E402
-from jaxtune import context  # noqa: E402
+from jaxtune.parallel import ring_attention as context  # noqa: E402
 from pallas_kernels.flash_attention import flash_attention  # noqa: E402
 
 TOLERANCE = 2e-2  # bf16 inputs against a float32 reference

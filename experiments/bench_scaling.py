@@ -53,10 +53,10 @@ from converters.synthetic import write_random_checkpoint  # noqa: E402
 from experiments.measure import step_gib  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import hf_config, write  # noqa: E402
-from jaxtune import mesh as meshlib  # noqa: E402
-from jaxtune import pipeline, runtime, sharding  # noqa: E402
-from jaxtune import step as trainer  # noqa: E402
+from jaxtune.parallel import mesh as meshlib  # noqa: E402
+from jaxtune.parallel import pipeline, runtime, sharding  # noqa: E402
 from jaxtune.run_config import RunConfig  # noqa: E402
+from jaxtune.training import step as trainer  # noqa: E402
 
 # name -> --mesh string (data x tensor x pipe)
 MESHES = {

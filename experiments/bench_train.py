@@ -65,11 +65,12 @@ import jaxtune  # noqa: E402
 from experiments.measure import host_peak, matmul_tflops, reset_host_peak, step_gib  # noqa: E402
 from experiments.record import record, run_meta  # noqa: E402
 from experiments.write_checkpoint import SHAPES, write  # noqa: E402
-from jaxtune import attention, runtime  # noqa: E402
-from jaxtune import step as trainer_step  # noqa: E402
-from jaxtune.config import SLIDING  # noqa: E402
 from jaxtune.errors import UserError  # noqa: E402
+from jaxtune.models import attention  # noqa: E402
+from jaxtune.models.config import SLIDING  # noqa: E402
+from jaxtune.parallel import runtime
 from jaxtune.run_config import RunConfig  # noqa: E402
+from jaxtune.training import step as trainer_step  # noqa: E402
 
 LORA_RANK = 16
 

@@ -25,7 +25,7 @@ import jaxtune  # noqa: E402
 from experiments.bench_decode import timed  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
-from jaxtune import decoding  # noqa: E402
+from jaxtune.models import decoding  # noqa: E402
 
 # decoding.UNROLL_LAYERS_UP_TO for each setting. (Session 27 also timed 4 and 8 layers an
 # iteration, jax.lax.scan's unroll=4 / 8, with this script at commit 8ce8f56.)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxtune import plan  # noqa: E402
+from jaxtune.training import plan  # noqa: E402
 
 L, N = (4, 256) if jax.default_backend() == "cpu" else (32, 4096)
 

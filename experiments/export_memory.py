@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import jaxtune
 from converters.synthetic import write_random_checkpoint
 from experiments.record import record
-from jaxtune import default_model
 from jaxtune.hf import export
-from jaxtune.lora import iter_linears
+from jaxtune.models.lora import iter_linears
+from jaxtune.run import default_model
 
 
 def rss() -> int:

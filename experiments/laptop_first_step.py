@@ -41,7 +41,7 @@ SMOLLM2_135M = {
 def _checkpoint(directory: Path) -> Path:
   sys.path.insert(0, str(REPO))
   from converters.synthetic import write_random_checkpoint
-  from jaxtune import default_model
+  from jaxtune.run import default_model
 
   out = directory / "smollm2-135m-shape"
   write_random_checkpoint(out, {**default_model.CONFIG, **SMOLLM2_135M}, seed=0, dtype="bfloat16")

@@ -66,8 +66,8 @@ def random_nf4_model(cfg, seed: int = 0):
   import jax.numpy as jnp
   from flax import nnx
 
-  from jaxtune.lora import iter_linears
   from jaxtune.models.decoder import Decoder
+  from jaxtune.models.lora import iter_linears
 
   model = Decoder(cfg, quantized=True, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
   for i, (_, linear) in enumerate(iter_linears(model)):
@@ -116,10 +116,11 @@ def run_trial(args) -> None:
   import numpy as np
 
   import jaxtune
-  from jaxtune import context, runtime
-  from jaxtune import mesh as meshlib
-  from jaxtune import step as trainer
+  from jaxtune.parallel import mesh as meshlib
+  from jaxtune.parallel import ring_attention as context
+  from jaxtune.parallel import runtime
   from jaxtune.run_config import RunConfig
+  from jaxtune.training import step as trainer
 
   def say(**fields):
     print(TRIAL + json.dumps(fields), flush=True)

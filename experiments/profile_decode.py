@@ -1,8 +1,8 @@
 """Where one decode step's device time goes, kernel by kernel (CUPTI, GPU only).
 
 Loads a random-weight checkpoint of the shape (NF4, then bf16), fills a KV cache with a
-prompt, and profiles one jitted token step (jaxtune.decoding.forward_cached with one new token
-per row) under Mosaic GPU's CUPTI profiler. Kernels are grouped by category (matmul incl. the
+prompt, and profiles one jitted token step (jaxtune.models.decoding.forward_cached with one new
+token per row) under Mosaic GPU's CUPTI profiler. Kernels are grouped by category (matmul incl. the
 Pallas NF4 kernel, attention, fusion, copy) and the costliest are listed by name. The bytes
 floor is what the step must read (weights, the KV cache so far) at --hbm-tbs.
 
@@ -34,7 +34,7 @@ import jaxtune  # noqa: E402
 from experiments.measure import wall_ms  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
-from jaxtune import decoding  # noqa: E402
+from jaxtune.models import decoding  # noqa: E402
 
 CATEGORIES = (  # first match wins
   ("nf4-kernel", ("mosaic", "nf4")),

@@ -42,8 +42,9 @@ import jaxtune  # noqa: E402
 from experiments.measure import matmul_tflops  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
-from jaxtune import losses, plan, runtime  # noqa: E402
-from jaxtune import step as trainer_step  # noqa: E402
+from jaxtune.parallel import runtime
+from jaxtune.training import losses, plan  # noqa: E402
+from jaxtune.training import step as trainer_step  # noqa: E402
 
 CATEGORIES = (  # first match wins
   ("attention", ("fmha", "flash", "cudnn", "mosaic", "attention")),

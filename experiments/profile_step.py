@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jaxtune  # noqa: E402
 from experiments.measure import wall_ms  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
-from jaxtune import runtime  # noqa: E402
+from jaxtune.parallel import runtime  # noqa: E402
 
 bench = wall_ms  # its name in this script
 

@@ -16,9 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.plot_runs import plot, read_metrics  # noqa: E402
 from experiments.record import record  # noqa: E402
-from jaxtune.default_model import DATASET  # noqa: E402
+from jaxtune.run.default_model import DATASET  # noqa: E402
+from jaxtune.run.session import run_training  # noqa: E402
 from jaxtune.run_config import RunConfig  # noqa: E402
-from jaxtune.session import run_training  # noqa: E402
 
 
 def main():

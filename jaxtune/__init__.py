@@ -13,18 +13,18 @@ import types
 _PUBLIC = {
   "CheckpointError": "jaxtune.errors:CheckpointError",
   "ConfigError": "jaxtune.errors:ConfigError",
-  "ModelConfig": "jaxtune.config:ModelConfig",
+  "ModelConfig": "jaxtune.models.config:ModelConfig",
   "UserError": "jaxtune.errors:UserError",
-  "apply_lora": "jaxtune.lora:apply_lora",
+  "apply_lora": "jaxtune.models.lora:apply_lora",
   "export_bnb4": "jaxtune.hf.write:export_bnb4",
   "export_merged": "jaxtune.hf.write:export_merged",
   "export_peft": "jaxtune.hf.write:export_peft",
   "from_pretrained": "jaxtune.hf.load:from_pretrained",
-  "generate": "jaxtune.decoding:generate",
+  "generate": "jaxtune.models.decoding:generate",
   "load_adapter": "jaxtune.hf.adapters:load_adapter",
   "DataError": "jaxtune.errors:DataError",
   "RunConfig": "jaxtune.run_config:RunConfig",
-  "train": "jaxtune.session:train",
+  "train": "jaxtune.run.session:train",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -69,9 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser().parse_args(argv)
   # Only now the heavy modules (JAX, the model): --help and a mistyped flag answer at once.
   from converters import hub, model_card
-  from jaxtune import plan, run_log
   from jaxtune.hf import export
   from jaxtune.hf.gguf import check_gguf_type
+  from jaxtune.training import log as run_log
+  from jaxtune.training import plan
 
   run_log.quiet_third_party()
   plan.use_compile_cache(not args.no_compile_cache)
@@ -117,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _load_run(run_dir: Path):
-  from jaxtune.session import load_trained
+  from jaxtune.run.session import load_trained
 
   model, step = load_trained(run_dir)
   return model, f"step {step}"

@@ -6,7 +6,7 @@ locally in HF format, on a bundled chat dataset) through the same path as a real
 Several processes (hosts) form one run when launched with JAXTUNE_COORDINATOR=host:port,
 JAXTUNE_NUM_PROCESSES and JAXTUNE_PROCESS_ID, under srun (SLURM) or mpirun/mpiexec (Open MPI;
 other MPIs through mpi4py), or in any other cluster jax.distributed.initialize detects
-(Kubernetes indexed Jobs, Cloud TPU); see jaxtune/distributed.py.
+(Kubernetes indexed Jobs, Cloud TPU); see jaxtune/parallel/distributed.py.
 SIGTERM or Ctrl-C saves a checkpoint after the current step, then exits; --resume continues.
 """
 
@@ -28,9 +28,9 @@ if __name__ == "__main__":  # the command line: XLA's C++ warnings only when ask
 
 # Only light modules here: --help and a bad flag answer before JAX and the trainer import
 # (~0.1 s against ~28 s); main imports the rest once the arguments parse.
-from jaxtune import run_dir  # noqa: E402
 from jaxtune.cli import CACHE_HELP, Parser  # noqa: E402
 from jaxtune.errors import UserError  # noqa: E402
+from jaxtune.run import run_dir  # noqa: E402
 from jaxtune.run_config import OPTIONAL_NUMBERS, RunConfig  # noqa: E402
 
 _HELP = {
@@ -260,8 +260,8 @@ def _start_devices_while_importing() -> None:
 
   import jax  # noqa: PLC0415 (see the imports at the top)
 
-  from jaxtune import run_log  # noqa: PLC0415
-  from jaxtune.session import PLAIN_TOKENIZERS  # noqa: PLC0415
+  from jaxtune.run.session import PLAIN_TOKENIZERS  # noqa: PLC0415
+  from jaxtune.training import log as run_log  # noqa: PLC0415
 
   def start():
     try:
@@ -283,9 +283,11 @@ def _start_devices_while_importing() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
   flags = build_parser().parse_args(argv)  # --help and a bad flag end here, before JAX
-  from jaxtune import distributed, plan, run_log  # noqa: PLC0415 (see the imports at the top)
-  from jaxtune.session import run_training  # noqa: PLC0415
-  from jaxtune.trainer import Stopped  # noqa: PLC0415
+  from jaxtune.parallel import distributed  # noqa: PLC0415 (see the imports at the top)
+  from jaxtune.run.session import run_training  # noqa: PLC0415
+  from jaxtune.training import log as run_log
+  from jaxtune.training import plan
+  from jaxtune.training.loop import Stopped  # noqa: PLC0415
 
   run_log.quiet_third_party()
   try:

@@ -351,7 +351,7 @@ def _no_step_store_in_this_process(monkeypatch):
   that runs a command line's main() here turns it on for the rest of that test; none of
   those patches the step. The environment stays as it is: command lines the tests start as
   processes use the store.) Tests of the store turn it on themselves."""
-  from jaxtune import plan
+  from jaxtune.training import plan
 
   monkeypatch.setattr(plan, "_store_dir", None)
 
@@ -369,7 +369,7 @@ def _background_runs(request, tmp_path_factory):
     # The jobs read the default checkpoint; written here first, as its tokenizer's import of
     # transformers in the jobs' thread could race this thread's (a machine with no cache:
     # "cannot import name 'PreTrainedTokenizerFast'").
-    from jaxtune import default_model
+    from jaxtune.run import default_model
 
     default_model.ensure_default_checkpoint()
   runs = _Runs(jobs)
@@ -427,7 +427,7 @@ def copy_dequantized_into(model, hf) -> int:
 
   Asserts quantization changed each weight (so the copy matters); returns how many it copied.
   """
-  from jaxtune import lora
+  from jaxtune.models import lora
 
   modules = dict(hf.named_modules())
   count = 0
@@ -453,7 +453,7 @@ def copy_peft_lora_into(model, peft_model) -> None:
   """Set jaxtune's stacked LoRA A/B of ``model`` to the adapters of ``peft_model``."""
   import jax.numpy as jnp
 
-  from jaxtune.lora import iter_linears
+  from jaxtune.models.lora import iter_linears
 
   modules = dict(peft_model.named_modules())
   for path, linear in iter_linears(model):
@@ -472,7 +472,7 @@ def assert_lora_grads_match_peft(model, grads, peft_model, rel: float = 1e-5) ->
   """jaxtune's LoRA gradients (an nnx.State like the LoRAParam split of ``model``) against the
   .grad of ``peft_model``'s adapters, each within ``rel`` of its largest entry; returns how
   many arrays it compared."""
-  from jaxtune.lora import iter_linears
+  from jaxtune.models.lora import iter_linears
 
   modules = dict(peft_model.named_modules())
   grad_of = dict(grads.flat_state())
@@ -533,9 +533,9 @@ def mesh_lora_model(path, run, spec: str):
   import jax
 
   import jaxtune
-  from jaxtune import mesh as meshlib
-  from jaxtune import runtime
-  from jaxtune.config import ModelConfig
+  from jaxtune.models.config import ModelConfig
+  from jaxtune.parallel import mesh as meshlib
+  from jaxtune.parallel import runtime
 
   devices = jax.devices()[: math.prod(meshlib.parse_mesh(spec, 8).values())]
   rt = runtime.resolve(run.replace(mesh=spec), ModelConfig.from_hf(path), devices=devices)

@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 import jaxtune
 from jaxtune import CheckpointError
-from jaxtune.lora import iter_linears
+from jaxtune.models.lora import iter_linears
 from pallas_kernels import nf4
 
 

@@ -26,8 +26,9 @@ from conftest import background_run, run_cli
 from safetensors.numpy import load_file, save_file
 
 from converters.synthetic import write_random_checkpoint
-from jaxtune import default_model, export
-from jaxtune.default_model import DATASET
+from jaxtune import export
+from jaxtune.run import default_model
+from jaxtune.run.default_model import DATASET
 from jaxtune.run_config import RunConfig
 from jaxtune.train import main as train_main
 
@@ -191,7 +192,7 @@ _HELD = []  # locks held by cases (released when the test process ends)
 
 def _hold_lock(w: Work) -> bool:
   """Another run holding w.out (a lock of this process: the run under test opens its own)."""
-  from jaxtune.run_dir import Lock
+  from jaxtune.run.run_dir import Lock
 
   _HELD.append(Lock(w.out, command="python -m jaxtune.train --out run").acquire())
   return True
@@ -517,8 +518,9 @@ CASES = [
   ),
   Case(
     "reward-not-callable",
-    lambda w: w.train_args("--method", "grpo", "--reward", "jaxtune.rewards:BUILT_IN"),
-    r"--reward jaxtune\.rewards:BUILT_IN: module 'jaxtune\.rewards' has a non-callable 'BUILT_IN'",
+    lambda w: w.train_args("--method", "grpo", "--reward", "jaxtune.training.rewards:BUILT_IN"),
+    r"--reward jaxtune\.training\.rewards:BUILT_IN: module 'jaxtune\.training\.rewards' has a "
+    r"non-callable 'BUILT_IN'",
   ),
   Case(
     "grpo-with-host-embeddings",

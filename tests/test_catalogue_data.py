@@ -25,8 +25,11 @@ from test_catalogue import (
   _write_tiny_model,
 )
 
-from jaxtune import checks, data, default_model, rewards, sources
-from jaxtune.default_model import DATASET
+from jaxtune.data import rows as data
+from jaxtune.data import sources
+from jaxtune.run import checks, default_model
+from jaxtune.run.default_model import DATASET
+from jaxtune.training import rewards
 
 
 @pytest.fixture(scope="module")

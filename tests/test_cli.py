@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import jaxtune
-from jaxtune import attention
 from jaxtune.errors import RunConfigError
+from jaxtune.models import attention
 from jaxtune.run_config import RunConfig
 from jaxtune.train import build_parser, resolve_config
 
@@ -42,7 +42,8 @@ def test_help_renders_before_jax_is_imported():
     "from jaxtune.train import main\n"
     "buf = io.StringIO()\n"
     "with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit): main(['--help'])\n"
-    "print(sorted(m for m in ('jax', 'jaxtune.session', 'jaxtune.trainer') if m in sys.modules))\n"
+    "heavy = ('jax', 'jaxtune.run.session', 'jaxtune.training.loop')\n"
+    "print(sorted(m for m in heavy if m in sys.modules))\n"
     "print(buf.getvalue())\n"
   )
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -117,7 +118,7 @@ def test_a_real_model_on_cpus_alone_gets_a_laptops_batch_and_length():
   """On a machine without an accelerator (this one, with 8 CPU devices), a real model's run
   takes two rows a device and rows of at most 256 tokens where the user left them unset, and
   says so; what the user set stays; the built-in default run keeps its own settings."""
-  from jaxtune import session
+  from jaxtune.run import session
 
   run, note = session._cpu_defaults(RunConfig(model="org/name", batch_size=32).checked(), set())
   assert (run.batch_size, run.seq_len, session.cpu_seq_cap(run, note)) == (16, None, 256)
@@ -133,7 +134,7 @@ def test_a_real_model_on_cpus_alone_gets_a_laptops_batch_and_length():
 
 
 def test_the_python_apis_sentences_name_settings_as_keywords():
-  from jaxtune.session import python_names
+  from jaxtune.run.session import python_names
 
   assert python_names(
     "--resume: the checkpoints were trained with --batch-size 8; pass --allow-changes, or "

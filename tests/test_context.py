@@ -15,10 +15,13 @@ import numpy as np
 import pytest
 from conftest import MESH_SHAPE, build_hf_llama, mesh_lora_model
 
-from jaxtune import context, data, distributed, losses, runtime, step
-from jaxtune import mesh as meshlib
-from jaxtune.config import ModelConfig
+from jaxtune.data import rows as data
+from jaxtune.models.config import ModelConfig
+from jaxtune.parallel import distributed, runtime
+from jaxtune.parallel import mesh as meshlib
+from jaxtune.parallel import ring_attention as context
 from jaxtune.run_config import RunConfig
+from jaxtune.training import losses, step
 
 SEQ = 64
 
@@ -139,7 +142,7 @@ def test_ring_blocks_are_the_kernel_where_asked_and_exact():
   for) and, unset, off Hopper; --attention pallas there: the op's jnp reference."""
   from types import SimpleNamespace
 
-  from jaxtune.config import ModelConfig
+  from jaxtune.models.config import ModelConfig
 
   dims = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
               num_kv_heads=1, head_dim=64)  # fmt: skip
@@ -176,14 +179,15 @@ def test_grpo_with_a_context_axis_is_one_sentence(tmp_path):
 @pytest.mark.parametrize("window, kernel", [(6, None), (0, "xla")])
 def test_ring_attention_equals_masked_attention(window, kernel):
   """The ring on its own, with packed segments, positions restarting and softcap: output and
-  the gradients of q, k and v equal jaxtune.attention's masked attention on the natural order.
+  the gradients of q, k and v equal jaxtune.models.attention's masked attention on the natural
+  order.
   XLA's tiles smaller than a chunk (4 tokens: 2 x 2 tiles per chunk pair) with a window; or the
   flash op per chunk pair (its jnp reference here: the kernel's own tests are
   test_flash_attention's), blocks merged by their log-sum-exp, where some queries see no key
   of a block."""
   from jax.sharding import NamedSharding
 
-  from jaxtune import attention
+  from jaxtune.models import attention
 
   rng = np.random.default_rng(7)
   b, t, n, kv, h, size = 2, 64, 4, 2, 16, 4

@@ -11,8 +11,10 @@ import pytest
 from conftest import background_run, run_cli
 
 import jaxtune
-from jaxtune import data, default_model, formats
+from jaxtune.data import formats
+from jaxtune.data import rows as data
 from jaxtune.errors import DataError
+from jaxtune.run import default_model
 
 IGNORE = data.IGNORE
 
@@ -405,14 +407,16 @@ class NoTorch:
     if name.split(".")[0] == "torch":
       raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, NoTorch())
-from jaxtune import data, default_model, session
+from jaxtune.data import rows as data
+from jaxtune.run import default_model, session
 tok = session.load_tokenizer(default_model.ensure_default_checkpoint())
 ds, _, report = data.load(str(default_model.DATASET), tok, seq_len=128, num_proc=2)
 assert ds.examples == 600, report
 assert "torch" not in sys.modules
 """,
   (
-    "import sys; from jaxtune import default_model, run_log, session; "
+    "import sys; from jaxtune.run import default_model, session; from jaxtune.training import "
+    "log as run_log; "
     "session.load_tokenizer(default_model.ensure_default_checkpoint()); "
     "run_log._summary_writer(); "
     "assert 'torch' not in sys.modules, 'torch was imported'; "
@@ -444,11 +448,11 @@ def test_a_lone_surrogate_is_named_by_file_and_line(tmp_path, case):
   path.write_text(_row("fine") * 2 + '{"text": "' + raw + '"}\n' + _row("fine"))
   assert json.loads(path.read_text().splitlines()[2])  # the line is valid JSON either way
   if not refused:
-    from jaxtune.sources import _check_text_file
+    from jaxtune.data.sources import _check_text_file
 
     _check_text_file(path, "json")
     return
-  from jaxtune import sources
+  from jaxtune.data import sources
 
   with pytest.raises(DataError, match=rf"^{path}:3 holds \\u[dD][89a-fA-F]\w\w, half of a UTF-16"):
     sources._check_text_file(path, "json")
@@ -462,7 +466,7 @@ def _nested(depth: int) -> str:
 
 
 def test_rows_nested_deeper_than_arrow_holds_are_named_and_the_limit_is_arrows(tmp_path):
-  from jaxtune import sources
+  from jaxtune.data import sources
 
   deep = sources.MAX_DEPTH
   ok = tmp_path / "ok.jsonl"
@@ -507,7 +511,7 @@ def test_the_tokenizer_is_the_one_auto_tokenizer_gives(tok, tmp_path, cls_name, 
   import transformers
   from transformers import AutoTokenizer
 
-  from jaxtune import session
+  from jaxtune.run import session
 
   cls = getattr(transformers, cls_name)
   saved = cls(tokenizer_object=tok.backend_tokenizer, bos_token="<|bos|>", eos_token="<|eos|>")

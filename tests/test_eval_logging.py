@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import background_run, run_cli
 
-from jaxtune.default_model import DATASET
+from jaxtune.run.default_model import DATASET
 
 
 def _events(path: Path):

@@ -35,7 +35,7 @@ def _adapted(path: Path):
   """The checkpoint in NF4 with rank-4 LoRA on every projection, B random (not zero)."""
   model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float32"), rank=4, alpha=8)
   rng = np.random.default_rng(1)
-  for _, linear in jaxtune.lora.iter_linears(model):
+  for _, linear in jaxtune.models.lora.iter_linears(model):
     if linear.lora_b is not None:
       b = 0.05 * rng.standard_normal(linear.lora_b[...].shape)
       linear.lora_b[...] = jnp.asarray(b, jnp.float32)

@@ -26,9 +26,10 @@ from conftest import (
 )
 
 import jaxtune
-from jaxtune import runtime, trainer
-from jaxtune.data import Dataset
+from jaxtune.data.rows import Dataset
+from jaxtune.parallel import runtime
 from jaxtune.run_config import RunConfig
+from jaxtune.training import loop as trainer
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"]
 

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from conftest import background_run, run_cli
 
-from jaxtune import checkpoint
 from jaxtune.run_config import RunConfig
+from jaxtune.training import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -131,7 +131,7 @@ _KILL_SCRIPT = textwrap.dedent(
   import orbax.checkpoint as ocp
   from orbax.checkpoint._src.path import atomicity
   from test_faults import _state
-  from jaxtune.checkpoint import Checkpoints
+  from jaxtune.training.checkpoint import Checkpoints
 
   ckpts = Checkpoints({directory!r}, keep=5)
   ckpts.save(1, _state(1.0))
@@ -322,7 +322,8 @@ def test_signals_ask_the_loop_to_stop_after_saving(hf_llama_dir, tmp_path, capsy
   from test_train import _dataset, _tiny_dir
 
   import jaxtune
-  from jaxtune import runtime, trainer
+  from jaxtune.parallel import runtime
+  from jaxtune.training import loop as trainer
 
   previous = signal.getsignal(signal.SIGINT)
   with trainer.StopSignals() as stop:

@@ -10,8 +10,8 @@ import torch
 from conftest import background_run, run_cli
 
 import jaxtune
-from jaxtune.decoding import generate_ids, init_cache, sample
-from jaxtune.lora import iter_linears
+from jaxtune.models.decoding import generate_ids, init_cache, sample
+from jaxtune.models.lora import iter_linears
 
 
 def _hf_greedy(hf, prompt, n):
@@ -106,7 +106,7 @@ def test_decode_layers_unrolled_compute_what_the_scan_computes(
   from flax import nnx
   from test_packing import _gemma2_dir
 
-  from jaxtune import decoding
+  from jaxtune.models import decoding
 
   path = hf_llama_dir(seed=36)[0] if family == "llama" else _gemma2_dir(tmp_path)
   model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32")
@@ -150,7 +150,7 @@ def test_the_wide_batch_loop_generates_the_same_tokens(hf_llama_dir, monkeypatch
   """From decoding.WIDE_ROWS rows (GPUs) the loop is compiled with other XLA options (its
   products through cuBLAS, reading the cache's layer in place): the same tokens; here on
   the CPU, from two rows."""
-  from jaxtune import decoding
+  from jaxtune.models import decoding
 
   path, _ = hf_llama_dir(seed=35)
   model = jaxtune.from_pretrained(path, quantization=None, dtype="float32")
@@ -169,7 +169,7 @@ def test_the_wide_batch_loop_generates_the_same_tokens_on_a_gpu(hf_llama_dir, mo
   16 rows of a float32 model give the tokens of the loop compiled without them. At full
   float32 precision: at the GPU's default one the two paths' products round differently, and
   a near tie of two logits flipped one of 384 greedy tokens (H100)."""
-  from jaxtune import decoding
+  from jaxtune.models import decoding
 
   path, _ = hf_llama_dir(seed=36)
   model = jaxtune.from_pretrained(path, quantization=None, dtype="float32")
@@ -187,7 +187,7 @@ def test_prompts_of_one_bucket_share_the_compiled_programs(hf_llama_dir):
   """Prompt lengths and new-token counts round up to decoding.BUCKET: other lengths in the
   same buckets reuse the compiled prefill and decode loop, and still generate what they
   would alone (left padding is masked)."""
-  from jaxtune import decoding
+  from jaxtune.models import decoding
 
   path, _ = hf_llama_dir(seed=34)
   model = jaxtune.from_pretrained(path, quantization=None, dtype="float32")
@@ -249,7 +249,7 @@ def test_cli_generates_from_a_trained_run(default_run, cli_generation):
 def test_python_api(n):
   from transformers import AutoTokenizer
 
-  from jaxtune.default_model import ensure_default_checkpoint
+  from jaxtune.run.default_model import ensure_default_checkpoint
 
   path = ensure_default_checkpoint()
   tok = AutoTokenizer.from_pretrained(path)
@@ -264,8 +264,8 @@ def test_decode_step_with_fused_kernel_operands(hf_llama_dir):
   layer taken as a kernel layer here) run q/k/v and gate/up as one product each
   (layers.Fused); with biases and a trained adapter the logits stay those of the plain
   model, within the kernel operands' bf16 scales."""
-  from jaxtune import decoding
-  from jaxtune.layers import Fused
+  from jaxtune.models import decoding
+  from jaxtune.models.layers import Fused
 
   path, _ = hf_llama_dir(seed=35, attention_bias=True)
   model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float32"), rank=4, alpha=8)
@@ -305,7 +305,7 @@ def test_codes_put_in_word_order_in_place_for_the_loop_and_back(hf_llama_dir):
   With LoRA adapters (random B), so gate/up's folded products read the codes that way too."""
   from flax import nnx
 
-  from jaxtune import decoding
+  from jaxtune.models import decoding
   from pallas_kernels.nf4_matmul import word_codes
 
   path, _ = hf_llama_dir(seed=36)
@@ -344,7 +344,7 @@ def test_generate_with_codes_in_place_gives_the_same_tokens(hf_llama_dir, monkey
   decode loop runs on the model's own codes permuted in place (every NF4 layer taken as a
   kernel layer; the op's XLA path reads them back in order), gives the tokens of a plain
   call, and leaves the codes as they were."""
-  from jaxtune import decoding
+  from jaxtune.models import decoding
 
   path, _ = hf_llama_dir(seed=37)
   model = jaxtune.from_pretrained(path, dtype="float32")

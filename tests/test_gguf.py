@@ -44,7 +44,7 @@ def _hf_config(family, **overrides):
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
-  from jaxtune.default_model import _write_tokenizer
+  from jaxtune.run.default_model import _write_tokenizer
 
   out = tmp_path_factory.mktemp("tokenizer")
   _write_tokenizer(out)
@@ -79,7 +79,7 @@ def _write_sentencepiece_tokenizer(out, style):
   )
   from transformers import PreTrainedTokenizerFast
 
-  from jaxtune.default_model import DATASET
+  from jaxtune.run.default_model import DATASET
 
   texts = [
     m["content"] for row in DATASET.read_text().splitlines() for m in json.loads(row)["messages"]
@@ -158,7 +158,7 @@ def trained(checkpoint):
       model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32")
       model = jaxtune.apply_lora(model, rank=4, alpha=8)
       rng = np.random.default_rng(1)
-      for _, linear in jaxtune.lora.iter_linears(model):
+      for _, linear in jaxtune.models.lora.iter_linears(model):
         if linear.lora_b is not None:
           b = 0.05 * rng.standard_normal(linear.lora_b[...].shape)
           linear.lora_b[...] = jnp.asarray(b, jnp.float32)

@@ -9,11 +9,11 @@ from conftest import copy_dequantized_into, max_rel_err, torch_logits
 from flax import nnx
 
 import jaxtune
-from jaxtune import runtime
-from jaxtune.config import ModelConfig
-from jaxtune.layers import Linear
+from jaxtune.models.config import ModelConfig
 from jaxtune.models.decoder import Decoder
-from jaxtune.nf4_storage import NF4Storage
+from jaxtune.models.layers import Linear
+from jaxtune.models.nf4_storage import NF4Storage
+from jaxtune.parallel import runtime
 
 LLAMA3_ROPE = {
   "rope_type": "llama3",
@@ -51,7 +51,7 @@ def test_llama3_rope_scaling_is_applied(hf_llama_dir):
   path, _ = hf_llama_dir(seed=1, rope_parameters=LLAMA3_ROPE)
   cfg = ModelConfig.from_hf(path)
   assert cfg.rope.kind == "llama3" and cfg.rope.theta == 500000.0
-  from jaxtune import rope
+  from jaxtune.models import rope
 
   plain = rope.inverse_frequencies(type(cfg.rope)(theta=cfg.rope.theta), cfg.head_dim)
   assert not np.allclose(plain, rope.inverse_frequencies(cfg.rope, cfg.head_dim))

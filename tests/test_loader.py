@@ -65,9 +65,9 @@ def test_nf4_bytes_are_quantize_linear_of_each_weight(ckpt):
 def test_loading_onto_a_mesh_writes_what_one_device_loads(ckpt, spec, monkeypatch):
   """Under a mesh, tensors cross from the host split over data and are gathered on the devices:
   every array holds the single-device bytes, in its variable's own layout."""
-  from jaxtune import mesh as meshlib
-  from jaxtune import sharding
   from jaxtune.hf import device_put
+  from jaxtune.parallel import mesh as meshlib
+  from jaxtune.parallel import sharding
 
   one = nnx.state(jaxtune.from_pretrained(ckpt, quantization="nf4", dtype="bfloat16"))
   mesh = meshlib.make_mesh(spec)

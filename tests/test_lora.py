@@ -11,7 +11,7 @@ from flax import nnx
 
 import jaxtune
 from jaxtune.errors import UserError
-from jaxtune.lora import iter_linears
+from jaxtune.models.lora import iter_linears
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from conftest import TEST_XLA_FLAGS, background_run, compile_cache_env, finish, start_cli
 
-from jaxtune import distributed
+from jaxtune.parallel import distributed
+from jaxtune.run.session import run_training
 from jaxtune.run_config import RunConfig
-from jaxtune.session import run_training
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -369,7 +369,10 @@ def test_two_processes_train_like_one(two_processes, tmp_path):
   assert "on 8 cpu device(s) in 2 processes" in outputs[0]
   assert "step 3/3" in outputs[0] and "step 1/3" not in outputs[1]  # only process 0 reports
 
-  np.testing.assert_allclose(_losses(multi), _losses(one), rtol=1e-6)
+  # Two processes sum the gradients over gloo, one process inside XLA: another order of the
+  # same sums, which Adam's normalised steps carry into the next losses (3e-5 at step 3 since
+  # the warmup's first step trains; 1e-6 when it had a learning rate of 0).
+  np.testing.assert_allclose(_losses(multi), _losses(one), rtol=2e-4)
   assert len(_losses(multi)) == 3  # one writer
   assert sorted(os.listdir(multi / "checkpoints")) == ["2", "3"]
   from safetensors.numpy import load_file
@@ -378,7 +381,13 @@ def test_two_processes_train_like_one(two_processes, tmp_path):
   b = load_file(one / "export" / "adapter_model.safetensors")
   assert a.keys() == b.keys() and len(a) > 0
   for k in a:
-    np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    # Adam's steps are about the learning rate whatever a gradient's size, so an entry whose
+    # gradient is near 0 (lora_A's while B is near 0) takes the sums' rounding into the sign
+    # of its step (one entry of 1,024 seen a step of 1.3e-3 apart): on the whole the same,
+    # none further apart than the steps' sum (2 x (6.7e-4 + 1.3e-3 + 2e-3)).
+    apart = np.abs(a[k] - b[k])
+    assert apart.mean() < 0.05 * np.abs(b[k]).mean(), k
+    assert apart.max() < 8e-3, k
 
 
 @background_run("concurrent_runs")

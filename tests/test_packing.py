@@ -14,8 +14,11 @@ from conftest import background_run, build_hf_llama, run_cli
 from flax import nnx
 
 import jaxtune
-from jaxtune import attention, data, losses, runtime, step
-from jaxtune import lora as lora_lib
+from jaxtune.data import rows as data
+from jaxtune.models import attention
+from jaxtune.models import lora as lora_lib
+from jaxtune.parallel import runtime
+from jaxtune.training import losses, step
 
 SEQ = 128  # one flash-attention block multiple, so the kernel path pads nothing
 
@@ -216,7 +219,7 @@ def test_pallas_attention_runs_per_shard_of_a_data_tensor_mesh():
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from jaxtune import mesh as meshlib
+  from jaxtune.parallel import mesh as meshlib
 
   mesh = meshlib.make_mesh("2x4", jax.devices())
   ks = jax.random.split(jax.random.key(0), 3)

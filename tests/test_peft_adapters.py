@@ -12,10 +12,10 @@ import torch
 from conftest import build_hf_llama, max_rel_err, torch_logits
 
 import jaxtune
-from jaxtune import checks, default_model, session
 from jaxtune.errors import CheckpointError, ConfigError, UserError
 from jaxtune.hf.load import hub_id
-from jaxtune.lora import iter_linears
+from jaxtune.models.lora import iter_linears
+from jaxtune.run import checks, default_model, session
 from jaxtune.run_config import RunConfig
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -188,7 +188,7 @@ def test_adapter_for_another_model_size_is_refused(tmp_path):
 
 
 def test_lm_head_of_a_tied_model_is_refused_before_loading():
-  from jaxtune.config import ModelConfig
+  from jaxtune.models.config import ModelConfig
 
   cfg = ModelConfig.from_hf({**default_model.CONFIG, "tie_word_embeddings": True})
   run = RunConfig(model="x", lora_targets=("q_proj", "lm_head"))

@@ -17,12 +17,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxtune
 from converters.synthetic import write_random_checkpoint
-from jaxtune import data, losses, pipeline, runtime, sharding
-from jaxtune import mesh as meshlib
-from jaxtune.config import ModelConfig
+from jaxtune.data import rows as data
 from jaxtune.errors import MeshError, UserError
+from jaxtune.models.config import ModelConfig
 from jaxtune.models.decoder import GROUP_POLICIES, REMAT_POLICIES, Decoder
+from jaxtune.parallel import mesh as meshlib
+from jaxtune.parallel import pipeline, runtime, sharding
 from jaxtune.run_config import RunConfig
+from jaxtune.training import losses
 
 TINY = dict(
   model_type="llama",
@@ -52,7 +54,7 @@ def host_model(ckpt):
   """(graphdef, lora, frozen) on one device; lora_b non-zero so both A and B get gradients."""
   model = jaxtune.from_pretrained(ckpt, quantization="nf4", dtype="float32")
   model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
-  for i, (_, linear) in enumerate(jaxtune.lora.iter_linears(model)):
+  for i, (_, linear) in enumerate(jaxtune.models.lora.iter_linears(model)):
     if linear.lora_b is not None:
       b = jax.random.normal(jax.random.key(i), linear.lora_b.shape, jnp.float32)
       linear.lora_b[...] = 0.05 * b
@@ -170,7 +172,7 @@ def test_activations_kept_in_the_first_layers_cost_each_layer_the_same(host_mode
   k layers' worth of what remat activations saves in all 8 beside full's own layer inputs: a
   straight line from full (k = 0) to activations (k = 8), which plan.choose's estimate of k
   follows. Refused with remat groups, a pipe axis or another remat setting."""
-  from jaxtune import plan
+  from jaxtune.training import plan
 
   cfg = ModelConfig.from_hf(TINY)
   graphdef, lora, frozen = host_model
@@ -304,7 +306,7 @@ def test_partitioned_flash_takes_tokens_whole_when_they_come_split():
   """The flash op through custom_partitioning with q, k, v split over tokens (and rows, heads):
   the partitioner gathers the tokens for it (the rule says they must be whole) and the
   output and gradients equal one device's, where the op used to raise on such a split."""
-  from jaxtune import attention
+  from jaxtune.models import attention
 
   mesh = meshlib.make_mesh("data=2,tensor=4")
   ks = jax.random.split(jax.random.key(0), 4)

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from conftest import background_run, family_config, run_cli
 
-from jaxtune import plan
-from jaxtune.config import ModelConfig
 from jaxtune.errors import UserError
+from jaxtune.models.config import ModelConfig
+from jaxtune.parallel.runtime import Runtime, remat_candidates
 from jaxtune.run_config import AUTO_LOSS_CHUNK, RunConfig
-from jaxtune.runtime import Runtime, remat_candidates
+from jaxtune.training import plan
 
 MIB = 2**20
 GIB = 2**30
@@ -87,7 +87,7 @@ def test_the_fused_loss_replaces_the_whole_logits_where_it_applies():
   """--loss-chunk unset, SFT on a GPU with a frozen output layer: pieces of ~4096 tokens a
   device (the fused loss) come first in place of the whole logits, then 1024 where larger;
   the leanest settings take the smaller."""
-  from jaxtune.runtime import FUSED_PIECE_TOKENS, fused_loss_chunk
+  from jaxtune.parallel.runtime import FUSED_PIECE_TOKENS, fused_loss_chunk
 
   gpu, cpu = SimpleNamespace(platform="gpu"), SimpleNamespace(platform="cpu")
   cfg = SimpleNamespace(vocab_size=128256)
@@ -135,8 +135,8 @@ def test_training_takes_the_nf4_kernels_where_they_measured_faster(monkeypatch):
   devices, another GPU or dtype, a length not known yet, or where the operands made for the
   run would not fit (70B on one 80 GB GPU, or 8B under 16 GiB); the user's choice stands;
   resolve() passes the micro-batch's tokens, the method and the free memory."""
-  from jaxtune import runtime
-  from jaxtune.runtime import resolve, resolve_nf4_matmul
+  from jaxtune.parallel import runtime
+  from jaxtune.parallel.runtime import resolve, resolve_nf4_matmul
 
   h100 = SimpleNamespace(platform="gpu", compute_capability="9.0")
   a100 = SimpleNamespace(platform="gpu", compute_capability="8.0")
@@ -576,7 +576,9 @@ def _train(path, tmp_path, name, evaluate=False, **run_kw):
   """2 steps of the tiny model on one device; (losses, the plan the trainer announced, the
   trained model, its held-out loss when ``evaluate``)."""
   import jaxtune
-  from jaxtune import data, runtime, trainer
+  from jaxtune.data import rows as data
+  from jaxtune.parallel import runtime
+  from jaxtune.training import loop as trainer
 
   rng = np.random.default_rng(0)
   ids = rng.integers(0, 256, (8, 64)).astype(np.int32)
@@ -601,7 +603,7 @@ def test_a_real_run_under_a_memory_limit_takes_a_leaner_setting_and_learns_the_s
 ):
   from conftest import build_hf_llama
 
-  from jaxtune import trainer
+  from jaxtune.training import loop as trainer
 
   path = tmp_path / "llama"
   hf = build_hf_llama(3, num_hidden_layers=2)
@@ -970,8 +972,9 @@ def test_the_step_identity_names_every_setting_that_reaches_the_step():
   kind, the adapters' settings, the objective's fields and the loss scale change it; where
   the run writes, how often it saves and the optimizer's numbers (the step's argument) do
   not; a function from outside jaxtune gives no identity at all."""
-  from jaxtune import preference, step, trainer
-  from jaxtune.config import ModelConfig
+  from jaxtune.models.config import ModelConfig
+  from jaxtune.training import loop as trainer
+  from jaxtune.training import preference, step
 
   config = ModelConfig("llama", 64, 16, 32, 2, 2, 1, 8)
   model = SimpleNamespace(config=config)

@@ -23,8 +23,12 @@ from conftest import (
 from flax import nnx
 
 import jaxtune
-from jaxtune import data, default_model, formats, preference, runtime
+from jaxtune.data import formats
+from jaxtune.data import rows as data
 from jaxtune.errors import DataError
+from jaxtune.parallel import runtime
+from jaxtune.run import default_model
+from jaxtune.training import preference
 
 IGNORE = data.IGNORE
 

@@ -9,7 +9,8 @@ from flax import nnx
 
 import jaxtune
 from experiments.profile_kernels import SCOPES, kernel_key, scopes_by_kernel
-from jaxtune import losses, runtime
+from jaxtune.parallel import runtime
+from jaxtune.training import losses
 
 
 def test_every_scope_is_found_in_both_passes(hf_llama_dir):

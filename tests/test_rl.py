@@ -26,8 +26,10 @@ from conftest import (
 from flax import nnx
 
 import jaxtune
-from jaxtune import data, rewards, rl, runtime
+from jaxtune.data import rows as data
+from jaxtune.parallel import runtime
 from jaxtune.run_config import RunConfig
+from jaxtune.training import rewards, rl
 
 IGNORE = data.IGNORE
 
@@ -224,7 +226,8 @@ def test_dpo_and_grpo_under_meshes_equal_one_device(tmp_path):
   one device."""
   from test_preference import _pair_dataset, _pairs
 
-  from jaxtune import distributed, preference, step
+  from jaxtune.parallel import distributed
+  from jaxtune.training import preference, step
 
   path = tmp_path / "llama"
   build_hf_llama(11, **MESH_SHAPE).save_pretrained(path)

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from jaxtune import checkpoint, run_dir
 from jaxtune.errors import SaveError
 from jaxtune.hf import export
-from jaxtune.run_log import RunLog
+from jaxtune.run import run_dir
 from jaxtune.train import main as train_main
+from jaxtune.training import checkpoint
+from jaxtune.training.log import RunLog
 
 FLAGS = ["--save-every", "2", "--export", "none", "--seq-len", "32", "--lora-rank", "4"]
 
@@ -223,7 +224,7 @@ def test_a_read_only_out_is_refused_before_loading(small_disk, tmp_path, capsys)
 def test_an_export_onto_a_full_disk_is_one_sentence(small_disk, tmp_path):
   import jaxtune
   from converters.synthetic import write_random_checkpoint
-  from jaxtune import default_model
+  from jaxtune.run import default_model
 
   config = {**default_model.CONFIG, "hidden_size": 64, "intermediate_size": 128}
   path = write_random_checkpoint(tmp_path / "model", config, dtype="float32")
@@ -274,7 +275,7 @@ def test_resume_reads_the_runs_config_and_knows_its_data(tmp_path, capsys):
   """`--out RUN --resume` alone continues a run started with --model and --data (their values
   from OUT/config.yaml); the same data path with other content is refused (its tokens differ)
   with nothing changed, and --allow-changes continues on it and records the change."""
-  from jaxtune import default_model
+  from jaxtune.run import default_model
 
   data = tmp_path / "data.jsonl"
   lines = default_model.DATASET.read_text().splitlines()

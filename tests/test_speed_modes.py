@@ -13,8 +13,9 @@ from conftest import LORA_TARGETS
 from flax import nnx
 
 import jaxtune
-from jaxtune import losses, runtime, step
-from jaxtune import mesh as meshlib
+from jaxtune.parallel import mesh as meshlib
+from jaxtune.parallel import runtime
+from jaxtune.training import losses, step
 
 
 @pytest.fixture(scope="module")
@@ -228,8 +229,8 @@ def test_runs_forced_onto_the_kernels_get_their_operands_made_once(tiny_checkpoi
   np.testing.assert_array_equal(np.asarray(got[...]), np.asarray(want))
   assert made("auto")[0] == [] and made("xla")[0] == []
   assert made("interpret", "float32")[0] == []  # the kernels take bfloat16 only
-  assert all(lin.kernel_codes_t is None for _, lin in jaxtune.lora.iter_linears(model))
+  assert all(lin.kernel_codes_t is None for _, lin in jaxtune.models.lora.iter_linears(model))
   trained = nnx.merge(*placed)
   assert trained.layers.self_attn.q_proj.kernel_codes_t is not None
   step.drop_kernel_operands(trained)
-  assert all(lin.kernel_codes_t is None for _, lin in jaxtune.lora.iter_linears(trained))
+  assert all(lin.kernel_codes_t is None for _, lin in jaxtune.models.lora.iter_linears(trained))

@@ -16,9 +16,13 @@ from conftest import MESH_SHAPE, background_run, build_hf_llama, max_rel_err, ru
 from flax import nnx
 
 import jaxtune
-from jaxtune import data, default_model, losses, plan, runtime, step, trainer
-from jaxtune import mesh as meshlib
+from jaxtune.data import rows as data
+from jaxtune.parallel import mesh as meshlib
+from jaxtune.parallel import runtime
+from jaxtune.run import default_model
 from jaxtune.run_config import RunConfig
+from jaxtune.training import loop as trainer
+from jaxtune.training import losses, plan, step
 
 SHAPE = MESH_SHAPE
 
@@ -360,7 +364,7 @@ def test_export_round_trips_to_transformers_and_peft(tiny, tmp_path):
   dense = jaxtune.from_pretrained(path, quantization=None, dtype="float32")
   dense = jaxtune.apply_lora(dense, rank=4, alpha=8)
   for (_, a), (_, b) in zip(
-    jaxtune.lora.iter_linears(dense), jaxtune.lora.iter_linears(model), strict=True
+    jaxtune.models.lora.iter_linears(dense), jaxtune.models.lora.iter_linears(model), strict=True
   ):
     if a.lora_a is not None:
       a.lora_a[...] = jax.device_get(b.lora_a[...])
@@ -371,7 +375,7 @@ def test_export_round_trips_to_transformers_and_peft(tiny, tmp_path):
   # The adapters are trained (non-zero B), so the PEFT check is not of the base alone.
   assert any(
     np.abs(np.asarray(b.lora_b[...])).max() > 0
-    for _, b in jaxtune.lora.iter_linears(model)
+    for _, b in jaxtune.models.lora.iter_linears(model)
     if b.lora_b is not None
   )
 
@@ -476,8 +480,7 @@ def test_overflow_stops_or_is_skipped(tiny, tmp_path):
   )
   assert history[-1]["skipped_steps"] > 0
   assert all(
-    np.isfinite(np.asarray(x)).all()
-    for x in jax.tree.leaves(jaxtune.lora.nnx.state(model, jaxtune.lora.nnx.LoRAParam))
+    np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam))
   )
 
 
@@ -512,7 +515,7 @@ def test_float16_skips_overflowing_steps_and_keeps_float32_master(tiny, tmp_path
   """fp16 compute with dynamic loss scaling: a step whose scaled gradients overflow is skipped
   (nothing changes but the scale), the scale comes down, rises after good steps; adapters and
   optimizer state stay float32 throughout."""
-  from jaxtune import checkpoint
+  from jaxtune.training import checkpoint
 
   path = tiny
   model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float16"), rank=4)
@@ -549,10 +552,7 @@ def test_float16_skips_overflowing_steps_and_keeps_float32_master(tiny, tmp_path
   saved = ckpts.manager.item_metadata(6)["state"]
   floats = [x.dtype for x in jax.tree.leaves((saved["lora"], saved["opt_state"]))]
   assert {str(d) for d in floats} <= {"float32", "int32"} and "float32" in map(str, floats)
-  assert all(
-    x.dtype == jnp.float32
-    for x in jax.tree.leaves(jaxtune.lora.nnx.state(model, jaxtune.lora.nnx.LoRAParam))
-  )
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
   # Adam counted only the steps that were applied.
   graphdef, lora, _ = step.place(model, runtime.DEFAULT)
   tx, _ = step.make_optimizer(run)
@@ -666,7 +666,7 @@ def test_runs_differing_in_the_optimizers_numbers_share_one_step():
 def test_adapters_made_in_bfloat16_train_in_float32(tiny):
   path = tiny
   model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="bfloat16"), rank=4)
-  for _, linear in jaxtune.lora.iter_linears(model):
+  for _, linear in jaxtune.models.lora.iter_linears(model):
     if linear.lora_a is not None:
       linear.lora_a.set_value(linear.lora_a[...].astype(jnp.bfloat16))
   assert model.layers.self_attn.q_proj.lora_a[...].dtype == jnp.bfloat16
@@ -679,7 +679,7 @@ def test_adapters_made_in_bfloat16_train_in_float32(tiny):
 def test_gpus_without_bfloat16_train_in_float16():
   from types import SimpleNamespace
 
-  from jaxtune.runtime import compute_dtype
+  from jaxtune.parallel.runtime import compute_dtype
 
   t4 = SimpleNamespace(platform="gpu", compute_capability="7.5", device_kind="Tesla T4")
   h100 = SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H100")

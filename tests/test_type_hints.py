@@ -62,7 +62,7 @@ def unannotated(root: Path = ROOT) -> list[str]:
 
 
 def test_the_scan_finds_functions():
-  tree = ast.parse((ROOT / "jaxtune" / "nf4.py").read_text())
+  tree = ast.parse((ROOT / "pallas_kernels" / "nf4.py").read_text())
   names = {name for name, _, _ in _public_functions(tree)}
   assert {"quantize", "dequantize_linear"} <= names
 

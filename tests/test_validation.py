@@ -1,6 +1,6 @@
 """Damaged or hostile inputs are refused where they are parsed, with one sentence naming the
 file and the field: safetensors headers (converters/safetensors_read.py) and config.json
-(jaxtune/config.py). The files are written byte by byte here, so each test controls exactly
+(jaxtune/models/config.py). The files are written byte by byte here, so each test controls exactly
 what the header says; nothing compiles. The same inputs through the command line are in
 tests/test_catalogue.py.
 """
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from converters.safetensors_read import Prefetcher, iter_tensors, safetensors_files
-from jaxtune.config import ModelConfig
 from jaxtune.errors import CheckpointError, ConfigError
+from jaxtune.models.config import ModelConfig
 
 A = np.arange(2, dtype=np.float32)  # tensor a: F32 [2], 8 bytes
 B = np.arange(4, dtype=np.float16).reshape(2, 2) * 0.5  # tensor b: F16 [2, 2], 8 bytes

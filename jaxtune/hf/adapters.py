@@ -25,7 +25,7 @@ from converters import table as tables
 from converters.hub import hub_id
 from converters.safetensors_read import iter_tensors
 from jaxtune.errors import CheckpointError, ConfigError
-from jaxtune.lora import LoraConfig, apply_lora, iter_linears
+from jaxtune.models.lora import LoraConfig, apply_lora, iter_linears
 from jaxtune.run_config import INT32_MAX, shown
 
 CONFIG = "adapter_config.json"
@@ -213,7 +213,7 @@ def lora_settings(adapter_dir: str | Path, model_path: str | Path | None = None)
   cfg = read_config(adapter_dir)
   mcfg = None
   if model_path is not None:
-    from jaxtune.config import ModelConfig
+    from jaxtune.models.config import ModelConfig
 
     _check_base(cfg, adapter_dir, hub_id(model_path), str(model_path))
     mcfg = ModelConfig.from_hf(model_path)  # (refused before the model loads, not after)

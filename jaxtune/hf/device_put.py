@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from converters import bnb
 from converters.safetensors_read import CheckpointError
-from jaxtune import sharding
+from jaxtune.parallel import sharding
 from pallas_kernels import nf4
 
 if TYPE_CHECKING:

@@ -28,8 +28,6 @@ import jax
 import numpy as np
 
 from converters.gguf_vocab import tokenizer_writer
-from jaxtune import rope as ropes
-from jaxtune.config import SLIDING, ModelConfig, RopeConfig
 from jaxtune.errors import ExportError
 from jaxtune.hf.write import (
   OriginalWeights,
@@ -38,6 +36,8 @@ from jaxtune.hf.write import (
   model_tensors,
   param_value,
 )
+from jaxtune.models import rope as ropes
+from jaxtune.models.config import SLIDING, ModelConfig, RopeConfig
 
 if TYPE_CHECKING:
   import gguf

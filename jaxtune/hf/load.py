@@ -26,9 +26,9 @@ from converters import bnb
 from converters import table as tables
 from converters.hub import hub_id, looks_like_hub_id
 from converters.safetensors_read import CheckpointError, Prefetcher, safetensors_files
-from jaxtune.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from jaxtune.errors import ConfigError, UserError
 from jaxtune.hf.device_put import DeviceBuffers, put_in_pieces
+from jaxtune.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from jaxtune.models.decoder import Decoder
 
 log = logging.getLogger("jaxtune")

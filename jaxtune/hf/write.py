@@ -28,12 +28,12 @@ from converters import bnb
 from converters import table as tables
 from converters.safetensors_read import safetensors_files
 from jaxtune.errors import ExportError, UserError
-from jaxtune.layers import dense
-from jaxtune.lora import layer_scale
+from jaxtune.models.layers import dense
+from jaxtune.models.lora import layer_scale
 from pallas_kernels import nf4
 
 if TYPE_CHECKING:
-  from jaxtune.layers import Linear
+  from jaxtune.models.layers import Linear
 
 _NP = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}
 _JNP = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}

@@ -20,10 +20,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
-from jaxtune import attention, pipeline, rope, sharding
-from jaxtune.config import SLIDING, ModelConfig
-from jaxtune.layers import Embed, Linear, RMSNorm, lora_inputs
-from jaxtune.runtime import DEFAULT, Runtime
+from jaxtune.models import attention, rope
+from jaxtune.models.config import SLIDING, ModelConfig
+from jaxtune.models.layers import Embed, Linear, RMSNorm, lora_inputs
+from jaxtune.parallel import pipeline, sharding
+from jaxtune.parallel.runtime import DEFAULT, Runtime
 
 # The order fixes which fold_in index each projection's LoRA dropout key gets.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import jax
 
-from jaxtune import run_dir
-from jaxtune.run_dir import write_error
+from jaxtune.training.files import open_append, write_error
 
 
 def quiet_third_party() -> None:
@@ -157,7 +156,7 @@ class RunLog:
     self.trackers = []
     if enabled:
       try:
-        self.metrics = run_dir.open_append(self.path)
+        self.metrics = open_append(self.path)
         kinds = {"tensorboard": _TensorBoard, "wandb": _WandB}
         self.trackers = [kinds[n](Path(out), config or {}) for n in trackers(report_to)]
       except OSError as e:

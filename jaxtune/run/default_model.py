@@ -13,7 +13,7 @@ from pathlib import Path
 
 from converters.synthetic import write_random_checkpoint
 
-DATASET = Path(__file__).parent / "data_files" / "default.jsonl"
+DATASET = Path(__file__).parents[1] / "data_files" / "default.jsonl"
 VERSION = "v2"
 
 CONFIG = {

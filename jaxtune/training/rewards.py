@@ -151,7 +151,9 @@ def _import(part: str, module_name: str) -> Any:
 
 def _import_file(path: Path) -> Any:
   """The module in the file ``path``, run once per process (kept in sys.modules by its path)."""
-  key = f"jaxtune.rewards:{path.resolve()}"  # no importable name: the file's own stays free
+  key = (
+    f"jaxtune.training.rewards:{path.resolve()}"  # no importable name: the file's own stays free
+  )
   if key not in sys.modules:
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)

@@ -22,10 +22,10 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
 
 from jaxtune.errors import SaveError, UserError, size_text
 from jaxtune.run_config import RunConfig
+from jaxtune.training.files import link_error, write_error
 
 LOCK_NAME = ".jaxtune.lock"
 
@@ -77,28 +77,7 @@ def check_links(out: Path) -> None:
     for name in sorted(dirs + files):
       path = Path(root) / name
       if path.is_symlink():
-        raise _link_error(path)
-
-
-def _link_error(path: Path) -> UserError:
-  try:
-    target = f" (to {os.readlink(path)})"
-  except OSError:
-    target = ""
-  return UserError(
-    f"{path} is a symbolic link{target}, and jaxtune writes only inside --out, following no "
-    "links there; remove the link, or choose another --out."
-  )
-
-
-def open_append(path: Path) -> TextIO:
-  """``path`` opened to append text, refusing to follow a symbolic link (``check_links``)."""
-  try:
-    return open(path, "a", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW, 0o644))
-  except OSError as e:
-    if e.errno == errno.ELOOP:
-      raise _link_error(path) from None
-    raise
+        raise link_error(path)
 
 
 def free_bytes(path: Path) -> int:
@@ -116,17 +95,6 @@ def check_room(out: Path, needs: dict[str, int]) -> None:
       f"the disk holding {out} has {size_text(free)} free and this run writes more ({parts}); free "
       "some space or choose another --out."
     )
-
-
-def full_disk(e: BaseException) -> bool:
-  return getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
-
-
-def write_error(path: Path, e: OSError) -> SaveError:
-  """One sentence for a failed write of ``path``."""
-  if full_disk(e):
-    return SaveError(f"the disk is full: {path} could not be written; free some space, then retry.")
-  return SaveError(f"{path} could not be written ({e.strerror or e}); choose another --out.")
 
 
 class Lock:
@@ -190,7 +158,7 @@ class Lock:
       except OSError as e:
         self._remove_created()
         if e.errno == errno.ELOOP:
-          raise _link_error(self.path) from None
+          raise link_error(self.path) from None
         raise UserError(
           f"cannot write into {self.out} ({e.strerror}); choose another --out."
         ) from e

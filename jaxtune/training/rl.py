@@ -32,12 +32,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtune import decoding, formats, rewards, sources
-from jaxtune.data import IGNORE
+from jaxtune.data import formats, sources
+from jaxtune.data.rows import IGNORE
 from jaxtune.errors import DataError
-from jaxtune.losses import token_log_probs
+from jaxtune.models import decoding
+from jaxtune.parallel.runtime import Runtime
 from jaxtune.run_config import RunConfig
-from jaxtune.runtime import Runtime
+from jaxtune.training import rewards
+from jaxtune.training.losses import token_log_probs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,7 +43,7 @@ import jax.extend
 
 from jaxtune.cli import CACHE_HELP  # noqa: F401 (the command lines' --no-compile-cache)
 from jaxtune.errors import UserError, size_text
-from jaxtune.runtime import Runtime
+from jaxtune.parallel.runtime import Runtime
 
 GIB = 2**30
 # remat -> a faster setting whose plan was smaller in every shape measured (experiments/

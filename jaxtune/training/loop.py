@@ -20,14 +20,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxtune import context, distributed, plan, run_log, step
-from jaxtune.data import Dataset, StreamingDataset
+from jaxtune.data.rows import Dataset, StreamingDataset
 from jaxtune.errors import TrainingError
+from jaxtune.parallel import distributed
+from jaxtune.parallel import ring_attention as context
+from jaxtune.parallel.runtime import Runtime
 from jaxtune.run_config import RunConfig
-from jaxtune.runtime import Runtime
+from jaxtune.training import log as run_log
+from jaxtune.training import plan, step
 
 if TYPE_CHECKING:
-  from jaxtune.checkpoint import Checkpoints
+  from jaxtune.training.checkpoint import Checkpoints
 
 
 class Stopped(Exception):

@@ -20,14 +20,15 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxtune import distributed, run_log, sharding
-from jaxtune.data import IGNORE, Dataset
+from jaxtune.data.rows import IGNORE, Dataset
 from jaxtune.errors import RunConfigError
-from jaxtune.layers import Linear
-from jaxtune.lora import iter_linears
-from jaxtune.losses import loss_sums
+from jaxtune.models.layers import Linear
+from jaxtune.models.lora import iter_linears
+from jaxtune.parallel import distributed, sharding
+from jaxtune.parallel.runtime import DEFAULT, Runtime, free_device_bytes, operand_bytes
 from jaxtune.run_config import RunConfig
-from jaxtune.runtime import DEFAULT, Runtime, free_device_bytes, operand_bytes
+from jaxtune.training import log as run_log
+from jaxtune.training.losses import loss_sums
 from pallas_kernels.nf4_matmul import training_operands
 
 

@@ -34,9 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxtune import formats, sources
+from jaxtune.data import formats, sources
+from jaxtune.data.formats import IGNORE
 from jaxtune.errors import DataError
-from jaxtune.formats import IGNORE
 
 __all__ = ["IGNORE", "Dataset", "Report", "StreamingDataset", "load", "pack_rows", "to_rows"]
 

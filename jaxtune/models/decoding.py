@@ -21,13 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtune import attention
 from jaxtune.errors import UserError
-from jaxtune.layers import Fused
-from jaxtune.lora import iter_linears
+from jaxtune.models import attention
 from jaxtune.models.decoder import MLP, Attention, Decoder
+from jaxtune.models.layers import Fused
+from jaxtune.models.lora import iter_linears
+from jaxtune.parallel.runtime import DEFAULT, free_device_bytes
 from jaxtune.run_config import shown
-from jaxtune.runtime import DEFAULT, free_device_bytes
 from pallas_kernels.nf4_matmul import kernel_scales, uses_kernel, word_codes
 
 # Prompt lengths and new-token counts are rounded up to multiples of this (compiled once per

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxtune.config import RopeConfig
+from jaxtune.models.config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:

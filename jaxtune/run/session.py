@@ -21,29 +21,20 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from converters import hub, model_card
-from jaxtune import (
-  checkpoint,
-  checks,
-  default_model,
-  distributed,
-  plan,
-  preference,
-  rewards,
-  rl,
-  run_dir,
-  runtime,
-  step,
-  trainer,
-)
-from jaxtune import data as data_lib
-from jaxtune.config import ModelConfig
-from jaxtune.decoding import generate
+from jaxtune.data import rows as data_lib
 from jaxtune.errors import RunConfigError, TrainingError, UserError
 from jaxtune.hf import export
 from jaxtune.hf.adapters import is_adapter_dir, load_adapter, lora_settings, read_config
 from jaxtune.hf.load import from_pretrained, resolve_checkpoint
-from jaxtune.lora import apply_lora, parse_pattern
+from jaxtune.models.config import ModelConfig
+from jaxtune.models.decoding import generate
+from jaxtune.models.lora import apply_lora, parse_pattern
+from jaxtune.parallel import distributed, runtime
+from jaxtune.run import checks, default_model, run_dir
 from jaxtune.run_config import RunConfig
+from jaxtune.training import checkpoint, plan, preference, rewards, rl, step
+from jaxtune.training import loop as trainer
+from jaxtune.training.files import write_error
 
 
 def say(line: str) -> None:
@@ -281,7 +272,7 @@ def _write_config(run: RunConfig, out: Path) -> None:
       tmp.replace(out / "config.yaml")
     except OSError as e:
       tmp.unlink(missing_ok=True)
-      raise run_dir.write_error(out / "config.yaml", e) from e
+      raise write_error(out / "config.yaml", e) from e
   distributed.barrier("jaxtune run directory")
 
 

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxtune.data import IGNORE
-from jaxtune.runtime import DEFAULT, LARGE_VOCAB, Runtime
+from jaxtune.data.rows import IGNORE
+from jaxtune.parallel.runtime import DEFAULT, LARGE_VOCAB, Runtime
 
 
 def loss_sums(

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtune.errors import UserError
-from jaxtune.layers import Linear, LoRAConstant
+from jaxtune.models.layers import Linear, LoRAConstant
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -33,11 +33,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtune.data import IGNORE
-from jaxtune.losses import token_log_probs
+from jaxtune.data.rows import IGNORE
+from jaxtune.parallel.runtime import Runtime
 from jaxtune.run_config import RunConfig
-from jaxtune.run_log import FIGURES as METRICS  # per pair, summed (the step takes the means)
-from jaxtune.runtime import Runtime
+from jaxtune.training.log import FIGURES as METRICS  # per pair, summed (the step takes the means)
+from jaxtune.training.losses import token_log_probs
 
 PREFERENCE_METHODS = ("dpo", "ipo", "orpo")
 

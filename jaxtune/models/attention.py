@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.custom_partitioning import custom_partitioning
 
-from jaxtune import context
-from jaxtune.runtime import DEFAULT, FLASH, Runtime
+from jaxtune.parallel import ring_attention as context
+from jaxtune.parallel.runtime import DEFAULT, FLASH, Runtime
 from pallas_kernels.flash_attention import flash_attention
 
 
@@ -58,7 +58,7 @@ def attention(
   positions back. ``softcap``: cap * tanh(scores / cap) (Gemma 2). "cudnn" reads neither
   segments, window nor softcap (``runtime.resolve`` uses it only where they do not matter).
   "ring" (a ``context`` mesh axis): tokens in zigzag order, masked by ``positions`` [B, T]
-  (jaxtune.context).
+  (jaxtune.parallel.ring_attention).
   """
   with jax.named_scope("attention"):
     impl = runtime.attention

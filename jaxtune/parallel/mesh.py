@@ -15,8 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxtune import pipeline
 from jaxtune.errors import MeshError
+from jaxtune.parallel import pipeline
 
 AXES = ("data", "tensor", "pipe", "context")
 

@@ -8,7 +8,7 @@ impossible combination there, as one ``UserError`` sentence, before anything is 
 model reads its choices from the ``Runtime`` passed to it; nothing changes them afterwards.
 
 Attention, as resolved (``Runtime.attention``), names exactly the code that runs:
-  "xla"        jaxtune.attention's masked einsum ([T, T] mask; packing, windows, softcaps)
+  "xla"        jaxtune.models.attention's masked einsum ([T, T] mask; packing, windows, softcaps)
   "cudnn"      cuDNN's fused kernel (jax.nn.dot_product_attention): causal, one document per
                row, no softcap or window
   "mosaic"     the Pallas flash kernel (Mosaic GPU, Hopper), per (data, tensor) shard
@@ -28,14 +28,15 @@ from typing import TYPE_CHECKING, Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtune import context, pipeline, sharding
-from jaxtune import mesh as meshlib
 from jaxtune.errors import MeshError, UserError
+from jaxtune.parallel import mesh as meshlib
+from jaxtune.parallel import pipeline, sharding
+from jaxtune.parallel import ring_attention as context
 from jaxtune.run_config import AUTO_LOSS_CHUNK, AUTO_REMAT, REMAT, RunConfig
 from pallas_kernels.flash_attention import mosaic_supports
 
 if TYPE_CHECKING:
-  from jaxtune.config import ModelConfig
+  from jaxtune.models.config import ModelConfig
 
 ATTENTION = ("xla", "cudnn", "mosaic", "interpret", "flash_xla", "ring")
 NF4_MATMUL = ("auto", "kernel", "xla", "interpret")  # interpret: the kernel on CPU (tests)

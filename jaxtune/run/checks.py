@@ -12,7 +12,7 @@ from jaxtune.errors import RunConfigError, UserError
 from jaxtune.run_config import RunConfig
 
 if TYPE_CHECKING:
-  from jaxtune.config import ModelConfig
+  from jaxtune.models.config import ModelConfig
 
 
 def has_checkpoints(ckpt_dir: Path) -> bool:
@@ -107,7 +107,7 @@ def check_targets(run: RunConfig, cfg: "ModelConfig") -> None:
       f"--lora-targets names {','.join(unknown)}, {which} of this {cfg.model_type}; "
       f"choose from {','.join(known)}."
     )
-  from jaxtune.lora import check_pattern, parse_pattern
+  from jaxtune.models.lora import check_pattern, parse_pattern
 
   for flag, spec, kind in (
     ("--lora-rank-pattern", run.lora_rank_pattern, int),
@@ -178,7 +178,7 @@ def check_data_settings(run: RunConfig, given: bool = False) -> None:
 
 def check_method_data(run: RunConfig, report_format: str, name: str, what: str = "--data") -> None:
   """Preference methods need preference pairs and SFT needs no pairs (one sentence each)."""
-  from jaxtune.formats import PAIRED
+  from jaxtune.data.formats import PAIRED
 
   paired = report_format in PAIRED
   if run.method != "sft" and not paired:
@@ -208,7 +208,7 @@ def check_export_settings(run: RunConfig) -> None:
 
 def check_report_to(run: RunConfig) -> None:
   """--report-to names known trackers, and the ones asked for are installed."""
-  from jaxtune.run_log import TRACKERS, trackers
+  from jaxtune.training.log import TRACKERS, trackers
 
   names = trackers(run.report_to)
   unknown = [n for n in names if n not in TRACKERS]

@@ -104,7 +104,7 @@ def ring_attention(
   q [B, T, N, H], k/v [B, T, K, H], positions/segment_ids [B, T] (T in zigzag order);
   ``specs`` = (PartitionSpec of q/k/v/out, of positions/segment_ids) on ``mesh``. A key is
   seen where it has the query's segment id, a position no later, and (``window`` > 0) fewer
-  than ``window`` positions back: the mask of jaxtune.attention, read from positions (for
+  than ``window`` positions back: the mask of jaxtune.models.attention, read from positions (for
   real tokens; padding, segment 0 at position 0, attends among itself differently, unread).
   ``tile``: the most query (and key) tokens whose scores exist at once (XLA's tiles).
   ``kernel``: each pair of chunks by the flash op with this implementation instead (no
