@@ -80,6 +80,7 @@ def test_loads_bytes_as_stored_and_dequantizes_identically(bnb_dir):
   assert max_rel_err(model(jnp.asarray(ids)), want) <= 1e-5
 
 
+@pytest.mark.slow
 def test_unquantized_load_of_a_bnb_checkpoint_dequantizes(bnb_dir):
   path, hf = bnb_dir
   dense = jaxtune.from_pretrained(path, quantization=None, dtype="float32")
@@ -113,6 +114,7 @@ def test_export_bnb4_round_trips(bnb_dir, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_export_bnb4_merges_trained_adapters(bnb_dir, tmp_path):
   path, _ = bnb_dir
   model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float32"), rank=4)
@@ -149,6 +151,7 @@ def test_eight_bit_is_refused(bnb_dir):
     jaxtune.from_pretrained(path)
 
 
+@pytest.mark.slow
 def test_a_random_bnb_checkpoint_written_in_place_reads_in_transformers_and_jaxtune(tmp_path):
   """converters.synthetic's bnb_4bit layout (the benchmarks' 70B checkpoints): bitsandbytes
   dequantizes each projection to NF4 values times 0.05, and jaxtune holds the same bytes."""

@@ -176,6 +176,7 @@ def test_grpo_with_a_context_axis_is_one_sentence(tmp_path):
     _runtime(path, run, "context=8")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window, kernel", [(6, None), (0, "xla")])
 def test_ring_attention_equals_masked_attention(window, kernel):
   """The ring on its own, with packed segments, positions restarting and softcap: output and

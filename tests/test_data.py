@@ -207,6 +207,7 @@ CASES = [
 RUN = ("text-jsonl", "mapped-csv", "alpaca-splits")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,kind,extra", CASES, ids=[f"{f}-{k}" for f, k, _ in CASES])
 def test_each_format_and_source_loads_and_trains(fmt, kind, extra, tmp_path, capsys, tok):
   """Every format and source kind is read into rows with trained tokens; the cases in ``RUN``

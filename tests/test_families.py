@@ -82,6 +82,7 @@ def test_the_family_switches_are_really_on(family_dir):
   assert _ids().shape[1] > g2.sliding_window
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_nf4_matches_transformers_on_dequantized_weights(family_dir, family):
   path, hf = family_dir(family, seed=1)

@@ -150,6 +150,7 @@ _KILL_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["meta", "finalize"])
 def test_kill_during_a_checkpoint_write_leaves_the_previous_one(tmp_path, point):
   directory = tmp_path / "checkpoints"

@@ -222,6 +222,7 @@ def test_reference_against_a_formula_per_query():
 @pytest.mark.parametrize(
   "head_dim, everything", [(64, True), (128, True), (256, True), (128, False)]
 )
+@pytest.mark.slow
 def test_kernels_lower_for_hopper(head_dim, everything):
   """Mosaic GPU lowering (layouts, shared-memory budget) runs without a GPU: catch it here.
   Every head dim's blocks with every option (segments, window, softcap, lse: the most shared

@@ -95,6 +95,7 @@ def test_sliding_window_model_past_its_window(tmp_path):
   assert both == [generate_ids(model, [p], max_new_tokens=8)[0] for p in (prompt, long_prompt)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gemma2"])  # (llama: 11.6 s, a subset of gemma2's layers)
 def test_decode_layers_unrolled_compute_what_the_scan_computes(
   family, hf_llama_dir, tmp_path, monkeypatch
@@ -245,6 +246,7 @@ def test_cli_generates_from_a_trained_run(default_run, cli_generation):
   assert bad.returncode == 2 and "pass --model" in bad.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [3])  # (one prompt: the command line's, cli_generation)
 def test_python_api(n):
   from transformers import AutoTokenizer
@@ -259,6 +261,7 @@ def test_python_api(n):
   assert len(set(texts)) == 1  # the same prompt gives the same greedy text in every row
 
 
+@pytest.mark.slow
 def test_decode_step_with_fused_kernel_operands(hf_llama_dir):
   """Decoding's prepared operands (prepare_kernel_operands, as on a Hopper GPU: every NF4
   layer taken as a kernel layer here) run q/k/v and gate/up as one product each
@@ -296,6 +299,7 @@ def test_decode_step_with_fused_kernel_operands(hf_llama_dir):
   assert off < 1e-2 and np.linalg.norm(no_adapter - plain) / np.linalg.norm(plain) > 20 * off
 
 
+@pytest.mark.slow
 def test_codes_put_in_word_order_in_place_for_the_loop_and_back(hf_llama_dir):
   """decoding.codes_in_word_order (no room for a copy of the codes: 70B on one GPU): inside,
   every kernel layer's codes are in the kernel's word order in their own buffer (the old
@@ -339,6 +343,7 @@ def test_codes_put_in_word_order_in_place_for_the_loop_and_back(hf_llama_dir):
   np.testing.assert_array_equal(logits(False), plain)
 
 
+@pytest.mark.slow
 def test_generate_with_codes_in_place_gives_the_same_tokens(hf_llama_dir, monkeypatch):
   """generate_ids(word_lookup="inplace") where no copy fits (no free-memory figure here): the
   decode loop runs on the model's own codes permuted in place (every NF4 layer taken as a

@@ -302,6 +302,7 @@ def _rel(got, want):
   return float(np.abs(got - want).max() / np.abs(want).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", LOADS_IN_TRANSFORMERS)
 def test_f16_file_loads_in_transformers_with_the_merged_weights(
   family, trained, checkpoint, tmp_path

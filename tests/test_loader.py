@@ -61,6 +61,7 @@ def test_nf4_bytes_are_quantize_linear_of_each_weight(ckpt):
   np.testing.assert_array_equal(embed, np.asarray(weights["model.embed_tokens.weight"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["8", "2x4"])
 def test_loading_onto_a_mesh_writes_what_one_device_loads(ckpt, spec, monkeypatch):
   """Under a mesh, tensors cross from the host split over data and are gathered on the devices:

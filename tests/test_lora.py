@@ -130,6 +130,7 @@ def test_gradients_match_peft(hf_llama_dir, rslora, rank_pattern):
   ],
   ids=["gate-and-up", "gate-alone-ranks-by-layer-dropout"],
 )
+@pytest.mark.slow
 def test_folded_mlp_lora_equals_the_separate_products(
   hf_llama_dir, monkeypatch, targets, rank_pattern, dropout
 ):

@@ -44,6 +44,7 @@ def _rel(got, ref):
   [((1,), 128, 128), ((70,), 192, 256), ((2, 5), 128, 64)],
   ids=["one-token", "ragged-rows", "batched-one-warpgroup"],
 )
+@pytest.mark.slow
 def test_forward_matches_reference(lead, k, n):
   rng = np.random.default_rng(len(lead) * 1000 + k + n)
   q = _weights(rng, n, k)
@@ -86,6 +87,7 @@ def test_forward_matches_reference(lead, k, n):
     "grid-as-one-group-of-all-tile-rows",
   ],  # fmt: skip
 )
+@pytest.mark.slow
 def test_forward_configs(cfg, k):
   rng = np.random.default_rng(3)
   m, n = 32, 2 * kernel.WG_ROWS * cfg.compute_wgs // min(cfg.compute_wgs, 2)

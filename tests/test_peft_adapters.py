@@ -205,6 +205,7 @@ def test_generate_takes_a_peft_adapter_dir(base, peft_adapter):
   assert max_rel_err(model(jnp.asarray(IDS)), want) <= 1e-5
 
 
+@pytest.mark.slow
 def test_init_adapter_continues_training_it(tmp_path):
   ckpt = default_model.ensure_default_checkpoint(tmp_path / "ckpt")
   start = jaxtune.apply_lora(_dense(ckpt), rank=4, alpha=8, targets=("q_proj", "v_proj"))
@@ -320,6 +321,7 @@ def test_jaxtune_per_layer_ranks_load_in_peft(base, tmp_path):
   assert max_rel_err(again(jnp.asarray(IDS)), ours) <= 1e-6
 
 
+@pytest.mark.slow
 def test_training_with_ranks_per_layer_keeps_the_masked_columns_off(tmp_path):
   run_dir, model = jaxtune.train(
     out=str(tmp_path / "run"), steps=2, export="peft", lora_rank_pattern="layers.1=2,down_proj=8"

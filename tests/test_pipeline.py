@@ -152,21 +152,25 @@ def test_shard_frozen_equals_single_device(host_model, single, spec):
 @pytest.mark.parametrize(
   "policy", sorted(set(REMAT_POLICIES) - {"full", "lean", "offload", "activations"})
 )
+@pytest.mark.slow
 def test_remat_policies_give_the_same_loss(host_model, single, policy):
   _assert_same(loss_and_grads(host_model, "1", remat=policy), single, policy)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat, group", [("offload", 4), ("lean", 2)])
 def test_remat_groups_give_the_same_loss(host_model, single, remat, group):
   got = loss_and_grads(host_model, "1", remat=remat, remat_group=group)
   _assert_same(got, single, f"{remat} in groups of {group}")
 
 
+@pytest.mark.slow
 def test_activations_kept_in_the_first_layers_give_the_same_loss(host_model, single):
   got = loss_and_grads(host_model, "1", remat="full", kept_layers=3)
   _assert_same(got, single, "full, activations kept in the first 3 of 8 layers")
 
 
+@pytest.mark.slow
 def test_activations_kept_in_the_first_layers_cost_each_layer_the_same(host_model):
   """Full remat keeping the activations of its first k layers saves, for the backward pass,
   k layers' worth of what remat activations saves in all 8 beside full's own layer inputs: a
@@ -207,6 +211,7 @@ def test_activations_kept_in_the_first_layers_cost_each_layer_the_same(host_mode
     assert runtime.resolve(run, cfg, devices=devices).keep_up_to == 0, run
 
 
+@pytest.mark.slow
 def test_remat_groups_keep_only_each_groups_input(host_model):
   """--remat-group 4 over 8 layers: offload puts 2 group inputs on the host, not 8 layer
   inputs; full's compiled plan holds fewer layer inputs (2 kept + 4 in a group's backward,
@@ -282,6 +287,7 @@ def test_offload_keeps_layer_inputs_on_the_host_under_a_pipeline(host_model, sin
   assert "f32<host>[8,8,16,128]" in jaxpr
 
 
+@pytest.mark.slow
 def test_flash_attention_runs_inside_pipeline_stages(host_model, single):
   """Without a tensor axis the stages run manual over every axis, so the flash op runs
   inside them on each data shard's rows (no shard_map of its own nested in the pipeline's,
@@ -294,6 +300,7 @@ def test_flash_attention_runs_inside_pipeline_stages(host_model, single):
   _assert_same(loss_and_grads(host_model, "4x1x2", attention="flash_xla"), single, "4x1x2")
 
 
+@pytest.mark.slow
 def test_flash_attention_runs_inside_stages_split_over_tensor(host_model, single):
   """With a tensor axis (or --shard-frozen) the stages are manual over pipe only, where a
   shard_map of the flash op's own is rejected; custom_partitioning tells the partitioner how
@@ -302,6 +309,7 @@ def test_flash_attention_runs_inside_stages_split_over_tensor(host_model, single
   _assert_same(loss_and_grads(host_model, "2x2x2", attention="flash_xla"), single, "2x2x2")
 
 
+@pytest.mark.slow
 def test_partitioned_flash_takes_tokens_whole_when_they_come_split():
   """The flash op through custom_partitioning with q, k, v split over tokens (and rows, heads):
   the partitioner gathers the tokens for it (the rule says they must be whole) and the

@@ -59,6 +59,7 @@ def test_a_second_run_on_the_same_out_is_refused_and_names_the_first(tmp_path, c
   assert not out.exists()  # the lock made the directory, and took it away with itself
 
 
+@pytest.mark.slow
 def test_resume_takes_over_a_stale_lock_compares_settings_and_records_each_start(tmp_path, capsys):
   out = tmp_path / "run"
   out.mkdir()
@@ -161,6 +162,7 @@ def test_a_run_that_cannot_fit_is_refused_before_it_starts(small_disk, capsys):
   assert list(disk.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_disk_filling_up_mid_run_is_one_sentence_and_leaves_nothing_half_written(
   small_disk, capsys, caplog, monkeypatch
 ):
@@ -271,6 +273,7 @@ def test_metrics_and_lock_never_follow_a_link_made_after_the_check(tmp_path):
   assert victim.read_text() == "theirs\n"
 
 
+@pytest.mark.slow
 def test_resume_reads_the_runs_config_and_knows_its_data(tmp_path, capsys):
   """`--out RUN --resume` alone continues a run started with --model and --data (their values
   from OUT/config.yaml); the same data path with other content is refused (its tokens differ)

@@ -485,8 +485,8 @@ def nf4_matmul(
   """x [..., K] @ dequant(W)^T -> [..., N]; W [N, K] in the 2-D layout of ``pallas_kernels.nf4``.
 
   ``extra`` = (extra_x [..., E], extra_w [N, E]): adds extra_x @ extra_w^T, differentiable in
-  both (a LoRA's scaled x A and B^T, jaxtune.layers). XLA's path appends them to x and W along
-  K, one dot for both products (``reference.dequantize_then_dot_folded``); the forward kernel
+  both (a LoRA's scaled x A and B^T, jaxtune.models.layers). XLA's path appends them to x and W
+  along K, one dot for both products (``reference.dequantize_then_dot_folded``); the forward kernel
   takes them in by one more wgmma into each tile where its product is whole and their tiles
   fit in its shared memory (``_folds``), else (K split, one token) their product is added to
   its own. The input gradient's kernel leaves them out: their gradients come from dy alone.
