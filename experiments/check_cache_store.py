@@ -1,8 +1,8 @@
 """Does a program JAX read back from its persistent compilation cache survive being
 serialized again (the step store's format) and loaded in a fresh process? On XLA:CPU
 (jax 0.11.2) it does not: the loaded program fails when it runs ("Function ... not found"),
-so plan._StepStore skips such programs (plan._FROM_CACHE) on every backend. This checks
-the GPU, with the Mosaic GPU flash attention of check_step_store.py and an XLA MLP step.
+so compile_cache.StepStore skips such programs (compile_cache.FROM_CACHE) on every backend.
+This checks the GPU, with the Mosaic GPU flash attention of check_step_store.py and an XLA MLP step.
 
   python experiments/check_cache_store.py --results-dir DIR
 Three children share one cache directory: (1) compiles and runs, filling the cache; (2)

@@ -71,11 +71,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   from converters import hub, model_card
   from jaxtune.hf import export
   from jaxtune.hf.gguf import check_gguf_type
+  from jaxtune.training import compile_cache
   from jaxtune.training import log as run_log
-  from jaxtune.training import plan
 
   run_log.quiet_third_party()
-  plan.use_compile_cache(not args.no_compile_cache)
+  compile_cache.use_compile_cache(not args.no_compile_cache)
   try:
     out = Path(args.out)
     export.check_destination(out, args.overwrite)  # before loading anything

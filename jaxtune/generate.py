@@ -50,11 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = build_parser().parse_args(argv)  # --help and a bad flag end here, before JAX
   from jaxtune.models.decoding import check_sampling, generate, generate_ids
   from jaxtune.run.session import load_run_model, load_tokenizer
+  from jaxtune.training import compile_cache
   from jaxtune.training import log as run_log
-  from jaxtune.training import plan
 
   run_log.quiet_third_party()
-  plan.use_compile_cache(not args.no_compile_cache)
+  compile_cache.use_compile_cache(not args.no_compile_cache)
   try:
     if not args.model and not args.adapter:
       raise UserError("pass --model DIR|HUB_ID, or --adapter RUN_DIR|PEFT_DIR.")

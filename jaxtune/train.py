@@ -285,8 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   flags = build_parser().parse_args(argv)  # --help and a bad flag end here, before JAX
   from jaxtune.parallel import distributed  # noqa: PLC0415 (see the imports at the top)
   from jaxtune.run.session import run_training  # noqa: PLC0415
+  from jaxtune.training import compile_cache
   from jaxtune.training import log as run_log
-  from jaxtune.training import plan
   from jaxtune.training.loop import Stopped  # noqa: PLC0415
 
   run_log.quiet_third_party()
@@ -297,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if allow_changes and not resume:
       raise UserError("--allow-changes is for --resume; pass --resume too, or drop it.")
     allow_host_memory_for_offload(run)  # before the GPU client starts
-    plan.use_compile_cache(not flags.no_compile_cache)
+    compile_cache.use_compile_cache(not flags.no_compile_cache)
     distributed.initialize()  # before anything asks JAX for its devices
     _start_devices_while_importing()
     command = shlex.join(

@@ -346,14 +346,14 @@ _SUMMARY: list[str] = []
 
 @pytest.fixture(autouse=True)
 def _no_step_store_in_this_process(monkeypatch):
-  """The command lines' step store (plan.py) is off in this process at every test's start
+  """The command lines' step store (compile_cache.py) is off in this process at every test's start
   and end: tests monkeypatch what a step computes, which the store's key cannot see. (A test
   that runs a command line's main() here turns it on for the rest of that test; none of
   those patches the step. The environment stays as it is: command lines the tests start as
   processes use the store.) Tests of the store turn it on themselves."""
-  from jaxtune.training import plan
+  from jaxtune.training import compile_cache
 
-  monkeypatch.setattr(plan, "_store_dir", None)
+  monkeypatch.setattr(compile_cache, "_store_dir", None)
 
 
 @pytest.fixture(scope="session", autouse=True)

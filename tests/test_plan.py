@@ -19,7 +19,7 @@ from jaxtune.errors import UserError
 from jaxtune.models.config import ModelConfig
 from jaxtune.parallel.runtime import Runtime, remat_candidates
 from jaxtune.run_config import AUTO_LOSS_CHUNK, RunConfig
-from jaxtune.training import plan
+from jaxtune.training import compile_cache, plan
 
 MIB = 2**20
 GIB = 2**30
@@ -512,29 +512,34 @@ def test_the_command_lines_compile_cache_follows_its_settings(tmp_path, monkeypa
   saved = [getattr(jax.config, f"jax_compilation_cache_{n}") for n in names]
   saved.append(jax.config.jax_persistent_cache_min_compile_time_secs)
   try:
-    monkeypatch.setenv(plan.CACHE_VAR, str(tmp_path / "cache"))
+    monkeypatch.setenv(compile_cache.CACHE_VAR, str(tmp_path / "cache"))
     monkeypatch.delenv("JAX_COMPILATION_CACHE_MAX_SIZE", raising=False)
     monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    monkeypatch.delenv(plan.STORE_VAR, raising=False)
-    assert plan.use_compile_cache(True) == tmp_path / "cache"
+    monkeypatch.delenv(compile_cache.STORE_VAR, raising=False)
+    assert compile_cache.use_compile_cache(True) == tmp_path / "cache"
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "cache")
-    assert plan._store_dir == tmp_path / "cache" / plan.STORE_NAME  # whole steps beside it
-    monkeypatch.setenv(plan.STORE_VAR, "0")
-    assert plan.use_compile_cache(True) == tmp_path / "cache" and plan._store_dir is None
-    monkeypatch.delenv(plan.STORE_VAR)
+    assert (
+      compile_cache._store_dir == tmp_path / "cache" / compile_cache.STORE_NAME
+    )  # whole steps beside it
+    monkeypatch.setenv(compile_cache.STORE_VAR, "0")
+    assert (
+      compile_cache.use_compile_cache(True) == tmp_path / "cache"
+      and compile_cache._store_dir is None
+    )
+    monkeypatch.delenv(compile_cache.STORE_VAR)
     # A size limit: jax then takes a file lock around every read and write of the cache.
-    assert jax.config.jax_compilation_cache_max_size == plan.CACHE_GIB * 2**30
+    assert jax.config.jax_compilation_cache_max_size == compile_cache.CACHE_GIB * 2**30
     assert jax.config.jax_persistent_cache_min_compile_time_secs == 0  # small programs too
     jax.config.update("jax_compilation_cache_dir", None)
-    assert plan.use_compile_cache(False) is None  # --no-compile-cache
-    assert plan._store_dir is None
-    monkeypatch.setenv(plan.CACHE_VAR, "")
-    assert plan.use_compile_cache(True) is None
+    assert compile_cache.use_compile_cache(False) is None  # --no-compile-cache
+    assert compile_cache._store_dir is None
+    monkeypatch.setenv(compile_cache.CACHE_VAR, "")
+    assert compile_cache.use_compile_cache(True) is None
     assert jax.config.jax_compilation_cache_dir is None
-    monkeypatch.delenv(plan.CACHE_VAR)
+    monkeypatch.delenv(compile_cache.CACHE_VAR)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert plan.use_compile_cache(True) == tmp_path / "xdg" / "jaxtune" / "xla"
+    assert compile_cache.use_compile_cache(True) == tmp_path / "xdg" / "jaxtune" / "xla"
   finally:
     jax.config.update("jax_compilation_cache_dir", saved[0])
     jax.config.update("jax_compilation_cache_max_size", saved[1])
@@ -558,7 +563,7 @@ def test_a_damaged_cache_entry_is_removed_with_one_line(capsys):
   entries[0].write_bytes(entries[0].read_bytes()[:40])
   jax.clear_caches()
   fake = FakeStep({("full", 0): MIB})
-  with plan._DamagedCacheEntries():
+  with compile_cache.DamagedCacheEntries():
     got = jax.jit(damaged_cache_probe)(x)  # read from the damaged entry: jax warns
     plan.choose(fake.build, (), Runtime(remat="full"), (GIB, "test"))
   assert (got == expected).all()
@@ -756,16 +761,20 @@ def test_a_step_read_back_from_the_compilation_cache_is_kept_in_the_store_off_cp
   unique = AUTO.replace(remat="full", loss_chunk=9173, candidates=())  # a program of its own
   choose = lambda: plan.choose(lambda rt: _store_step(rt, []), _store_args(devices), unique,  # noqa: E731
                                (GIB, "test"), identity="step")  # fmt: skip
-  monkeypatch.setattr(plan, "_store_dir", None)
+  monkeypatch.setattr(compile_cache, "_store_dir", None)
   fresh, _ = choose()  # compiled here, and written to the compilation cache
-  monkeypatch.setattr(plan, "_store_dir", tmp_path / "steps")
+  monkeypatch.setattr(compile_cache, "_store_dir", tmp_path / "steps")
   cached, chosen = choose()  # read back from the cache
-  assert chosen.cache_hits > 0 and cached in plan._FROM_CACHE and fresh not in plan._FROM_CACHE
+  assert (
+    chosen.cache_hits > 0
+    and cached in compile_cache.FROM_CACHE
+    and fresh not in compile_cache.FROM_CACHE
+  )
   assert not list((tmp_path / "steps").glob("*.step"))
   want = np.asarray(fresh(*_store_args(devices))[1]["loss"])
   np.testing.assert_array_equal(np.asarray(cached(*_store_args(devices))[1]["loss"]), want)
   # What the store would have read back (where a jax release mends this, the test fails here:
-  # plan._FROM_CACHE can then go):
+  # compile_cache.FROM_CACHE can then go):
   copy = serialize_executable.deserialize_and_load(
     *serialize_executable.serialize(cached), execution_devices=devices
   )
@@ -774,18 +783,18 @@ def test_a_step_read_back_from_the_compilation_cache_is_kept_in_the_store_off_cp
   # Off a CPU the same read-back program is kept.
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   again, chosen = choose()
-  assert chosen.cache_hits > 0 and again in plan._FROM_CACHE
+  assert chosen.cache_hits > 0 and again in compile_cache.FROM_CACHE
   assert len(list((tmp_path / "steps").glob("*.step"))) == 1
 
 
 def test_the_step_store_reads_a_chosen_step_back_without_tracing_or_choosing(
   tmp_path, monkeypatch, capsys
 ):
-  """A command line's chosen step is kept whole (plan._StepStore): the next process with the
+  """A command line's chosen step is kept whole (compile_cache.StepStore): the next process with the
   same key gets the same program and plan without building, tracing or choosing; any part
   of the key that differs compiles anew; a damaged entry is removed with one line."""
   store = tmp_path / "steps"
-  monkeypatch.setattr(plan, "_store_dir", store)
+  monkeypatch.setattr(compile_cache, "_store_dir", store)
   devices = [jax.devices()[5], jax.devices()[3]]  # a device order of its own: kept exactly
   budget = (GIB, "test")
   # The fastest setting refused by its floor: the plan keeps what was refused and why.
@@ -851,7 +860,7 @@ def test_the_step_store_reads_a_chosen_step_back_without_tracing_or_choosing(
   assert len(built) == 8
 
   # At most STORE_ENTRIES, the least recently used removed first.
-  monkeypatch.setattr(plan, "STORE_ENTRIES", 2)
+  monkeypatch.setattr(compile_cache, "STORE_ENTRIES", 2)
   os.utime(entry, (1, 1))
   choose(identity="a third step")
   kept = list(store.glob("*.step"))
@@ -876,8 +885,8 @@ def test_a_planted_pickle_in_the_step_store_is_never_loaded(tmp_path, monkeypatc
   import pickle
 
   cache = tmp_path / "cache"
-  store = cache / plan.STORE_NAME
-  monkeypatch.setattr(plan, "_store_dir", store)
+  store = cache / compile_cache.STORE_NAME
+  monkeypatch.setattr(compile_cache, "_store_dir", store)
   devices = [jax.devices()[0]]
   built: list = []
 
@@ -888,11 +897,11 @@ def test_a_planted_pickle_in_the_step_store_is_never_loaded(tmp_path, monkeypatc
   choose()
   (entry,) = store.glob("*.step")
   real = entry.read_bytes()
-  assert (store / plan.KEY_NAME).stat().st_mode & 0o777 == 0o600
+  assert (store / compile_cache.KEY_NAME).stat().st_mode & 0o777 == 0o600
   marker = tmp_path / "pwned"
   bare = pickle.dumps(_Planted(marker))
   # The store's own format around the payload, signed with a key the planter guessed.
-  forged = plan._entry_bytes({"plan": [], "devices": [0]}, bare, b"\0" * 32)
+  forged = compile_cache._entry_bytes({"plan": [], "devices": [0]}, bare, b"\0" * 32)
   for planted in (bare, forged):
     entry.write_bytes(planted)
     capsys.readouterr()
@@ -903,7 +912,7 @@ def test_a_planted_pickle_in_the_step_store_is_never_loaded(tmp_path, monkeypatc
   assert len(built) == 3
 
   # A real entry of this user's, in places others can write: not read either.
-  for place, mode in ((store, 0o777), (entry, 0o666), (store / plan.KEY_NAME, 0o644)):
+  for place, mode in ((store, 0o777), (entry, 0o666), (store / compile_cache.KEY_NAME, 0o644)):
     entry.write_bytes(real)
     entry.chmod(0o600)
     place.chmod(mode)
@@ -921,9 +930,9 @@ def test_a_planted_pickle_in_the_step_store_is_never_loaded(tmp_path, monkeypatc
   shared.chmod(0o777)
   saved = jax.config.jax_compilation_cache_dir
   try:
-    monkeypatch.setenv(plan.CACHE_VAR, str(shared))
+    monkeypatch.setenv(compile_cache.CACHE_VAR, str(shared))
     capsys.readouterr()
-    assert plan.use_compile_cache(True) is None and plan._store_dir is None
+    assert compile_cache.use_compile_cache(True) is None and compile_cache._store_dir is None
     assert jax.config.jax_compilation_cache_dir is None
     err = capsys.readouterr().err
     assert re.fullmatch(
@@ -938,7 +947,7 @@ def test_a_planted_pickle_in_the_step_store_is_never_loaded(tmp_path, monkeypatc
 def test_the_step_store_keeps_no_program_with_host_callbacks(tmp_path, monkeypatch):
   """A program calling back into this process (an interpreted Pallas kernel does) cannot be
   read back by another: it is not kept."""
-  monkeypatch.setattr(plan, "_store_dir", tmp_path)
+  monkeypatch.setattr(compile_cache, "_store_dir", tmp_path)
 
   def build(rt):
     return jax.jit(lambda x: jax.pure_callback(np.sin, jax.ShapeDtypeStruct((3,), np.float32), x))
@@ -951,19 +960,21 @@ def test_the_step_store_keeps_no_program_with_host_callbacks(tmp_path, monkeypat
 def test_the_step_store_key_follows_the_source_of_every_package_a_step_runs(tmp_path, monkeypatch):
   """A change to the code a step runs (jaxtune, its kernels in pallas_kernels, converters)
   changes the store's key: a stale program is never read back."""
-  assert set(plan.SOURCE_PACKAGES) >= {"jaxtune", "pallas_kernels"}
+  assert set(compile_cache.SOURCE_PACKAGES) >= {"jaxtune", "pallas_kernels"}
   package = tmp_path / "storekeyprobe"
   package.mkdir()
   (package / "__init__.py").write_text("")
   (package / "kernel.py").write_text("BLOCK = 64\n")
   monkeypatch.syspath_prepend(str(tmp_path))
-  monkeypatch.setattr(plan, "SOURCE_PACKAGES", (*plan.SOURCE_PACKAGES, "storekeyprobe"))
+  monkeypatch.setattr(
+    compile_cache, "SOURCE_PACKAGES", (*compile_cache.SOURCE_PACKAGES, "storekeyprobe")
+  )
   keys = []
   for text in ("BLOCK = 64\n", "BLOCK = 128\n", "BLOCK = 64\n"):
     (package / "kernel.py").write_text(text)
-    plan._environment.cache_clear()
-    keys.append(plan._environment())
-  plan._environment.cache_clear()
+    compile_cache._environment.cache_clear()
+    keys.append(compile_cache._environment())
+  compile_cache._environment.cache_clear()
   assert keys[0] != keys[1] and keys[0] == keys[2]
 
 
