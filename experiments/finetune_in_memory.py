@@ -13,7 +13,7 @@ import json
 import datasets
 
 import jaxtune
-from jaxtune.run.session import load_tokenizer
+from jaxtune.run.loading import load_tokenizer
 
 
 def examples(n: int, seed: int = 0) -> datasets.Dataset:

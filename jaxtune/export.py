@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _load_run(run_dir: Path):
-  from jaxtune.run.session import load_trained
+  from jaxtune.run.loading import load_trained
 
   model, step = load_trained(run_dir)
   return model, f"step {step}"

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
   args = build_parser().parse_args(argv)  # --help and a bad flag end here, before JAX
   from jaxtune.models.decoding import check_sampling, generate, generate_ids
-  from jaxtune.run.session import load_run_model, load_tokenizer
+  from jaxtune.run.loading import load_run_model, load_tokenizer
   from jaxtune.training import compile_cache
   from jaxtune.training import log as run_log
 

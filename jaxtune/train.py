@@ -260,7 +260,7 @@ def _start_devices_while_importing() -> None:
 
   import jax  # noqa: PLC0415 (see the imports at the top)
 
-  from jaxtune.run.session import PLAIN_TOKENIZERS  # noqa: PLC0415
+  from jaxtune.run.loading import PLAIN_TOKENIZERS  # noqa: PLC0415
   from jaxtune.training import log as run_log  # noqa: PLC0415
 
   def start():

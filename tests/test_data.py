@@ -14,7 +14,7 @@ import jaxtune
 from jaxtune.data import formats
 from jaxtune.data import rows as data
 from jaxtune.errors import DataError
-from jaxtune.run import default_model
+from jaxtune.run import default_model, loading
 
 IGNORE = data.IGNORE
 
@@ -409,16 +409,16 @@ class NoTorch:
       raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, NoTorch())
 from jaxtune.data import rows as data
-from jaxtune.run import default_model, session
-tok = session.load_tokenizer(default_model.ensure_default_checkpoint())
+from jaxtune.run import default_model, loading
+tok = loading.load_tokenizer(default_model.ensure_default_checkpoint())
 ds, _, report = data.load(str(default_model.DATASET), tok, seq_len=128, num_proc=2)
 assert ds.examples == 600, report
 assert "torch" not in sys.modules
 """,
   (
-    "import sys; from jaxtune.run import default_model, session; from jaxtune.training import "
+    "import sys; from jaxtune.run import default_model, loading; from jaxtune.training import "
     "log as run_log; "
-    "session.load_tokenizer(default_model.ensure_default_checkpoint()); "
+    "loading.load_tokenizer(default_model.ensure_default_checkpoint()); "
     "run_log._summary_writer(); "
     "assert 'torch' not in sys.modules, 'torch was imported'; "
     "import torch; torch.zeros(1)"
@@ -506,13 +506,11 @@ def test_rows_nested_deeper_than_arrow_holds_are_named_and_the_limit_is_arrows(t
   ],
 )
 def test_the_tokenizer_is_the_one_auto_tokenizer_gives(tok, tmp_path, cls_name, name_in_config):
-  """session.load_tokenizer loads a plain tokenizer class without AutoTokenizer (whose import
+  """loading.load_tokenizer loads a plain tokenizer class without AutoTokenizer (whose import
   pulls in torch), and leaves model-specific ones to it: either way the same class, ids,
   specials and chat text as AutoTokenizer."""
   import transformers
   from transformers import AutoTokenizer
-
-  from jaxtune.run import session
 
   cls = getattr(transformers, cls_name)
   saved = cls(tokenizer_object=tok.backend_tokenizer, bos_token="<|bos|>", eos_token="<|eos|>")
@@ -523,9 +521,9 @@ def test_the_tokenizer_is_the_one_auto_tokenizer_gives(tok, tmp_path, cls_name, 
     config["tokenizer_class"] = name_in_config
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
   plain = json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"]
-  direct = session._tokenizer_by_class(tmp_path)
-  assert (direct is not None) == (plain in session.PLAIN_TOKENIZERS), plain
-  ours, auto = session.load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+  direct = loading._tokenizer_by_class(tmp_path)
+  assert (direct is not None) == (plain in loading.PLAIN_TOKENIZERS), plain
+  ours, auto = loading.load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
   assert type(ours) is type(auto)
   text = "Hello there, how are you? 1234 héllo"
   assert ours(text)["input_ids"] == auto(text)["input_ids"]

@@ -15,7 +15,7 @@ import jaxtune
 from jaxtune.errors import CheckpointError, ConfigError, UserError
 from jaxtune.hf.load import hub_id
 from jaxtune.models.lora import iter_linears
-from jaxtune.run import checks, default_model, session
+from jaxtune.run import checks, default_model, loading
 from jaxtune.run_config import RunConfig
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -200,7 +200,7 @@ def test_lm_head_of_a_tied_model_is_refused_before_loading():
 def test_generate_takes_a_peft_adapter_dir(base, peft_adapter):
   adapter, want = peft_adapter
   # The base model is the one the adapter names (here a local cache path).
-  model, ckpt = session.load_run_model(adapter, None, None, "float32")
+  model, ckpt = loading.load_run_model(adapter, None, None, "float32")
   assert ckpt == base
   assert max_rel_err(model(jnp.asarray(IDS)), want) <= 1e-5
 
