@@ -25,8 +25,8 @@ from test_catalogue import (
   _write_tiny_model,
 )
 
-from jaxtune.data import rows as data
 from jaxtune.data import sources
+from jaxtune.data import tokenize as data_tokenize
 from jaxtune.run import checks, default_model
 from jaxtune.run.default_model import DATASET
 from jaxtune.training import rewards
@@ -297,12 +297,12 @@ def test_a_cache_damaged_between_two_runs_is_made_anew(tok, tmp_path, capsys, pa
   second run says so in one line, makes it anew and gets the rows of the first."""
   path = tmp_path / "d.jsonl"
   path.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(2500)))
-  first = data.tokenize(str(path), tok)
+  first = data_tokenize.tokenize(str(path), tok)
   (damaged,) = _cache_files(path, pattern)
   raw = damaged.read_bytes()
   damaged.write_bytes(raw[: len(raw) // 2 if cut == "in-a-batch" else _end_of_first_batch(damaged)])
   capsys.readouterr()
-  second = data.tokenize(str(path), tok)
+  second = data_tokenize.tokenize(str(path), tok)
   err = capsys.readouterr().err
   said = [x for x in err.splitlines() if x.startswith("jaxtune:")]
   assert len(said) == 1 and said[0].startswith(line.format(path, damaged)), err
@@ -310,7 +310,7 @@ def test_a_cache_damaged_between_two_runs_is_made_anew(tok, tmp_path, capsys, pa
   assert second.how.startswith("tokenized in")
   for a, b in ((first.tokens, second.tokens), (first.labels, second.labels)):
     np.testing.assert_array_equal(a, b)
-  third = data.tokenize(str(path), tok)  # whole again: a hit, nothing said
+  third = data_tokenize.tokenize(str(path), tok)  # whole again: a hit, nothing said
   assert third.how.startswith("tokenized earlier") and "jaxtune:" not in capsys.readouterr().err
 
 

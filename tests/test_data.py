@@ -13,6 +13,8 @@ from conftest import background_run, run_cli
 import jaxtune
 from jaxtune.data import formats
 from jaxtune.data import rows as data
+from jaxtune.data import streaming as data_streaming
+from jaxtune.data import tokenize as data_tokenize
 from jaxtune.errors import DataError
 from jaxtune.run import default_model, loading
 
@@ -217,7 +219,7 @@ def test_each_format_and_source_loads_and_trains(fmt, kind, extra, tmp_path, cap
   path = _write(tmp_path / f"{fmt}{suffix}", fmt, kind)
   shown = "prompt_completion" if fmt == "mapped" else fmt
   if f"{fmt}-{kind}" not in RUN:
-    rows, _, report = data.load(str(path), tok, seq_len=128)
+    rows, _, report = data_tokenize.load(str(path), tok, seq_len=128)
     assert (report.format, report.examples) == (shown, 24)
     assert len(rows) > 0 and np.count_nonzero(np.asarray(rows.labels) != IGNORE) > 0
     return
@@ -234,7 +236,7 @@ def test_each_format_and_source_loads_and_trains(fmt, kind, extra, tmp_path, cap
   assert [r["step"] for r in rows if "loss" in r] == [1, 2]
   assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
   if "eval_data" in extra:  # every trained token of the test split, none of train's
-    held, _, _ = data.load(str(path), tok, seq_len=128, split="test")
+    held, _, _ = data_tokenize.load(str(path), tok, seq_len=128, split="test")
     evals = [r["eval_tokens"] for r in rows if "eval_tokens" in r]
     assert evals == [np.count_nonzero(held.labels != IGNORE)]
   assert rows[0]["tokens"] > 0
@@ -273,15 +275,15 @@ def _jsonl(path, rows):
 
 def test_tokenization_is_cached_for_the_same_data_and_tokenizer(tok, plain_tok, tmp_path):
   path = _jsonl(tmp_path / "c.jsonl", _rows("text"))
-  first, _, r1 = data.load(path, tok, seq_len=64)
-  second, _, r2 = data.load(path, tok, seq_len=64)
+  first, _, r1 = data_tokenize.load(path, tok, seq_len=64)
+  second, _, r2 = data_tokenize.load(path, tok, seq_len=64)
   assert r1.tokenized.startswith("tokenized in") and r2.tokenized.startswith("tokenized earlier")
   np.testing.assert_array_equal(first.input_ids, second.input_ids)
   np.testing.assert_array_equal(first.labels, second.labels)
   # Another tokenizer (here: its template) is another cache entry.
   other = copy.deepcopy(plain_tok)
   other.add_tokens(["<|new|>"])
-  _, _, r3 = data.load(path, other, seq_len=64)
+  _, _, r3 = data_tokenize.load(path, other, seq_len=64)
   assert r3.tokenized.startswith("tokenized in")
 
 
@@ -292,33 +294,33 @@ def test_long_examples_are_counted_and_truncated_or_dropped(tok, tmp_path):
   rows = [{"text": tok.decode(base[:n])} for n in lengths]
   pairs = [len(formats.Encoder("text", tok)(r, 0)[0]) - 1 for r in rows]
   path = _jsonl(tmp_path / "long.jsonl", rows)
-  ds, _, report = data.load(path, tok, seq_len=32, pack=False)
+  ds, _, report = data_tokenize.load(path, tok, seq_len=32, pack=False)
   assert report.long == sum(p > 32 for p in pairs) == 2 and report.long_action == "truncate"
   assert sorted(np.count_nonzero(ds.segment_ids, axis=1)) == sorted(min(p, 32) for p in pairs)
   assert "2 longer than seq-len truncated" in report.line()
-  ds, _, report = data.load(path, tok, seq_len=32, pack=False, long_examples="drop")
+  ds, _, report = data_tokenize.load(path, tok, seq_len=32, pack=False, long_examples="drop")
   assert report.long == 2 and ds.examples == 1 and "dropped" in report.line()
   # Chat: a truncation that leaves no assistant token drops the example, and says so.
   chats = [
     {"messages": [{"role": "user", "content": "hi " * 60}, {"role": "assistant", "content": "yo"}]},
     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
   ]
-  ds, _, report = data.load(_jsonl(tmp_path / "chat.jsonl", chats), tok, seq_len=32)
+  ds, _, report = data_tokenize.load(_jsonl(tmp_path / "chat.jsonl", chats), tok, seq_len=32)
   assert (report.long, report.no_labels, ds.examples) == (1, 1, 1)
   assert "1 without a trained token dropped" in report.line()
 
 
 def test_unset_seq_len_holds_99_percent_capped_by_the_model(tok, tmp_path):
   pairs = np.array([300] * 198 + [700] * 2)
-  assert data.auto_seq_len(pairs, None) == 512  # the 99th percentile is 300
-  assert data.auto_seq_len(np.array([300] * 97 + [700] * 3), None) == 768
-  assert data.auto_seq_len(pairs, 256) == 256  # the model's positions
-  assert data.auto_seq_len(np.array([9000]), None) == 4096
+  assert data_tokenize.auto_seq_len(pairs, None) == 512  # the 99th percentile is 300
+  assert data_tokenize.auto_seq_len(np.array([300] * 97 + [700] * 3), None) == 768
+  assert data_tokenize.auto_seq_len(pairs, 256) == 256  # the model's positions
+  assert data_tokenize.auto_seq_len(np.array([9000]), None) == 4096
   rows = [{"text": "fox " * k} for k in [20] * 30]
-  ds, _, report = data.load(_jsonl(tmp_path / "s.jsonl", rows), tok, seq_len=None)
+  ds, _, report = data_tokenize.load(_jsonl(tmp_path / "s.jsonl", rows), tok, seq_len=None)
   assert ds.seq_len == 256 and report.seq_len_auto and "seq-len 256 (chosen: 99%" in report.line()
   long = [{"text": "fox " * 400}] * 3
-  ds, _, report = data.load(
+  ds, _, report = data_tokenize.load(
     _jsonl(tmp_path / "l.jsonl", long), tok, seq_len=None, max_positions=256
   )
   assert ds.seq_len == 256 and report.seq_len_capped and "capped" in report.line()
@@ -326,33 +328,35 @@ def test_unset_seq_len_holds_99_percent_capped_by_the_model(tok, tmp_path):
 
 def test_eval_split_is_seeded_disjoint_and_stable(tok, tmp_path):
   path = _jsonl(tmp_path / "e.jsonl", _rows("text", 50))
-  train_a, held_a, report = data.load(path, tok, seq_len=64, eval_split=0.1, seed=3, pack=False)
-  train_b, held_b, _ = data.load(path, tok, seq_len=64, eval_split=0.1, seed=3, pack=False)
+  train_a, held_a, report = data_tokenize.load(
+    path, tok, seq_len=64, eval_split=0.1, seed=3, pack=False
+  )
+  train_b, held_b, _ = data_tokenize.load(path, tok, seq_len=64, eval_split=0.1, seed=3, pack=False)
   assert report.eval_examples == 5 and held_a.examples == 5 and train_a.examples == 45
   np.testing.assert_array_equal(held_a.input_ids, held_b.input_ids)  # as a resumed run sees
   seen = {tuple(r) for r in train_a.input_ids}
   assert not any(tuple(r) in seen for r in held_a.input_ids)
-  _, held_c, _ = data.load(path, tok, seq_len=64, eval_split=0.1, seed=4, pack=False)
+  _, held_c, _ = data_tokenize.load(path, tok, seq_len=64, eval_split=0.1, seed=4, pack=False)
   assert not np.array_equal(held_a.input_ids, held_c.input_ids)
 
 
 def test_stream_resumes_at_the_same_example(tok, tmp_path):
   path = _jsonl(tmp_path / "stream.jsonl", _rows("text", 50))
   kw = dict(seq_len=32, buffer=16, seed=1)
-  whole = data.StreamingDataset(path, tok, **kw)
+  whole = data_streaming.StreamingDataset(path, tok, **kw)
   batches = [whole.batch(i, 4, 1, 1) for i in range(12)]  # crosses buffers and an epoch
-  again = data.StreamingDataset(path, tok, **kw)
+  again = data_streaming.StreamingDataset(path, tok, **kw)
   for i in range(5):
     again.batch(i, 4, 1, 1)
   state = again.state()
-  resumed = data.StreamingDataset(path, tok, **kw)
+  resumed = data_streaming.StreamingDataset(path, tok, **kw)
   resumed.seek(json.loads(json.dumps(state)))  # as the checkpoint stores it
   for i in range(5, 12):
     got = resumed.batch(i, 4, 1, 1)
     for k in got:
       np.testing.assert_array_equal(got[k], batches[i][k])
   # Streams map columns and detect formats from their first rows, as tables do.
-  mapped = data.StreamingDataset(
+  mapped = data_streaming.StreamingDataset(
     _jsonl(tmp_path / "qa.jsonl", _rows("mapped")), tok, seq_len=32, buffer=8,
     columns="prompt=question,completion=answer",
   )  # fmt: skip
@@ -408,10 +412,10 @@ class NoTorch:
     if name.split(".")[0] == "torch":
       raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, NoTorch())
-from jaxtune.data import rows as data
+from jaxtune.data import tokenize as data_tokenize
 from jaxtune.run import default_model, loading
 tok = loading.load_tokenizer(default_model.ensure_default_checkpoint())
-ds, _, report = data.load(str(default_model.DATASET), tok, seq_len=128, num_proc=2)
+ds, _, report = data_tokenize.load(str(default_model.DATASET), tok, seq_len=128, num_proc=2)
 assert ds.examples == 600, report
 assert "torch" not in sys.modules
 """,

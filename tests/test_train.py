@@ -17,6 +17,7 @@ from flax import nnx
 
 import jaxtune
 from jaxtune.data import rows as data
+from jaxtune.data import tokenize as data_tokenize
 from jaxtune.parallel import mesh as meshlib
 from jaxtune.parallel import runtime
 from jaxtune.run import default_model
@@ -398,7 +399,7 @@ def test_chat_loss_covers_assistant_turns_only(tmp_path):
     )
     + "\n"
   )
-  ds, _, _ = data.load(str(chat), tok, seq_len=256)
+  ds, _, _ = data_tokenize.load(str(chat), tok, seq_len=256)
   # Loss only on the assistant turn: its tokens (and the closing eos) and nothing before.
   labelled = ds.labels[0][ds.labels[0] != data.IGNORE]
   assert tok.decode(labelled) == "yo<|eos|>"

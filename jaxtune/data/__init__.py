@@ -1,3 +1,4 @@
 """Examples in (layer 3): where data comes from (``sources``: files, save_to_disk folders, the
-Hub, through HF datasets), formats to tokens and loss masks (``formats``), tokenizing, rows,
-packing and streaming (``rows``)."""
+Hub, through HF datasets), formats to tokens and loss masks (``formats``), a source read and
+tokenized into rows (``tokenize.load``), rows and packing (``rows``), and data larger than
+memory a buffer at a time (``streaming``)."""

@@ -19,6 +19,8 @@ from flax import nnx
 
 from converters import hub, model_card
 from jaxtune.data import rows as data_lib
+from jaxtune.data import streaming
+from jaxtune.data import tokenize as data_tokenize
 from jaxtune.errors import RunConfigError, TrainingError, UserError
 from jaxtune.hf import export
 from jaxtune.hf.adapters import lora_settings
@@ -80,12 +82,12 @@ def _load_data(run: RunConfig, tokenizer, positions: int, data: Any, eval_data: 
     max_positions=positions,
   )
   if run.data_streaming:
-    dataset = data_lib.StreamingDataset(
+    dataset = streaming.StreamingDataset(
       data, tokenizer, seq_len=run.seq_len, seed=run.seed, **common
     )
     held_out, report = None, dataset.report
   else:
-    dataset, held_out, report = data_lib.load(
+    dataset, held_out, report = data_tokenize.load(
       data,
       tokenizer,
       seq_len=run.seq_len,
@@ -98,7 +100,7 @@ def _load_data(run: RunConfig, tokenizer, positions: int, data: Any, eval_data: 
     # Held-out data is read as the training data is, at its sequence length; from the
     # "test" split when it is the training source itself, else from "train".
     split = run.eval_data_split or ("test" if eval_data == data else "train")
-    held_out, _, held_report = data_lib.load(
+    held_out, _, held_report = data_tokenize.load(
       eval_data, tokenizer, seq_len=dataset.seq_len, **{**common, "split": split}
     )
     checks.check_method_data(run, held_report.format, held_report.name, "--eval-data")

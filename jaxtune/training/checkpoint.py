@@ -130,9 +130,9 @@ class Checkpoints:
     self, step: int, state: dict, data: dict | None = None, rollout: dict | None = None
   ) -> None:
     """Write ``state`` (a dict of pytrees; ``state["key"]`` a typed PRNG key) as ``step``;
-    ``data``: a streamed dataset's position (data.StreamingDataset.state); ``rollout``: a GRPO
-    rollout the next steps still train on (rl.Rollouts.state: {"index", "figures", "host"},
-    the host batch's arrays saved beside the state)."""
+    ``data``: a streamed dataset's position (data.streaming.StreamingDataset.state);
+    ``rollout``: a GRPO rollout the next steps still train on (rl.Rollouts.state: {"index",
+    "figures", "host"}, the host batch's arrays saved beside the state)."""
     state = {**state, "key": jax.random.key_data(state["key"])}
     # The data position is the step (batches are a pure function of it: data.Dataset.batch),
     # and for a stream where it stands in the source.

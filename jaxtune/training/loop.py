@@ -20,7 +20,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxtune.data.rows import Dataset, StreamingDataset
+from jaxtune.data.rows import Dataset
+from jaxtune.data.streaming import StreamingDataset
 from jaxtune.errors import TrainingError
 from jaxtune.parallel import distributed
 from jaxtune.parallel import ring_attention as context
