@@ -1,4 +1,5 @@
-"""Append measurements to experiments/results.jsonl and a table to experiments/RESULTS.md."""
+"""Append measurements to experiments/results.jsonl and a table to the dated log,
+experiments/log/results-log.md (experiments/RESULTS.md is the current page, kept by hand)."""
 
 import datetime
 import json
@@ -36,8 +37,9 @@ def record(
 ) -> None:
   """Rows are dicts of shape/config fields and figures (units in the keys).
 
-  ``out_dir`` (default: this folder) is where results.jsonl and RESULTS.md are appended; on a
-  lent GPU pass $OUT and append the returned files here afterwards. ``device``: as run_meta's.
+  ``out_dir`` (default: this folder) is where results.jsonl is appended, and the table to
+  log/results-log.md; on a lent GPU pass $OUT (the table then goes to $OUT/RESULTS.md) and
+  append the returned files here afterwards. ``device``: as run_meta's.
   """
   out_dir = Path(out_dir) if out_dir else HERE
   out_dir.mkdir(parents=True, exist_ok=True)
@@ -56,7 +58,9 @@ def record(
   lines.append("|" + "---|" * len(keys))
   for row in rows:
     lines.append("| " + " | ".join(_fmt(row[k]) if k in row else "" for k in keys) + " |")
-  with open(out_dir / "RESULTS.md", "a") as f:
+  table = out_dir / "log" / "results-log.md" if out_dir == HERE else out_dir / "RESULTS.md"
+  table.parent.mkdir(parents=True, exist_ok=True)
+  with open(table, "a") as f:
     f.write("\n".join(lines) + "\n")
 
 
