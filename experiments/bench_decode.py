@@ -24,7 +24,7 @@ import jaxtune  # noqa: E402
 from experiments.measure import wall_ms  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
-from jaxtune.models import decoding  # noqa: E402
+from jaxtune.models import decoding, kernel_operands  # noqa: E402
 from jaxtune.models.decoding import generate_ids  # noqa: E402
 from pallas_kernels.nf4_matmul import ops  # noqa: E402
 
@@ -57,9 +57,9 @@ def kernel_operand_errors(model, b: int, lookups) -> dict:
   def step(how, state):
     m = nnx.merge(graphdef, state)
     if how in ("word", "fused"):
-      decoding.prepare_kernel_operands(m, b, word=True, fuse=how == "fused")
+      kernel_operands.prepare_kernel_operands(m, b, word=True, fuse=how == "fused")
     elif how == "inplace":
-      decoding.prepare_kernel_operands(m, b, word="inplace")
+      kernel_operands.prepare_kernel_operands(m, b, word="inplace")
     return decoding.forward_cached(m, ids, pos, decoding.init_cache(m, b, 64), 0, valid)[0]
 
   plain = np.asarray(step(None, nnx.state(model)), np.float64)
@@ -69,7 +69,7 @@ def kernel_operand_errors(model, b: int, lookups) -> dict:
     if how in lookups:
       errors[f"{how}_rel_err"] = rel(step(how, nnx.state(model)))
   if "inplace" in lookups:
-    with decoding.codes_in_word_order(model, b):
+    with kernel_operands.codes_in_word_order(model, b):
       errors["inplace_rel_err"] = rel(step("inplace", nnx.state(model)))
   uses = ops.uses_kernel
   ops.uses_kernel = lambda tokens, weights: False  # dispatch: XLA everywhere, this trace only

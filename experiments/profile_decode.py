@@ -34,7 +34,7 @@ import jaxtune  # noqa: E402
 from experiments.measure import wall_ms  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
-from jaxtune.models import decoding  # noqa: E402
+from jaxtune.models import decoding, kernel_operands  # noqa: E402
 
 CATEGORIES = (  # first match wins
   ("nf4-kernel", ("mosaic", "nf4")),
@@ -99,11 +99,11 @@ def main():
 
         # As the decode loop runs it: the kernel's scales made once, outside the token step;
         # the codes copied in word order where that fits, else permuted in place (70B on one
-        # GPU: decoding.codes_in_word_order, as generate does), put back after the profile.
+        # GPU: kernel_operands.codes_in_word_order, as generate does), put back after the profile.
         with contextlib.ExitStack() as in_place:
-          word = decoding.loop_codes(model, b, in_place, "inplace")
+          word = kernel_operands.loop_codes(model, b, in_place, "inplace")
           prepared = nnx.merge(*nnx.split(model))
-          decoding.prepare_kernel_operands(prepared, b, word)
+          kernel_operands.prepare_kernel_operands(prepared, b, word)
           pgraph, pstate = nnx.split(prepared)
 
           @functools.partial(jax.jit, donate_argnums=(2,))

@@ -10,6 +10,7 @@ import torch
 from conftest import background_run, run_cli
 
 import jaxtune
+from jaxtune.models import kernel_operands
 from jaxtune.models.decoding import generate_ids, init_cache, sample
 from jaxtune.models.lora import iter_linears
 
@@ -286,7 +287,7 @@ def test_decode_step_with_fused_kernel_operands(hf_llama_dir):
     )
 
   plain = logits(model)
-  launches = decoding.prepare_kernel_operands(model, 1, word=True, every=True)
+  launches = kernel_operands.prepare_kernel_operands(model, 1, word=True, every=True)
   assert launches == 4  # q/k/v, o, gate/up, down: o and down alone
   assert isinstance(model.layers.self_attn.qkv_fused, Fused)
   assert model.layers.mlp.gate_up_fused.sizes == (192, 192)
@@ -301,7 +302,7 @@ def test_decode_step_with_fused_kernel_operands(hf_llama_dir):
 
 @pytest.mark.slow
 def test_codes_put_in_word_order_in_place_for_the_loop_and_back(hf_llama_dir):
-  """decoding.codes_in_word_order (no room for a copy of the codes: 70B on one GPU): inside,
+  """kernel_operands.codes_in_word_order (no room for a copy of the codes: 70B on one GPU): inside,
   every kernel layer's codes are in the kernel's word order in their own buffer (the old
   array donated, not copied); a token step given them as word codes (XLA's path here) reads
   them back in bitsandbytes' order, so its logits are the plain model's bit for bit, while
@@ -325,13 +326,13 @@ def test_codes_put_in_word_order_in_place_for_the_loop_and_back(hf_llama_dir):
   def logits(prepare):
     m = nnx.merge(*nnx.split(model))
     if prepare:
-      decoding.prepare_kernel_operands(m, 3, word="inplace", every=True)
+      kernel_operands.prepare_kernel_operands(m, 3, word="inplace", every=True)
     cache = init_cache(m, 1, 64)
     out = decoding.forward_cached(m, ids, positions, cache, 0, jnp.ones((1, 64), bool))[0]
     return np.asarray(out)
 
   plain = logits(False)
-  with decoding.codes_in_word_order(model, 3, every=True) as permuted:
+  with kernel_operands.codes_in_word_order(model, 3, every=True) as permuted:
     assert permuted == len(linears) == 7
     assert held.is_deleted()
     for lin, old in zip(linears, before, strict=True):
@@ -349,7 +350,6 @@ def test_generate_with_codes_in_place_gives_the_same_tokens(hf_llama_dir, monkey
   decode loop runs on the model's own codes permuted in place (every NF4 layer taken as a
   kernel layer; the op's XLA path reads them back in order), gives the tokens of a plain
   call, and leaves the codes as they were."""
-  from jaxtune.models import decoding
 
   path, _ = hf_llama_dir(seed=37)
   model = jaxtune.from_pretrained(path, dtype="float32")
@@ -358,9 +358,9 @@ def test_generate_with_codes_in_place_gives_the_same_tokens(hf_llama_dir, monkey
   linears = [lin for _, lin in iter_linears(model) if lin.quantized]
   before = [np.array(lin.codes.get_value(), copy=True) for lin in linears]
   swaps = []
-  swap = decoding._swap_word_order
-  monkeypatch.setattr(decoding, "uses_kernel", lambda tokens, weights: True)
-  monkeypatch.setattr(decoding, "_swap_word_order", lambda c: swaps.append(1) or swap(c))
+  swap = kernel_operands._swap_word_order
+  monkeypatch.setattr(kernel_operands, "uses_kernel", lambda tokens, weights: True)
+  monkeypatch.setattr(kernel_operands, "_swap_word_order", lambda c: swaps.append(1) or swap(c))
   got = generate_ids(model, prompts, max_new_tokens=6, word_lookup="inplace")
   assert got == plain
   assert len(swaps) == 2 * len(linears)  # each layer's codes out of order and back

@@ -7,13 +7,13 @@ lengths reuse one compiled prefill and decode loop; the loop's token count is an
 Each token step writes only its new keys and values into the cache (in place), and NF4
 layers that go through the Pallas kernel get its scales made once per loop, and its codes in
 the word order its faster lookups ("plut", "lut", "word") read, where the device has room for that
-copy (``prepare_kernel_operands``). The command line is jaxtune/generate.py.
+copy (``kernel_operands``). The command line is jaxtune/generate.py.
 """
 
 import contextlib
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -23,12 +23,10 @@ from flax import nnx
 
 from jaxtune.errors import UserError
 from jaxtune.models import attention
-from jaxtune.models.decoder import MLP, Attention, Decoder
-from jaxtune.models.layers import Fused
-from jaxtune.models.lora import iter_linears
-from jaxtune.parallel.runtime import DEFAULT, free_device_bytes
+from jaxtune.models.decoder import Decoder
+from jaxtune.models.kernel_operands import loop_codes, prepare_kernel_operands
+from jaxtune.parallel.runtime import DEFAULT
 from jaxtune.run_config import shown
-from pallas_kernels.nf4_matmul import kernel_scales, uses_kernel, word_codes
 
 # Prompt lengths and new-token counts are rounded up to multiples of this (compiled once per
 # bucket, not per length).
@@ -209,145 +207,6 @@ def sample(
 @functools.partial(jax.jit, static_argnums=0)
 def _prefill(graphdef, state, ids, positions, cache, key_valid):
   return forward_cached(nnx.merge(graphdef, state), ids, positions, cache, 0, key_valid)
-
-
-# Linear layers of one input whose frozen products a decode loop computes in one kernel
-# launch (layers.Fused): (module class, its attribute for the Fused, the layers' names).
-FUSED = (
-  (Attention, "qkv_fused", ("q_proj", "k_proj", "v_proj")),
-  (MLP, "gate_up_fused", ("gate_proj", "up_proj")),
-)
-
-
-def _kernel_plan(
-  model: nnx.Module, tokens: int, word: bool, every: bool = False, fuse: bool = True
-):
-  """What ``prepare_kernel_operands`` makes: ([(module, attribute, linears)] to fuse, [linear]
-  that go through the kernel alone). Groups fuse only with ``word`` (their codes are copied
-  anyway) and ``fuse``, where the fused weight goes through the kernel. ``every``: as if every
-  NF4 layer did (tests, on a machine without the GPU kernel)."""
-  uses = (lambda t, w: True) if every else uses_kernel
-  groups, fused = [], set()
-  if word is True and fuse:  # a copy of the codes is made anyway (not "inplace")
-    for _, node in nnx.iter_graph(model):
-      for cls, attr, names in FUSED:
-        if not isinstance(node, cls):
-          continue
-        linears = [getattr(node, name) for name in names]
-        k = linears[0].in_features
-        if all(lin.quantized and lin.in_features == k for lin in linears) and uses(
-          tokens, k * sum(lin.out_features for lin in linears)
-        ):
-          groups.append((node, attr, linears))
-          fused.update(id(lin) for lin in linears)
-  alone = [
-    lin
-    for _, lin in iter_linears(model)
-    if lin.quantized and id(lin) not in fused and uses(tokens, lin.in_features * lin.out_features)
-  ]
-  return groups, alone
-
-
-def prepare_kernel_operands(
-  model: nnx.Module,
-  tokens: int,
-  word: bool | str = False,
-  every: bool = False,
-  fuse: bool = True,
-) -> int:
-  """Give every NF4 linear layer whose calls of ``tokens`` rows go through the Pallas kernel
-  its kernel scales (2 bytes per 64 weights) and, with ``word`` True, its codes in the "word"
-  lookup's order (as many bytes as the codes), made now (in a jitted loop: once, outside
-  it); ``word`` "inplace": the layers' own codes are in that order already
-  (``codes_in_word_order``), no copy. With ``word`` True, layers of one input (q/k/v,
-  gate/up) get one ``layers.Fused`` instead, one launch for all of them (``fuse`` False: each
-  alone, for comparison). ``every``: see ``_kernel_plan``. Returns how many kernel launches a
-  layer stack's token step has (fused groups count once)."""
-  groups, alone = _kernel_plan(model, tokens, word, every, fuse)
-  for module, attr, linears in groups:
-    codes = jnp.concatenate([lin.codes[...] for lin in linears], axis=-2)
-    scales = jnp.concatenate([_scales(lin) for lin in linears], axis=-1)
-    sizes = tuple(lin.out_features for lin in linears)
-    setattr(module, attr, Fused(word_codes(codes), scales, sizes))
-  for linear in alone:
-    linear.kernel_scales = nnx.data(_scales(linear))
-    if word == "inplace":
-      linear.kernel_codes = nnx.data(linear.codes[...])
-    elif word:
-      linear.kernel_codes = nnx.data(word_codes(linear.codes[...]))
-  return len(groups) + len(alone)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _swap_word_order(codes: jax.Array) -> jax.Array:
-  """``word_codes``'s permutation (a transpose within every 16 bytes: its own inverse) of
-  ``codes``, in its own buffer: a layer stack one layer at a time, so the only temporary is
-  one layer's codes."""
-  if codes.ndim == 2:
-    return word_codes(codes)
-
-  def one_layer(i, c):
-    layer = jax.lax.dynamic_index_in_dim(c, i, 0, keepdims=False)
-    return jax.lax.dynamic_update_index_in_dim(c, word_codes(layer), i, 0)
-
-  return jax.lax.fori_loop(0, codes.shape[0], one_layer, codes)
-
-
-@contextlib.contextmanager
-def codes_in_word_order(model: nnx.Module, tokens: int, every: bool = False) -> Iterator[int]:
-  """Within the block, the codes of every NF4 layer whose calls of ``tokens`` rows go through
-  the Pallas kernel are in its "word" order, permuted in their own buffers (no copy: for
-  models with no room for ``word_codes``' copy, 70B on one GPU) and put back on the way out.
-  The old arrays are donated: whatever else holds them (a trainer's frozen state) loses
-  them, so only a caller that owns the model may use this. Calls that do not reach the
-  kernel (XLA's path) read the codes back in their order (``nf4_matmul(word_codes=)``).
-  Yields how many layers were permuted. ``every``: see ``_kernel_plan``."""
-  _, alone = _kernel_plan(model, tokens, word="inplace", every=every)
-  done = []  # put back on the way out, also when a later layer fails to permute
-  try:
-    for linear in alone:
-      linear.codes.set_value(_swap_word_order(linear.codes.get_value()))
-      done.append(linear)
-    yield len(alone)
-  finally:
-    for linear in done:
-      linear.codes.set_value(_swap_word_order(linear.codes.get_value()))
-
-
-def _scales(linear) -> jax.Array:
-  return kernel_scales(linear.absmax[...], linear.nested_absmax[...], linear.offset[...])
-
-
-def word_codes_fit(model: nnx.Module, tokens: int, fuse: bool = True) -> bool:
-  """Whether the decode loop makes the kernel's "word" codes: a copy of every kernel layer's
-  codes (8B: 3.5 GB; 70B: 35 GB), made where it takes at most half the device's free memory
-  (kernel 0.61-0.87x the time with them; the loop's own temporaries need the rest)."""
-  groups, alone = _kernel_plan(model, tokens, word=True, fuse=fuse)
-  linears = [lin for *_, group in groups for lin in group] + alone
-  need = sum(lin.codes[...].nbytes for lin in linears)
-  if not need:
-    return False
-  free = free_device_bytes()
-  return free is not None and need <= free // 2
-
-
-def loop_codes(
-  model: nnx.Module,
-  tokens: int,
-  stack: contextlib.ExitStack,
-  word_lookup: bool | str | None = None,
-  fuse: bool = True,
-) -> bool | str:
-  """The codes a decode loop of ``tokens`` rows gives the NF4 kernel (``prepare_kernel_operands``'
-  ``word``), as ``generate_ids`` decides from its ``word_lookup``: True (a word-order copy) where
-  it fits or is asked for; "inplace" where it is asked for and no copy fits: the model's own
-  codes permuted (``codes_in_word_order``, entered on ``stack``: put back when it closes); else
-  False."""
-  word = word_codes_fit(model, tokens, fuse) if word_lookup in (None, "inplace") else word_lookup
-  if word_lookup == "inplace" and not word:
-    if stack.enter_context(codes_in_word_order(model, tokens)):
-      word = "inplace"
-  return word
 
 
 def _decode_loop(

@@ -91,7 +91,7 @@ class Linear(nnx.Module):
     self.lora_mask = nnx.data(None)  # LoRAConstant [layers, rank]: 1 below each layer's rank
     self.lora_dropout = 0.0
     # The NF4 kernel's operands made once instead of on each call: its bf16 scales, and its
-    # codes in "word" lookup order where memory allows (decoding.prepare_kernel_operands, for
+    # codes in "word" lookup order where memory allows (kernel_operands.prepare_kernel_operands, for
     # every token step); W^T's codes in that order too for the input gradient (a training
     # run on the kernels, step.place).
     self.kernel_scales = nnx.data(None)
@@ -214,7 +214,7 @@ def lora_inputs(
 
 
 class Fused(nnx.Module):
-  """Decoding only (decoding.prepare_kernel_operands): the NF4 kernel's operands of several
+  """Decoding only (kernel_operands.prepare_kernel_operands): the NF4 kernel's operands of several
   linear layers that read one input (q/k/v, gate/up), their output rows concatenated, so one
   kernel launch computes all of them: codes in "word" order [..., N, K/2] and bf16 scales
   [..., K/64, N], N the sum of the layers' outputs (stacked over layers where they are)."""
