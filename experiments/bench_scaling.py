@@ -54,7 +54,8 @@ from experiments.measure import step_gib  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import hf_config, write  # noqa: E402
 from jaxtune.parallel import mesh as meshlib  # noqa: E402
-from jaxtune.parallel import pipeline, runtime, sharding  # noqa: E402
+from jaxtune.parallel import pipeline, sharding  # noqa: E402
+from jaxtune.run import resolve as resolver
 from jaxtune.run_config import RunConfig  # noqa: E402
 from jaxtune.training import step as trainer  # noqa: E402
 
@@ -102,7 +103,7 @@ def time_mesh(name, host_state, graphdef, cfg, args, per_replica=None) -> dict:
     remat=args.remat, attention=args.attention, microbatches=args.microbatches,
     shard_frozen=args.shard_frozen, dtype="bfloat16",
   )  # fmt: skip
-  rt = runtime.resolve(run, cfg, devices=devices)
+  rt = resolver.resolve(run, cfg, devices=devices)
   graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
   if n > 1:
     lora = jax.device_put(lora, sharding.state_shardings(lora, mesh))

@@ -25,7 +25,7 @@ Each row also has:
   peak_gib      the process's peak device memory so far (never reset, so over every row
                 before it too; batches run in ascending order)
   attention     the implementation timed; --attention default is the model's own choice on
-                this device (runtime.resolve_attention). Each is first checked against the
+                this device (run.resolve.resolve_attention). Each is first checked against the
                 float32 reference (attention_check_rel_err)
   status        ok, oom, error, or skipped (a smaller batch of the same setting ran out of
                 memory, or the attention check failed); such rows keep their note in
@@ -69,6 +69,7 @@ from jaxtune.errors import UserError  # noqa: E402
 from jaxtune.models import attention  # noqa: E402
 from jaxtune.models.config import SLIDING  # noqa: E402
 from jaxtune.parallel import runtime
+from jaxtune.run import resolve as resolver
 from jaxtune.run_config import RunConfig  # noqa: E402
 from jaxtune.training import step as trainer_step  # noqa: E402
 
@@ -248,7 +249,7 @@ def bench_shape(shape: str, args, rate: float, emit) -> None:
       impls = []
       for asked in csv(args.attention):
         try:  # what the run would resolve --attention to on this device (default: unset)
-          impl, _ = runtime.resolve_attention(
+          impl, _ = resolver.resolve_attention(
             None if asked == "default" else asked, cfg, dtype="bfloat16", packed=False
           )
         except UserError as e:

@@ -119,6 +119,7 @@ def run_trial(args) -> None:
   from jaxtune.parallel import mesh as meshlib
   from jaxtune.parallel import ring_attention as context
   from jaxtune.parallel import runtime
+  from jaxtune.run import resolve as resolver
   from jaxtune.run_config import RunConfig
   from jaxtune.training import step as trainer
 
@@ -137,12 +138,14 @@ def run_trial(args) -> None:
     cfg = jaxtune.ModelConfig.from_hf(hf_config(SHAPES[args.shape]))
     model = jaxtune.apply_lora(random_nf4_model(cfg), rank=LORA_RANK, alpha=LORA_RANK)
     asked = None if args.attention == "default" else args.attention
-    impl, _ = runtime.resolve_attention(asked, cfg, dtype="bfloat16", packed=False)
+    impl, _ = resolver.resolve_attention(asked, cfg, dtype="bfloat16", packed=False)
     mesh, blocks, chunks = None, "xla", (args.loss_chunk, args.mlp_chunk)
     if args.context > 1:  # the sequence split over the first --context devices, ring attention
       mesh = meshlib.make_mesh(f"context={args.context}", jax.devices()[: args.context])
       impl = "ring"  # its blocks as a run resolves them (the flash kernel on Hopper)
-      blocks, _ = runtime.resolve_ring_blocks(asked, cfg, dtype="bfloat16", device=jax.devices()[0])
+      blocks, _ = resolver.resolve_ring_blocks(
+        asked, cfg, dtype="bfloat16", device=jax.devices()[0]
+      )
       chunks = (0, 0)  # pieces of the loss or MLP would gather the sequence (a run refuses them)
     rt = runtime.Runtime(
       mesh=mesh, dtype="bfloat16", remat=args.remat, attention=impl, ring_blocks=blocks,

@@ -43,6 +43,7 @@ from experiments.measure import matmul_tflops  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
 from jaxtune.parallel import runtime
+from jaxtune.run import resolve as resolver
 from jaxtune.training import losses, plan  # noqa: E402
 from jaxtune.training import step as trainer_step  # noqa: E402
 
@@ -155,7 +156,7 @@ def main():
   model = jaxtune.apply_lora(model, rank=16, alpha=16)
   cfg = model.config
   packed = args.docs_per_row > 1
-  attention, _ = runtime.resolve_attention(args.attention, cfg, dtype="bfloat16", packed=packed)
+  attention, _ = resolver.resolve_attention(args.attention, cfg, dtype="bfloat16", packed=packed)
   if args.dequantize_again:
     runtime.Runtime.dequantize_again = property(lambda self: True)
   rt = runtime.Runtime(

@@ -17,7 +17,7 @@ REMAT = ("none", "full", "lean", "activations", "dots", "dots_no_batch", "offloa
 AUTO_REMAT = ("activations", "dots_no_batch", "full", "lean", "offload")
 # The loss chunk --loss-chunk unset falls back to where the whole logits do not fit.
 AUTO_LOSS_CHUNK = 1024
-# What --attention may ask for; None lets runtime.resolve pick the fastest exact one.
+# What --attention may ask for; None lets run.resolve pick the fastest exact one.
 ATTENTION_CHOICES = ("xla", "fused", "pallas")
 
 # What a run optimises: next-token cross-entropy (sft), preference pairs (preference.py), or
@@ -206,7 +206,7 @@ class RunConfig:
   attention: str | None = None  # xla | fused | pallas; None: the fastest exact one here
   # NF4 linear layers: the Pallas kernel or XLA's dequantize-then-dot; None: where the kernel
   # measured faster on one Hopper GPU (at most 64 tokens a call; and 8B-wide SFT at 2,048-4,096
-  # tokens a call where its operands fit: runtime.resolve_nf4_matmul)
+  # tokens a call where its operands fit: run.resolve.resolve_nf4_matmul)
   nf4_matmul: str | None = None
   # > 0: float32 logits for this many tokens per row at a time; 0: all at once; None: all at
   # once unless that does not fit (then AUTO_LOSS_CHUNK)

@@ -535,10 +535,10 @@ def mesh_lora_model(path, run, spec: str):
   import jaxtune
   from jaxtune.models.config import ModelConfig
   from jaxtune.parallel import mesh as meshlib
-  from jaxtune.parallel import runtime
+  from jaxtune.run import resolve as resolver
 
   devices = jax.devices()[: math.prod(meshlib.parse_mesh(spec, 8).values())]
-  rt = runtime.resolve(run.replace(mesh=spec), ModelConfig.from_hf(path), devices=devices)
+  rt = resolver.resolve(run.replace(mesh=spec), ModelConfig.from_hf(path), devices=devices)
   model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32", mesh=rt.mesh)
   return rt, jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
 

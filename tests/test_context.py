@@ -20,6 +20,7 @@ from jaxtune.models.config import ModelConfig
 from jaxtune.parallel import distributed, runtime
 from jaxtune.parallel import mesh as meshlib
 from jaxtune.parallel import ring_attention as context
+from jaxtune.run import resolve as resolver
 from jaxtune.run_config import RunConfig
 from jaxtune.training import losses, step
 
@@ -39,7 +40,7 @@ def _packed_rows(seed: int, rows: int = 4, seq: int = SEQ) -> dict:
 
 def _runtime(path, run: RunConfig, spec: str):
   devices = jax.devices()[: math.prod(meshlib.parse_mesh(spec, 8).values())]
-  return runtime.resolve(run.replace(mesh=spec), ModelConfig.from_hf(path), devices=devices)
+  return resolver.resolve(run.replace(mesh=spec), ModelConfig.from_hf(path), devices=devices)
 
 
 def _loss_and_grads(model, rt, host: dict):
@@ -150,7 +151,7 @@ def test_ring_blocks_are_the_kernel_where_asked_and_exact():
   sliding = ModelConfig(model_type="gemma2", layer_types=("sliding_attention",) * 2, **dims)
   h100 = SimpleNamespace(platform="gpu", compute_capability="9.0")
   cpu = SimpleNamespace(platform="cpu")
-  blocks = lambda asked, cfg, device, dtype="bfloat16": runtime.resolve_ring_blocks(  # noqa: E731
+  blocks = lambda asked, cfg, device, dtype="bfloat16": resolver.resolve_ring_blocks(  # noqa: E731
     asked, cfg, dtype=dtype, device=device
   )
   assert blocks("pallas", plain, h100) == ("mosaic", None)

@@ -27,7 +27,7 @@ from conftest import (
 
 import jaxtune
 from jaxtune.data.rows import Dataset
-from jaxtune.parallel import runtime
+from jaxtune.run import resolve as resolver
 from jaxtune.run_config import RunConfig
 from jaxtune.training import loop as trainer
 
@@ -113,7 +113,7 @@ def _train_and_export(directory: Path, family: str) -> dict:
     dtype="float32",
     lora_rank=4,
   )
-  one = runtime.resolve(run, model.config, devices=jax.devices()[:1])
+  one = resolver.resolve(run, model.config, devices=jax.devices()[:1])
   model, history = trainer.train(model, data, run, one)
   out = jaxtune.export_merged(model, directory / "merged", dtype="float32")
   hf = AutoModelForCausalLM.from_pretrained(

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from conftest import background_run, run_cli
 
+from jaxtune.run import resolve as resolver
 from jaxtune.run_config import RunConfig
 from jaxtune.training import checkpoint
 
@@ -323,7 +324,6 @@ def test_signals_ask_the_loop_to_stop_after_saving(hf_llama_dir, tmp_path, capsy
   from test_train import _dataset, _tiny_dir
 
   import jaxtune
-  from jaxtune.parallel import runtime
   from jaxtune.training import loop as trainer
 
   previous = signal.getsignal(signal.SIGINT)
@@ -337,7 +337,7 @@ def test_signals_ask_the_loop_to_stop_after_saving(hf_llama_dir, tmp_path, capsy
   run = RunConfig(out=str(tmp_path), steps=5, batch_size=4, dtype="float32", lora_rank=4)
   ckpts = checkpoint.Checkpoints(tmp_path / "checkpoints")
   with pytest.raises(trainer.Stopped, match="stopped by SIGINT after step 1") as info:
-    one = runtime.resolve(run, model.config, devices=jax.devices()[:1])
+    one = resolver.resolve(run, model.config, devices=jax.devices()[:1])
     trainer.train(model, _dataset(), run, one, ckpts, stop=stop)  # the signal already came
   assert info.value.saved and ckpts.latest_step() == 1
 

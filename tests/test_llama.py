@@ -12,7 +12,7 @@ import jaxtune
 from jaxtune.models.config import ModelConfig
 from jaxtune.models.decoder import Decoder
 from jaxtune.models.layers import Linear
-from jaxtune.models.nf4_storage import NF4Storage
+from jaxtune.nf4_storage import NF4Storage
 from jaxtune.parallel import runtime
 
 LLAMA3_ROPE = {

@@ -23,6 +23,7 @@ from jaxtune.models.config import ModelConfig
 from jaxtune.models.decoder import GROUP_POLICIES, REMAT_POLICIES, Decoder
 from jaxtune.parallel import mesh as meshlib
 from jaxtune.parallel import pipeline, runtime, sharding
+from jaxtune.run import resolve as resolver
 from jaxtune.run_config import RunConfig
 from jaxtune.training import losses
 
@@ -198,7 +199,7 @@ def test_activations_kept_in_the_first_layers_cost_each_layer_the_same(host_mode
       runtime.Runtime(kept_layers=2, **bad)
   with pytest.raises(ValueError, match="kept_layers must be at least 0"):
     runtime.Runtime(remat="full", kept_layers=-1)
-  rt = runtime.resolve(RunConfig(), cfg, devices=jax.devices()[:1])  # --remat auto
+  rt = resolver.resolve(RunConfig(), cfg, devices=jax.devices()[:1])  # --remat auto
   assert rt.keep_up_to == 8 and rt.kept_layers == 0
   assert (
     "remat full, activations kept in the first 3 layers"
@@ -208,7 +209,7 @@ def test_activations_kept_in_the_first_layers_cost_each_layer_the_same(host_mode
               RunConfig(layer_loop="unrolled"))  # fmt: skip
   for run in not_kept:
     devices = jax.devices()[: 2 if run.mesh else 1]
-    assert runtime.resolve(run, cfg, devices=devices).keep_up_to == 0, run
+    assert resolver.resolve(run, cfg, devices=devices).keep_up_to == 0, run
 
 
 @pytest.mark.slow
@@ -239,41 +240,41 @@ def test_remat_groups_keep_only_each_groups_input(host_model):
 
 def test_remat_groups_are_chosen_among_the_settings_that_take_them_or_refused():
   cfg, one = ModelConfig.from_hf(TINY), jax.devices()[:1]
-  rt = runtime.resolve(RunConfig(remat_group=4), cfg, devices=one)  # --remat auto
+  rt = resolver.resolve(RunConfig(remat_group=4), cfg, devices=one)  # --remat auto
   assert rt.remat_group == 4 and rt.remat == "full"
   assert [r for r, _ in rt.candidates] == ["full", "full", "lean", "offload"]
   assert set(GROUP_POLICIES) == set(runtime.GROUPED_REMAT)
   assert "remat auto, groups of 4 layers" in rt.describe()
   with pytest.raises(UserError, match=r"^--remat-group 4 keeps only the input of every group "
                      r"of 4 layers, but --remat activations keeps more"):  # fmt: skip
-    runtime.resolve(RunConfig(remat="activations", remat_group=4), cfg, devices=one)
+    resolver.resolve(RunConfig(remat="activations", remat_group=4), cfg, devices=one)
   with pytest.raises(UserError, match=r"does not divide the model's 8 layers; use one of 2, 4, "
                      r"8, or drop --remat-group\.$"):  # fmt: skip
-    runtime.resolve(RunConfig(remat="full", remat_group=3), cfg, devices=one)
+    resolver.resolve(RunConfig(remat="full", remat_group=3), cfg, devices=one)
   with pytest.raises(MeshError, match=r"^--remat-group does not run inside a pipeline \(the "
                      r"pipe axis of --mesh 1x1x2\)"):  # fmt: skip
-    runtime.resolve(
+    resolver.resolve(
       RunConfig(remat="full", remat_group=2, mesh="1x1x2"), cfg, devices=jax.devices()[:2]
     )
 
 
 def test_the_layer_loop_is_resolved_and_unrolled_refused_in_a_pipeline():
   cfg, one = ModelConfig.from_hf(TINY), jax.devices()[:1]
-  auto = runtime.resolve(RunConfig(), cfg, devices=one)
+  auto = resolver.resolve(RunConfig(), cfg, devices=one)
   assert auto.scan_layers and not auto.try_unrolled  # a CPU: unrolling only costs compile time
-  unrolled = runtime.resolve(RunConfig(layer_loop="unrolled"), cfg, devices=one)
+  unrolled = resolver.resolve(RunConfig(layer_loop="unrolled"), cfg, devices=one)
   assert not unrolled.scan_layers and not unrolled.try_unrolled
   assert "layers unrolled" in unrolled.describe()
   gpu, cpu = types.SimpleNamespace(platform="gpu"), types.SimpleNamespace(platform="cpu")
   both = (("activations", 0), ("full", 0))
-  assert runtime.unrolled_first(RunConfig(), 1, gpu, both)
-  assert not runtime.unrolled_first(RunConfig(), 1, cpu, both)
-  assert not runtime.unrolled_first(RunConfig(), 2, gpu, both)  # a mesh: not measured
-  assert not runtime.unrolled_first(RunConfig(layer_loop="scan"), 1, gpu, both)
-  assert not runtime.unrolled_first(RunConfig(), 1, gpu, (("full", 0),))
-  assert not runtime.unrolled_first(RunConfig(method="dpo"), 1, gpu, both)  # not measured
+  assert resolver.unrolled_first(RunConfig(), 1, gpu, both)
+  assert not resolver.unrolled_first(RunConfig(), 1, cpu, both)
+  assert not resolver.unrolled_first(RunConfig(), 2, gpu, both)  # a mesh: not measured
+  assert not resolver.unrolled_first(RunConfig(layer_loop="scan"), 1, gpu, both)
+  assert not resolver.unrolled_first(RunConfig(), 1, gpu, (("full", 0),))
+  assert not resolver.unrolled_first(RunConfig(method="dpo"), 1, gpu, both)  # not measured
   with pytest.raises(MeshError, match=r"^--layer-loop unrolled does not run inside a pipeline"):
-    runtime.resolve(RunConfig(layer_loop="unrolled", mesh="1x1x2"), cfg, devices=jax.devices()[:2])
+    resolver.resolve(RunConfig(layer_loop="unrolled", mesh="1x1x2"), cfg, devices=jax.devices()[:2])
 
 
 @pytest.mark.slow
@@ -373,7 +374,7 @@ def test_attention_inside_pipeline_stages_is_the_kernel_on_hopper():
   a100 = SimpleNamespace(platform="gpu", compute_capability="8.0")
 
   def chosen(device, asked=None, pipelined=True):
-    return runtime.resolve_attention(
+    return resolver.resolve_attention(
       asked, cfg, dtype="bfloat16", packed=False, pipelined=pipelined, device=device
     )[0]
 

@@ -17,7 +17,9 @@ from conftest import background_run, family_config, run_cli
 
 from jaxtune.errors import UserError
 from jaxtune.models.config import ModelConfig
-from jaxtune.parallel.runtime import Runtime, remat_candidates
+from jaxtune.parallel.runtime import Runtime
+from jaxtune.run import resolve as resolver
+from jaxtune.run.resolve import remat_candidates
 from jaxtune.run_config import AUTO_LOSS_CHUNK, RunConfig
 from jaxtune.training import compile_cache, plan
 
@@ -87,7 +89,8 @@ def test_the_fused_loss_replaces_the_whole_logits_where_it_applies():
   """--loss-chunk unset, SFT on a GPU with a frozen output layer: pieces of ~4096 tokens a
   device (the fused loss) come first in place of the whole logits, then 1024 where larger;
   the leanest settings take the smaller."""
-  from jaxtune.parallel.runtime import FUSED_PIECE_TOKENS, fused_loss_chunk
+  from jaxtune.parallel.runtime import FUSED_PIECE_TOKENS
+  from jaxtune.run.resolve import fused_loss_chunk
 
   gpu, cpu = SimpleNamespace(platform="gpu"), SimpleNamespace(platform="cpu")
   cfg = SimpleNamespace(vocab_size=128256)
@@ -136,7 +139,7 @@ def test_training_takes_the_nf4_kernels_where_they_measured_faster(monkeypatch):
   run would not fit (70B on one 80 GB GPU, or 8B under 16 GiB); the user's choice stands;
   resolve() passes the micro-batch's tokens, the method and the free memory."""
   from jaxtune.parallel import runtime
-  from jaxtune.parallel.runtime import resolve, resolve_nf4_matmul
+  from jaxtune.run.resolve import resolve, resolve_nf4_matmul
 
   h100 = SimpleNamespace(platform="gpu", compute_capability="9.0")
   a100 = SimpleNamespace(platform="gpu", compute_capability="8.0")
@@ -160,8 +163,8 @@ def test_training_takes_the_nf4_kernels_where_they_measured_faster(monkeypatch):
   fast = dict(method="sft", quantized=True, tokens=2 * 2048, devices=1, device=h100,
               dtype="bfloat16", free=79 * gib)  # fmt: skip
   # The operands: twice the codes of 7.0e9 weights (and scales) beside a model of ~5.7 GB.
-  assert 7.1e9 < runtime.kernel_operand_bytes(wide) < 7.3e9
-  assert 5.5e9 < runtime.loaded_bytes(wide) < 6e9
+  assert 7.1e9 < resolver.kernel_operand_bytes(wide) < 7.3e9
+  assert 5.5e9 < resolver.loaded_bytes(wide) < 6e9
   assert resolve_nf4_matmul(None, wide, **fast) == "kernel"
   assert resolve_nf4_matmul("xla", wide, **fast) == "xla"
   assert resolve_nf4_matmul("kernel", huge, **fast) == "kernel"
@@ -182,7 +185,7 @@ def test_training_takes_the_nf4_kernels_where_they_measured_faster(monkeypatch):
   ):
     assert resolve_nf4_matmul(None, cfg, **{**fast, **changed}) == "auto", (cfg, changed)
   # resolve() on one device taken for a Hopper GPU: a call's tokens are the micro-batch's.
-  monkeypatch.setattr(runtime, "_on_hopper", lambda device: True)
+  monkeypatch.setattr(runtime, "on_hopper", lambda device: True)
   monkeypatch.setattr(
     runtime, "free_device_bytes", lambda limit=None: int(min(79, limit or 79) * gib)
   )
@@ -582,7 +585,6 @@ def _train(path, tmp_path, name, evaluate=False, **run_kw):
   trained model, its held-out loss when ``evaluate``)."""
   import jaxtune
   from jaxtune.data import rows as data
-  from jaxtune.parallel import runtime
   from jaxtune.training import loop as trainer
 
   rng = np.random.default_rng(0)
@@ -594,7 +596,7 @@ def _train(path, tmp_path, name, evaluate=False, **run_kw):
   )  # fmt: skip
   (tmp_path / name).mkdir()
   model = jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float32"), rank=4, seed=0)
-  rt = runtime.resolve(run, model.config, devices=jax.devices()[:1])
+  rt = resolver.resolve(run, model.config, devices=jax.devices()[:1])
   plans = []
   held_out = rows if evaluate else None
   model, history = trainer.train(model, rows, run, rt, eval_dataset=held_out, announce=plans.append)

@@ -21,6 +21,7 @@ from jaxtune.data import tokenize as data_tokenize
 from jaxtune.parallel import mesh as meshlib
 from jaxtune.parallel import runtime
 from jaxtune.run import default_model
+from jaxtune.run import resolve as resolver
 from jaxtune.run_config import RunConfig
 from jaxtune.training import loop as trainer
 from jaxtune.training import losses, plan, step
@@ -68,7 +69,7 @@ def _losses(path, mesh_spec, tmp_path, steps=3, accum=2, quantization="nf4", **r
   (tmp_path / f"run_{mesh_spec}").mkdir(exist_ok=True)
   devices = jax.devices()[: math.prod(meshlib.parse_mesh(mesh_spec, 8).values())]
   model = jaxtune.from_pretrained(path, quantization=quantization, dtype="float32")
-  rt = runtime.resolve(run.replace(mesh=mesh_spec), model.config, devices=devices)
+  rt = resolver.resolve(run.replace(mesh=mesh_spec), model.config, devices=devices)
   model = jaxtune.from_pretrained(path, quantization=quantization, dtype="float32", mesh=rt.mesh)
   model = jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
   _, history = trainer.train(model, _dataset(), run, rt)
@@ -77,7 +78,7 @@ def _losses(path, mesh_spec, tmp_path, steps=3, accum=2, quantization="nf4", **r
 
 def _one_device(run, model):
   """The runtime ``run`` resolves to on one device."""
-  return runtime.resolve(run, model.config, devices=jax.devices()[:1])
+  return resolver.resolve(run, model.config, devices=jax.devices()[:1])
 
 
 def _spy_on_residual_sharding(monkeypatch, seen: set) -> None:
@@ -140,7 +141,7 @@ def test_mesh_losses_equal_single_device(tiny, single, tmp_path):
   assert single[-1] < single[0]  # it learns, so the comparison is not of constants
   # "data=2,tensor=4" spells the 2x4 mesh: the same Mesh, hence the same program and losses.
   assert meshlib.make_mesh("data=2,tensor=4", jax.devices()) == meshlib.make_mesh("2x4")
-  # (tensor=8 does not divide the 4 key/value heads: runtime.resolve refuses 1x8 here.)
+  # (tensor=8 does not divide the 4 key/value heads: the resolve refuses 1x8 here.)
   # (tensor alone: 2x4 and the pipeline tests split over tensor; 1x4 added 5 s and nothing.)
   for spec in ("2x4", "8"):
     np.testing.assert_allclose(_losses(tiny, spec, tmp_path), single, rtol=2e-5, err_msg=spec)
@@ -187,7 +188,7 @@ def test_default_attention_separates_packed_held_out_rows():
   chosen = []
   for eval_dataset in (None, held_out):
     packed = _dataset().packed or (eval_dataset is not None and eval_dataset.packed)
-    impl, _ = runtime.resolve_attention(None, cfg, dtype="float32", packed=packed, device=gpu)
+    impl, _ = resolver.resolve_attention(None, cfg, dtype="float32", packed=packed, device=gpu)
     chosen.append(impl)
   assert chosen == ["cudnn", "xla"]
 
@@ -347,7 +348,7 @@ def test_export_round_trips_to_transformers_and_peft(tiny, tmp_path):
     lora_rank=4,
   )
   model, _ = trainer.train(
-    model, _dataset(), run, runtime.resolve(run.replace(mesh="2x4"), model.config)
+    model, _dataset(), run, resolver.resolve(run.replace(mesh="2x4"), model.config)
   )
   ids = np.random.default_rng(5).integers(0, 256, (2, 20))
   ours = np.asarray(model(jnp.asarray(ids)))

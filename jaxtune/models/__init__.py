@@ -1,2 +1,2 @@
-"""Models (layer 4): the model config, rope, layers (NF4 linears), attention, LoRA, the
+"""Models (layer 5): the model config, rope, layers (NF4 linears), attention, LoRA, the
 decoder, KV-cache decoding and the NF4 kernel's operands made once for a decode loop."""

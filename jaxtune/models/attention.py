@@ -1,6 +1,6 @@
 """Attention: causal, grouped-query, packed segments.
 
-Which implementation runs is decided once, by ``runtime.resolve`` (its docstring lists them);
+Which implementation runs is decided once, by ``run.resolve`` (its docstring lists them);
 this module runs the one it is given:
   "xla":       plain einsums with the full [T, T] mask; handles packed segments. The reference.
   "cudnn":     jax.nn.dot_product_attention's cuDNN kernel (asked for by name: left to
@@ -56,7 +56,7 @@ def attention(
   N is a multiple of K (GQA/MQA). ``segment_ids`` [B, T] int: tokens attend only within their
   segment (0 = padding). ``window`` (int or traced scalar, 0 = none): keys fewer than that many
   positions back. ``softcap``: cap * tanh(scores / cap) (Gemma 2). "cudnn" reads neither
-  segments, window nor softcap (``runtime.resolve`` uses it only where they do not matter).
+  segments, window nor softcap (``run.resolve`` uses it only where they do not matter).
   "ring" (a ``context`` mesh axis): tokens in zigzag order, masked by ``positions`` [B, T]
   (jaxtune.parallel.ring_attention).
   """

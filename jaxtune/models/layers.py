@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
 from jaxtune.errors import ConfigError
-from jaxtune.models.nf4_storage import NF4Storage
+from jaxtune.nf4_storage import NF4Storage
 from pallas_kernels import nf4
 from pallas_kernels.nf4_matmul import nf4_matmul, prepared_matmul
 

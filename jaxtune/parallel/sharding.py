@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
-from jaxtune.models.nf4_storage import NF4Storage
+from jaxtune.nf4_storage import NF4Storage
 from jaxtune.parallel import pipeline
 
 # logical axis -> mesh axis (None: replicated).

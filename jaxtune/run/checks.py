@@ -1,7 +1,7 @@
 """The checks a run's inputs pass before anything is loaded or written.
 
 Each raises a ``UserError`` (one sentence) naming what to change. The run-time layout's own
-refusals (mesh, attention, pipeline, sequence parallelism) are in ``runtime.resolve``.
+refusals (mesh, attention, pipeline, sequence parallelism) are in ``run.resolve``.
 """
 
 import dataclasses

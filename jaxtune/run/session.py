@@ -28,8 +28,9 @@ from jaxtune.hf.load import resolve_checkpoint
 from jaxtune.models.config import ModelConfig
 from jaxtune.models.decoding import generate
 from jaxtune.models.lora import parse_pattern
-from jaxtune.parallel import distributed, runtime
+from jaxtune.parallel import distributed
 from jaxtune.run import checks, default_model, run_dir
+from jaxtune.run import resolve as resolver
 from jaxtune.run.loading import build_model, load_tokenizer
 from jaxtune.run_config import RunConfig
 from jaxtune.training import checkpoint, plan, preference, rewards, rl, step
@@ -364,7 +365,7 @@ def _run_locked(
   grpo = run.method == "grpo"
   # GRPO's step trains on batch-size prompts x num-generations rows.
   per_step = run.batch_size * run.num_generations if grpo else run.batch_size
-  runtime.resolve(run.replace(batch_size=per_step), cfg, packed=run.packing)  # refusals first
+  resolver.resolve(run.replace(batch_size=per_step), cfg, packed=run.packing)  # refusals first
   tokenizer = load_tokenizer(model_path)
   checks.check_vocabulary(tokenizer, cfg, model_path)
   positions = min(cfg.max_position_embeddings, cpu_seq_cap(run, laptop) or 1 << 62)
@@ -375,7 +376,7 @@ def _run_locked(
     _check_resumed_data(out / "checkpoints", fingerprint, report.name, previous, allow_changes)
   run = run.replace(seq_len=dataset.seq_len, steps=_steps(run, dataset))
   packed = getattr(dataset, "packed", False) or (eval_dataset is not None and eval_dataset.packed)
-  rt = runtime.resolve(run.replace(batch_size=per_step), cfg, packed=packed)
+  rt = resolver.resolve(run.replace(batch_size=per_step), cfg, packed=packed)
   t_load = time.perf_counter()
   model = build_model(run, model_path, rt.mesh, dtype=rt.dtype)
   jax.block_until_ready(nnx.state(model))

@@ -304,7 +304,7 @@ def kernel_operands(model: nnx.Module, runtime: Runtime) -> list[tuple[Linear, t
   the 8B shapes 4-16% of their time (experiments/sweep_nf4_train.py); with them the 8B step
   (batch 2) ran 1.029x XLA's tokens/s in 6.2 GiB less at its peak (H100, session 30, the
   LoRA pair inside the forward kernel). ``--nf4-matmul`` unset resolves to "kernel" where
-  that measured faster (``runtime.resolve_nf4_matmul``). All are made before any is
+  that measured faster (``run.resolve.resolve_nf4_matmul``). All are made before any is
   given, so a failure leaves ``model`` as it was. Returns (layer, its operands before) for
   each layer given them."""
   forced = runtime.nf4_matmul in ("kernel", "interpret")

@@ -1,0 +1,405 @@
+"""The one resolve: a run's settings, its model config, the devices and the data -> the frozen
+``Runtime`` (jaxtune.parallel.runtime), with every refusal of an impossible combination
+raised here, as one ``UserError`` sentence, before anything is built."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import jax
+
+from jaxtune.errors import MeshError, UserError
+from jaxtune.parallel import mesh as meshlib
+from jaxtune.parallel import pipeline, runtime, sharding
+from jaxtune.parallel import ring_attention as context
+from jaxtune.parallel.runtime import (
+  FUSED_PIECE_TOKENS,
+  GROUPED_REMAT,
+  LARGE_VOCAB,
+  Runtime,
+  operand_bytes,
+)
+from jaxtune.run_config import AUTO_LOSS_CHUNK, AUTO_REMAT, RunConfig
+from pallas_kernels.flash_attention import mosaic_supports
+
+if TYPE_CHECKING:
+  from jaxtune.models.config import ModelConfig
+
+
+# Training on the Pallas NF4 kernels by default (``resolve_nf4_matmul``) where they measured
+# faster than XLA's dequantize-then-dot in the step, on one H100 (experiments/RESULTS.md,
+# sessions 30-31): Llama-3.1-8B at 2 x 2,048 tokens a call 1.026-1.044x XLA's tokens/s over
+# four run pairs (1.044x since the grid order of session 31; 1.017x in session 29), in 31.7 GiB
+# at the peak against 37.9; Llama-3.2-1B at 8 x 2,048 0.971x. XLA's dequantization is a cost
+# per weight that a call's tokens share (its time over cuBLAS bf16: 1.11-1.13 at 4,096 tokens,
+# 1.00-1.04 at 16,384, 1.04-1.07 at 8,192), while the kernels' (codes made once) was
+# 0.77-1.08 on the 8B's shapes at 4,096 tokens and 0.86-1.15 forward, 1.11-1.43 input gradient
+# on the 1B's at 16,384. Supervised fine-tuning only: DPO on the kernels (8B, 2 rows of 2,304
+# tokens) ran 0.89x XLA's tokens/s. From ``TRAIN_KERNEL_MIN_TOKENS`` the input gradient is the
+# forward kernel on W^T's codes (made once with the rest), as measured; below, another kernel.
+TRAIN_KERNEL_MIN_TOKENS = 2048  # a call's tokens (rows x positions of a micro-batch)
+TRAIN_KERNEL_MAX_TOKENS = 4096
+TRAIN_KERNEL_MIN_HIDDEN = 4096  # the model's width, the K of most of its products
+
+
+def resolve_nf4_matmul(
+  requested: str | None, cfg: ModelConfig, *, method: str, quantized: bool, tokens: int | None,
+  devices: int, device: jax.Device, dtype: str, free: int | None,
+) -> str:  # fmt: skip
+  """``requested`` where set; else "kernel" for supervised fine-tuning of an NF4 model on one
+  Hopper GPU in bfloat16 where a call has ``TRAIN_KERNEL_MIN_TOKENS`` to
+  ``TRAIN_KERNEL_MAX_TOKENS`` tokens, the model is at least ``TRAIN_KERNEL_MIN_HIDDEN`` wide
+  and the kernels' operands, made once for the run (``step.kernel_operands``), fit beside the
+  loaded model in half of what is left of ``free`` bytes (the device's, before loading): where
+  the kernels measured faster. Else "auto" (pallas_kernels.nf4_matmul's choice per call: the
+  kernel for decoding's few tokens). ``tokens`` None: not known yet (no --seq-len before the
+  data is read)."""
+  if requested is not None:
+    return requested
+  if (
+    method == "sft"
+    and quantized
+    and devices == 1
+    and runtime.on_hopper(device)
+    and dtype == "bfloat16"
+    and tokens is not None
+    and TRAIN_KERNEL_MIN_TOKENS <= tokens <= TRAIN_KERNEL_MAX_TOKENS
+    and cfg.hidden_size >= TRAIN_KERNEL_MIN_HIDDEN
+    and free is not None
+    and kernel_operand_bytes(cfg) <= (free - loaded_bytes(cfg)) // 2
+  ):
+    return "kernel"
+  return "auto"
+
+
+def kernel_operand_bytes(cfg: ModelConfig) -> int:
+  """The training kernels' operands of an NF4 model (``operand_bytes`` of its codes)."""
+  return operand_bytes(cfg.linear_params() // 2)
+
+
+def loaded_bytes(cfg: ModelConfig) -> int:
+  """About what an NF4 model takes on the device: the linear layers' codes and absmax (a byte
+  per 64 weights) and the rest (embeddings, output layer, norms) in bf16."""
+  linear = cfg.linear_params()
+  return linear // 2 + linear // 64 + 2 * (cfg.num_params() - linear)
+
+
+def resolve_attention(
+  requested: str | None,
+  cfg: ModelConfig,
+  *,
+  dtype: str,
+  packed: bool,
+  pipelined: bool = False,
+  device: jax.Device | None = None,
+) -> tuple[str, str | None]:
+  """(the attention implementation that runs, a note when it is not what was asked).
+
+  Unset: cuDNN on a GPU where it computes the model's function (one document per row, no
+  softcap or window: measured 2.5% faster than the Pallas kernel in the 1B train step on an
+  H100, and compiles in seconds), else the Pallas kernel on Hopper, else XLA. Under a
+  pipeline (cuDNN does not run inside the stages) the Pallas kernel on Hopper, else XLA: on
+  each stage's rows where the stages run manual over every axis (8B on 4 H200s, `--mesh
+  1x1x4`: 1.50x XLA's tokens/s), split by the partitioner through custom_partitioning where
+  they are manual over pipe only (a tensor axis or --shard-frozen; `1x2x2`: 1.37x).
+  Refuses what cannot compute the model's function.
+  """
+  device = device or jax.devices()[0]
+  gpu, hopper = device.platform == "gpu", runtime.on_hopper(device)
+  special = bool(cfg.attn_logit_softcap) or cfg.has_sliding_layers
+  cudnn_exact = gpu and not (special or packed)
+  kernel_ok = hopper and mosaic_supports(dtype, cfg.head_dim)
+  if requested == "fused" and pipelined:
+    raise MeshError(
+      "--attention fused (cuDNN) cannot run inside the pipeline yet; use --attention xla or "
+      "pallas with a pipe axis in --mesh."
+    )
+  if requested == "fused":
+    if special:
+      raise UserError(
+        f"--attention fused cannot apply {cfg.model_type}'s logit softcap or sliding window; "
+        "use --attention pallas or xla."
+      )
+    if packed:
+      raise UserError(
+        "--attention fused (cuDNN, causal only) would let packed examples attend to each "
+        "other; use --attention pallas or xla, or --no-packing."
+      )
+    return ("cudnn", None) if gpu else ("xla", "xla attention (fused is cuDNN, GPU only)")
+  if requested == "pallas":
+    if kernel_ok:
+      return "mosaic", None
+    return "flash_xla", "flash attention's jnp reference (the kernel needs a Hopper GPU)"
+  if requested == "xla":
+    return "xla", None
+  if cudnn_exact and not pipelined:
+    return "cudnn", None
+  return ("mosaic", None) if kernel_ok else ("xla", None)
+
+
+def resolve_ring_blocks(
+  requested: str | None, cfg: ModelConfig, *, dtype: str, device: jax.Device
+) -> tuple[str, str | None]:
+  """(how ring attention computes its chunk pairs, a note when it is not what was asked).
+
+  Unset or --attention pallas: the flash op per chunk pair, the Pallas kernel on Hopper (16-bit
+  inputs). Measured on 4 H200s (experiments/RESULTS.md, bench_ring and bench_cli_mesh): 8-16x
+  faster than XLA's tiles, which ran the 8B 32k-token step at 0.13 of linear against 0.94.
+  Unset elsewhere, or --attention xla: XLA's tiles; --attention pallas off Hopper: the op's jnp
+  reference (tests). The flash op needs a model without sliding windows (it masks by index, and
+  a window reaching across two chunks would need their distance): XLA's tiles there.
+  """
+  if requested not in (None, "pallas"):
+    return "xla", None
+  if cfg.has_sliding_layers:
+    note = "ring attention by XLA tiles (sliding windows span chunks)"
+    return "xla", note if requested == "pallas" else None
+  if runtime.on_hopper(device) and mosaic_supports(dtype, cfg.head_dim):
+    return "mosaic", None
+  if requested is None:
+    return "xla", None
+  note = "ring blocks by flash attention's jnp reference (the kernel: Hopper, 16-bit inputs)"
+  return "flash_xla", note
+
+
+def resolve(
+  run: RunConfig,
+  cfg: ModelConfig,
+  *,
+  packed: bool = False,
+  devices: Sequence | None = None,
+) -> Runtime:
+  """The runtime of ``run`` for model ``cfg`` on ``devices`` (default: all of JAX's), with
+  ``packed`` saying whether any training or held-out row holds several examples.
+
+  Raises a ``UserError`` (one sentence) for every combination that cannot run.
+  """
+  devices = list(devices if devices is not None else jax.devices())
+  if run.batch_size % run.grad_accum:
+    raise UserError(
+      f"--batch-size {run.batch_size} must be a multiple of --grad-accum {run.grad_accum}."
+    )
+  mesh = meshlib.make_mesh(run.mesh, devices)
+  micro_batch = run.batch_size // run.grad_accum
+  meshlib.check_model_fits(mesh, cfg.num_heads, cfg.num_kv_heads, micro_batch, cfg.num_layers)
+  if run.seq_len is not None and run.seq_len > cfg.max_position_embeddings:
+    raise UserError(
+      f"--seq-len {run.seq_len} is longer than the {cfg.max_position_embeddings} positions "
+      f"this {cfg.model_type} was trained for (max_position_embeddings); lower --seq-len."
+    )
+  tp, pp = mesh.shape["tensor"], mesh.shape[pipeline.AXIS]
+  seq_len = run.seq_len if run.seq_len is not None else 256  # unset: a multiple of 256
+  if run.sequence_parallel and not sharding.can_split_sequence(mesh, seq_len):
+    raise MeshError(
+      f"--sequence-parallel splits each row's tokens over the tensor axis, but --mesh "
+      f"{run.mesh or len(devices)} has tensor={tp}, pipe={pp} for --seq-len {run.seq_len}; "
+      "use a tensor axis > 1 that divides --seq-len and no pipe axis, or drop the flag."
+    )
+  microbatches = 1
+  if pp > 1:
+    per_shard = max(1, micro_batch // mesh.shape["data"])
+    microbatches = pipeline.num_microbatches(per_shard, run.microbatches)
+  cp = mesh.shape[context.AXIS]
+  if cp > 1:
+    _check_context(run, cp, pp, seq_len)
+  if run.remat_group > 1:
+    _check_remat_group(run, cfg.num_layers, pp)
+  dtype, dtype_note = runtime.compute_dtype(run.dtype, devices)
+  fused = fused_loss_chunk(run, cfg, micro_batch, mesh.size, devices[0], dtype)
+  candidates = remat_candidates(run, pipelined=pp > 1, whole_logits=cp > 1, fused_chunk=fused)
+  if run.layer_loop == "unrolled" and pp > 1:
+    raise MeshError(
+      f"--layer-loop unrolled does not run inside a pipeline (the pipe axis of --mesh "
+      f"{run.mesh}) yet; drop it or the pipe axis."
+    )
+  try_unrolled = unrolled_first(run, mesh.size, devices[0], candidates)
+  keep_up_to = cfg.num_layers if keeps_layers(run, pp, candidates) else 0
+  if run.embeddings == "host":
+    _check_host_embeddings(run, cfg)
+  ring_blocks = "xla"
+  if cp > 1:
+    attention = "ring"
+    ring_blocks, attention_note = resolve_ring_blocks(
+      run.attention, cfg, dtype=dtype, device=devices[0]
+    )
+  else:
+    attention, attention_note = resolve_attention(
+      run.attention, cfg, dtype=dtype, packed=packed, pipelined=pp > 1, device=devices[0]
+    )
+  return Runtime(
+    mesh=mesh if mesh.size > 1 else None,
+    dtype=dtype,
+    remat=candidates[0][0],
+    attention=attention,
+    ring_blocks=ring_blocks,
+    nf4_matmul=resolve_nf4_matmul(
+      run.nf4_matmul,
+      cfg,
+      method=run.method,
+      quantized=run.quantization == "nf4",
+      tokens=micro_batch * run.seq_len if run.seq_len is not None else None,
+      devices=mesh.size,
+      device=devices[0],
+      dtype=dtype,
+      free=runtime.free_device_bytes(run.memory_limit) if runtime.on_hopper(devices[0]) else None,
+    ),
+    loss_chunk=candidates[0][1],
+    candidates=candidates if len(candidates) > 1 else (),
+    memory_limit=run.memory_limit,
+    mlp_chunk=run.mlp_chunk,
+    remat_group=run.remat_group,
+    keep_up_to=keep_up_to,
+    microbatches=microbatches,
+    sequence_parallel=run.sequence_parallel,
+    shard_frozen=run.shard_frozen,
+    host_embeddings=run.embeddings == "host",
+    scan_layers=run.layer_loop != "unrolled",
+    try_unrolled=try_unrolled,
+    notes=tuple(n for n in (dtype_note, attention_note) if n),
+  )
+
+
+def fused_loss_chunk(
+  run: RunConfig, cfg: ModelConfig, rows: int, devices: int, device: jax.Device, dtype: str
+) -> int:
+  """The tokens per row of the loss's pieces that ``--loss-chunk`` unset takes first, where
+  each piece's forward can take its own gradient (losses.fused_loss_sums): supervised
+  fine-tuning on one GPU, where it was measured (experiments/RESULTS.md, session 23), an
+  output layer without LoRA, a vocabulary of at most LARGE_VOCAB, and not in float16 (the
+  pieces' gradients are taken before the loss scale multiplies them: they would underflow);
+  FUSED_PIECE_TOKENS over the ``rows`` of a micro-batch, at most the row. 0 elsewhere: the
+  logits whole where they fit. On a CPU it would only change the tests' numerics."""
+  if (
+    run.loss_chunk is not None
+    or run.method != "sft"
+    or devices > 1
+    or device.platform != "gpu"
+    or dtype == "float16"
+    or "lm_head" in run.lora_targets
+    or cfg.vocab_size > LARGE_VOCAB
+  ):
+    return 0
+  chunk = max(1, FUSED_PIECE_TOKENS // rows)
+  return min(chunk, run.seq_len) if run.seq_len else chunk
+
+
+def unrolled_first(
+  run: RunConfig, devices: int, device: jax.Device, candidates: Sequence[tuple[str, int]]
+) -> bool:
+  """Whether plan.choose tries remat activations with the layers unrolled before scanned
+  (--layer-loop auto): supervised fine-tuning on one GPU, where it was measured faster (8B
+  batch 2: 1.05x, 1B batch 4: 1.10x on an H100, experiments/RESULTS.md). Not measured for
+  the preference and RL steps (two passes a step), under a mesh or in remat groups; on a CPU
+  it would only lengthen compilation."""
+  return (
+    run.layer_loop == "auto"
+    and run.method == "sft"
+    and devices == 1
+    and device.platform == "gpu"
+    and run.remat_group == 1
+    and any(remat == "activations" for remat, _ in candidates)
+  )
+
+
+def keeps_layers(run: RunConfig, pp: int, candidates: Sequence[tuple[str, int]]) -> bool:
+  """Whether plan.choose may keep the activations of some layers under full remat where
+  activations does not fit (``--remat auto``, both settings among the candidates, no remat
+  groups, no pipe axis and the layers in a scan: they then run as two scans)."""
+  remats = {remat for remat, _ in candidates}
+  return (
+    run.remat == "auto"
+    and run.remat_group == 1
+    and pp == 1
+    and run.layer_loop != "unrolled"
+    and {"activations", "full"} <= remats
+  )
+
+
+def _check_remat_group(run: RunConfig, layers: int, pp: int) -> None:
+  """--remat-group N > 1: no pipe axis, a setting that keeps only layer inputs, N dividing
+  the layers."""
+  n = run.remat_group
+  if pp > 1:
+    raise MeshError(
+      f"--remat-group does not run inside a pipeline (the pipe axis of --mesh {run.mesh}) "
+      "yet; drop --remat-group or the pipe axis."
+    )
+  if run.remat not in ("auto", *GROUPED_REMAT):
+    raise UserError(
+      f"--remat-group {n} keeps only the input of every group of {n} layers, but --remat "
+      f"{run.remat} keeps more of each layer; use --remat {', '.join(GROUPED_REMAT)} or auto, "
+      "or drop --remat-group."
+    )
+  if layers % n:
+    fits = [str(d) for d in range(2, layers + 1) if layers % d == 0]
+    use = f"use {fits[0]}" if len(fits) == 1 else f"use one of {', '.join(fits)}"
+    raise UserError(
+      f"--remat-group {n} does not divide the model's {layers} layers; {use}, or drop "
+      "--remat-group."
+    )
+
+
+def _check_context(run: RunConfig, cp: int, pp: int, seq_len: int) -> None:
+  """What a ``context`` axis does not run with yet, and the lengths it cannot split."""
+  where = f"--mesh {run.mesh} splits each sequence over context={cp}"
+  if pp > 1:
+    raise MeshError(f"{where}, which does not run with a pipe axis yet; drop one of the two.")
+  if run.sequence_parallel:
+    raise MeshError(f"{where}; drop --sequence-parallel (it splits the tokens over tensor).")
+  if run.attention == "fused":
+    raise MeshError(
+      f"{where} with ring attention, which merges blocks by their softmax statistics that "
+      "cuDNN's kernel (--attention fused) does not return; use --attention xla or leave it unset."
+    )
+  if run.method == "grpo":
+    raise MeshError(
+      f"{where}, but GRPO generates its rollouts on whole sequences; drop the context axis."
+    )
+  if run.loss_chunk or run.mlp_chunk:
+    flag = "--loss-chunk" if run.loss_chunk else "--mlp-chunk"
+    raise MeshError(
+      f"{where}, and {flag} would gather each sequence back to cut it into pieces; drop "
+      f"{flag} (each device's logits and MLP already hold 1/{cp} of the tokens)."
+    )
+  if run.seq_len is not None and seq_len % (2 * cp):
+    raise MeshError(
+      f"{where} in {2 * cp} zigzag chunks, which --seq-len {seq_len} does not divide into; "
+      f"make --seq-len a multiple of {2 * cp}."
+    )
+
+
+def _check_host_embeddings(run: RunConfig, cfg: ModelConfig) -> None:
+  if cfg.tie_word_embeddings:
+    raise UserError(
+      f"--embeddings host keeps the input embedding table off the devices, but this "
+      f"{cfg.model_type} uses the same table as its output layer (tie_word_embeddings), "
+      "which runs on them; drop --embeddings host."
+    )
+
+
+def remat_candidates(
+  run: RunConfig, pipelined: bool = False, whole_logits: bool = False, fused_chunk: int = 0
+) -> tuple[tuple[str, int], ...]:
+  """The (remat, loss_chunk) settings ``run`` leaves open, fastest first: every one of
+  AUTO_REMAT under ``--remat auto`` (offload not inside a pipeline), each with the logits
+  whole, then in chunks of AUTO_LOSS_CHUNK, where ``--loss-chunk`` is unset (whole only with
+  ``whole_logits``: a context axis, whose pieces would gather the sequence). ``fused_chunk``
+  (``fused_loss_chunk``) takes the place of the whole logits (and of AUTO_LOSS_CHUNK where
+  it is no larger)."""
+  remats = [r for r in AUTO_REMAT if not (pipelined and r == "offload")]
+  if run.remat_group > 1:  # the settings that keep only layer inputs
+    remats = [r for r in remats if r in GROUPED_REMAT]
+  remats = remats if run.remat == "auto" else [run.remat]
+  chunks = [0, AUTO_LOSS_CHUNK] if run.loss_chunk is None else [run.loss_chunk]
+  if fused_chunk and run.loss_chunk is None:
+    chunks = [fused_chunk] + ([AUTO_LOSS_CHUNK] if fused_chunk > AUTO_LOSS_CHUNK else [])
+  if whole_logits:
+    chunks = [0]
+  out = []
+  for remat in remats:
+    # Lean and offload are for the leanest memory: with the logits in pieces only (lean saves
+    # less than the pieces do, so where full in pieces did not fit, lean whole would not).
+    for chunk in chunks[-1:] if remat in ("lean", "offload") and run.remat == "auto" else chunks:
+      out.append((remat, chunk))
+  return tuple(out)
