@@ -20,6 +20,7 @@ import sys
 import threading
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
+from typing import Any
 
 if __name__ == "__main__":  # the command line: XLA's C++ warnings only when asked (before jax)
   # (3: ERROR too, where XLA prints banners such as "Very slow compile?"; a failure still
@@ -195,10 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
-def given_settings(argv: Sequence[str] | None = None) -> tuple[dict, bool]:
+def given_settings(argv: Sequence[str] | None = None, args: Any = None) -> tuple[dict, bool]:
   """The settings the user gave (a --config file, then flags; for --resume over the run's
-  own config.yaml) and whether to resume; RunConfigError if wrong."""
-  args = build_parser().parse_args(argv)
+  own config.yaml) and whether to resume; RunConfigError if wrong. ``args``: ``argv`` parsed
+  already (the command line parses it once)."""
+  args = build_parser().parse_args(argv) if args is None else args
   settings = RunConfig.read_yaml(args.config) if args.config else {}
   overrides = {
     f.name: getattr(args, f.name)
@@ -291,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   run_log.quiet_third_party()
   try:
-    given, resume = given_settings(argv)
+    given, resume = given_settings(args=flags)
     run = RunConfig.from_settings(given).checked()
     allow_changes = flags.allow_changes
     if allow_changes and not resume:

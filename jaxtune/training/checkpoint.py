@@ -13,7 +13,6 @@ coordinates the collective write); the directory must be on storage all of them 
 """
 
 import contextlib
-import errno
 import logging
 import shutil
 import sys
@@ -26,6 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxtune.errors import RestoreError, SaveError
+from jaxtune.training.files import full_disk
 
 
 def _first_line(e: BaseException) -> str:
@@ -154,8 +154,7 @@ class Checkpoints:
     except (OSError, ValueError, RuntimeError) as e:
       self._remove_partial(step)
       kept = f"checkpoint {previous} is intact" if previous is not None else "no earlier checkpoint"
-      full = getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
-      if full:
+      if full_disk(e):
         raise SaveError(
           f"the disk is full: checkpoint {step} could not be written to {self.directory} "
           f"and {kept}; free some space, then continue with --resume."
