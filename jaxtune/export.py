@@ -23,7 +23,7 @@ from jaxtune.cli import CACHE_HELP, Parser
 from jaxtune.errors import ExportError, UserError
 
 # jaxtune.hf.export.FORMATS and jaxtune.hf.gguf.GGUF_TYPES, which import JAX: --help
-# answers without it (tests/test_export_more.py holds them equal).
+# answers without it (tests/cli/test_export_more.py holds them equal).
 FORMATS = ("merged", "peft", "bnb4", "gguf")
 GGUF_TYPES = ("f16", "bf16", "f32", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 DTYPES = ("bfloat16", "float16", "float32")

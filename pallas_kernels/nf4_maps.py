@@ -2,7 +2,7 @@
 
 These are part of the on-disk format, so they are spelled out rather than recomputed:
 bitsandbytes builds the dynamic map with torch.linspace, whose float32 rounding numpy does
-not reproduce. tests/test_nf4.py checks both against bitsandbytes itself.
+not reproduce. tests/unit/test_nf4.py checks both against bitsandbytes itself.
 """
 
 import numpy as np

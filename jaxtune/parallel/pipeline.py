@@ -143,7 +143,7 @@ def gpipe(
     # The stage may hold custom calls (Pallas kernels, directly or split by
     # custom_partitioning), whose outputs carry no true record of the axes they vary over: a
     # kernel's gradient typed varying over pipe met an NF4 input typed invariant and failed
-    # the custom VJP's type check (tests/test_pipeline.py). That bookkeeping is off.
+    # the custom VJP's type check (tests/parallel/test_pipeline.py). That bookkeeping is off.
     check_vma=False,
   )(layer_xs, x, batch_xs)
   return out[stages - 1]

@@ -61,7 +61,7 @@ def _tokenizer_by_class(ckpt: Path) -> Any | None:
   loaded without importing AutoTokenizer, which pulls in torch (5 s of a command line's start
   on a CPU, more with CUDA's torch); None where that does not apply (another class, remote
   code, anything failing): then AutoTokenizer decides, and reports damage
-  (tests/test_data.py compares the two)."""
+  (tests/unit/test_data.py compares the two)."""
   import transformers
 
   try:

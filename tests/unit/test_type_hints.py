@@ -10,7 +10,7 @@ parameter but ``self``/``cls`` (``*args`` and ``**kwargs`` included) and a retur
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("jaxtune", "converters", "pallas_kernels")
 PUBLIC_DUNDERS = ("__init__", "__call__")
 

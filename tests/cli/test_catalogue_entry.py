@@ -1,7 +1,7 @@
 """The bad-input catalogue, continued: what users get wrong where the settings enter (PEFT
 adapters, --config files, whole numbers out of range, the generate command line).
 
-The machinery is tests/test_catalogue.py's (``Work``, ``Case``, the workspace snapshot and
+The machinery is tests/cli/test_catalogue.py's (``Work``, ``Case``, the workspace snapshot and
 the one-sentence check); README.md's troubleshooting table lists every case here by its id.
 Each case fails before a model is loaded, except the prompt that does not fit the model's
 positions (that needs the model's tokenizer).

@@ -2,7 +2,7 @@
 file and the field: safetensors headers (converters/safetensors_read.py) and config.json
 (jaxtune/models/config.py). The files are written byte by byte here, so each test controls exactly
 what the header says; nothing compiles. The same inputs through the command line are in
-tests/test_catalogue.py.
+tests/cli/test_catalogue.py.
 """
 
 import contextlib

@@ -124,7 +124,10 @@ def _kernel_path(directory, runs):
   """``_kernel_path_figures`` in a process of its own, beside the other tests (the
   interpreted kernels cost ~30 s of one core)."""
   out = directory / "figures.json"
-  code = "import sys, test_packing as t; t._write_kernel_path(sys.argv[1], sys.argv[2])"
+  code = (  # tests/ (conftest) beside this folder
+    "import sys; sys.path.insert(0, '..'); "
+    "import test_packing as t; t._write_kernel_path(sys.argv[1], sys.argv[2])"
+  )
   proc = run_cli(
     [sys.executable, "-c", code, str(directory), str(out)], timeout=900, cwd=Path(__file__).parent
   )

@@ -23,7 +23,7 @@ from jaxtune.parallel import distributed
 from jaxtune.run.session import run_training
 from jaxtune.run_config import RunConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 _LANES = itertools.count()

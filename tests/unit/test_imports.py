@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("jaxtune", "converters", "pallas_kernels")
 # Loaded by the Mosaic GPU kernels only. (jax itself loads parts of jax._src.pallas.mosaic_gpu
 # and jaxlib's Mosaic dialect whenever flax is imported; those are not these.)

@@ -699,7 +699,7 @@ def test_the_command_lines_keep_xla_warnings_off_unless_asked(cli, monkeypatch):
 @background_run("cli_import_child")
 def _cli_import_child(directory, runs):
   """The child process of the test below, run beside the other tests."""
-  root = Path(__file__).resolve().parents[1]
+  root = Path(__file__).resolve().parents[2]
   return run_cli([sys.executable, "-c", _CLI_IMPORTS], cwd=root, timeout=300)
 
 

@@ -143,7 +143,10 @@ def _flash_cases(directory, runs):
   """Every case of CASES in a process of its own, beside the other tests (the interpreter
   is what costs, ~10 s a case): {name: _case(name)}."""
   out = directory / "cases.json"
-  code = "import sys, test_flash_attention as t; t._write_cases(sys.argv[1])"
+  code = (  # tests/ (conftest) beside this folder
+    "import sys; sys.path.insert(0, '..'); "
+    "import test_flash_attention as t; t._write_cases(sys.argv[1])"
+  )
   proc = run_cli([sys.executable, "-c", code, str(out)], timeout=900, cwd=Path(__file__).parent)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads(out.read_text())

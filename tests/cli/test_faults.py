@@ -24,7 +24,7 @@ from jaxtune.run import resolve as resolver
 from jaxtune.run_config import RunConfig
 from jaxtune.training import checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _metrics(out):
@@ -128,7 +128,7 @@ def _assert_state(state: dict, value: float):
 _KILL_SCRIPT = textwrap.dedent(
   """
   import os, signal, sys
-  sys.path.insert(0, {tests!r})
+  sys.path[:0] = {tests!r}  # this folder and tests/ (conftest)
   import orbax.checkpoint as ocp
   from orbax.checkpoint._src.path import atomicity
   from test_faults import _state
@@ -156,7 +156,7 @@ _KILL_SCRIPT = textwrap.dedent(
 def test_kill_during_a_checkpoint_write_leaves_the_previous_one(tmp_path, point):
   directory = tmp_path / "checkpoints"
   script = _KILL_SCRIPT.format(
-    tests=str(Path(__file__).parent), directory=str(directory), point=point
+    tests=[str(Path(__file__).parent), str(Path(__file__).parents[1])], directory=str(directory), point=point
   )
   proc = subprocess.run(
     [sys.executable, "-c", script],

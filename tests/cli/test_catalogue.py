@@ -6,8 +6,8 @@ one ``error: ...`` line ending in a full stop, no traceback, and every file of t
 (model, data, run directories) byte for byte as before, with nothing new written.
 
 README.md's troubleshooting table lists every case by its id (a test checks it). Errors of
-the Python API (``jaxtune.from_pretrained``) are in tests/test_loading_errors.py; a
-checkpoint that will not restore, a full disk and signals are in tests/test_faults.py.
+the Python API (``jaxtune.from_pretrained``) are in tests/cli/test_loading_errors.py; a
+checkpoint that will not restore, a full disk and signals are in tests/cli/test_faults.py.
 """
 
 import hashlib
@@ -32,7 +32,7 @@ from jaxtune.run.default_model import DATASET
 from jaxtune.run_config import RunConfig
 from jaxtune.train import main as train_main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 TINY = {
   **default_model.CONFIG,  # its vocabulary matches the built-in tokenizer copied next to it

@@ -28,7 +28,7 @@ from jaxtune.errors import ExportError, UserError
 from jaxtune.hf import export
 from jaxtune.hf.write import merged_weight, model_tensors
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _adapted(path: Path):

@@ -142,7 +142,10 @@ def _family_exports(directory, runs):
   """Every family's training and export in a process of its own, beside the other tests
   (~14 s a family): {family: _train_and_export(...)}."""
   out = directory / "exports.json"
-  code = "import sys, test_families as t; t._write_exports(sys.argv[1], sys.argv[2])"
+  code = (  # tests/ (conftest) beside this folder
+    "import sys; sys.path.insert(0, '..'); "
+    "import test_families as t; t._write_exports(sys.argv[1], sys.argv[2])"
+  )
   argv = [sys.executable, "-c", code, str(directory), str(out)]
   proc = run_cli(argv, timeout=900, cwd=Path(__file__).parent)
   assert proc.returncode == 0, proc.stderr[-3000:]

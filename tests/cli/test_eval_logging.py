@@ -45,7 +45,7 @@ def _eval_run(directory, runs):
   plot = run_cli(
     [sys.executable, "experiments/plot_runs.py", str(out), "--out", str(png)],
     timeout=300,
-    cwd=Path(__file__).resolve().parents[1],
+    cwd=Path(__file__).resolve().parents[2],
   )
   return out, proc, png, plot
 
@@ -78,4 +78,4 @@ def test_eval_metrics_tensorboard_and_plot(eval_run):
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
-# --eval-prompts without --eval-data: tests/test_catalogue.py (eval-prompts-without-eval-data).
+# --eval-prompts without --eval-data: tests/cli/test_catalogue.py (eval-prompts-without-eval-data).
