@@ -11,14 +11,8 @@ import numpy as np
 from jaxtune.data import formats, sources
 from jaxtune.data.formats import IGNORE
 from jaxtune.data.rows import Dataset
-from jaxtune.data.tokenize import (
-  LONG_EXAMPLES,
-  Report,
-  Tokenized,
-  auto_seq_len,
-  detect_format,
-  fit_examples,
-)
+from jaxtune.data.settings import DataSettings
+from jaxtune.data.tokenize import Report, Tokenized, auto_seq_len, detect_format, fit_examples
 from jaxtune.errors import DataError
 
 
@@ -26,37 +20,25 @@ class StreamingDataset:
   """Rows from a stream too large for host memory, a buffer of examples at a time.
 
   Each buffer of ``buffer`` examples (in the source's order) is tokenized, fitted to
-  ``seq_len`` and packed on its own; its rows are served in a seeded order. ``state()`` is
-  where the next batch starts (examples before the buffer, rows of it already served);
-  ``seek(state)`` resumes there. Batches must be asked for in step order.
+  ``settings.seq_len`` and packed on its own; its rows are served in a seeded order.
+  ``state()`` is where the next batch starts (examples before the buffer, rows of it already
+  served); ``seek(state)`` resumes there. Batches must be asked for in step order. A stream is
+  never read whole, so ``settings.eval_split`` is refused (the run layer refuses it first).
   """
 
-  def __init__(
-    self,
-    data: Any,
-    tokenizer: Any,
-    *,
-    seq_len: int | None,
-    data_format: str | None = None,
-    columns: str | None = None,
-    config: str | None = None,
-    split: str = "train",
-    train_on_prompt: bool = False,
-    pack: bool = True,
-    long_examples: str = "truncate",
-    max_positions: int | None = None,
-    seed: int = 0,
-    buffer: int = 4096,
-  ):
-    if long_examples not in LONG_EXAMPLES:
-      raise DataError(f"--long-examples must be truncate or drop, got {long_examples!r}.")
-    self.seq_len, self.pack, self.seed, self.buffer = seq_len, pack, seed, buffer
-    self.long_examples, self._max_positions = long_examples, max_positions
-    source, name = sources.open_source(data, config, split, streaming=True)
-    self._source, fmt = detect_format(source, name, data_format, columns)
-    self._encoder = formats.Encoder(fmt, tokenizer, train_on_prompt, name)
-    self.report = Report(name, fmt, 0, seq_len or 0, long_action=long_examples)
-    self.report.seq_len_auto = seq_len is None
+  def __init__(self, data: Any, tokenizer: Any, settings: DataSettings, buffer: int = 4096):
+    if settings.eval_split:
+      raise DataError(
+        "--eval-split needs the whole dataset, which --data-streaming does not read; pass "
+        "--eval-data instead."
+      )
+    # seq_len None is chosen from the first buffer (``_fill``); the rest stays as given.
+    self.settings, self.seq_len, self.buffer = settings, settings.seq_len, buffer
+    source, name = sources.open_source(data, settings.config, settings.split, streaming=True)
+    self._source, fmt = detect_format(source, name, settings.data_format, settings.columns)
+    self._encoder = formats.Encoder(fmt, tokenizer, settings.train_on_prompt, name)
+    self.report = Report(name, fmt, 0, self.seq_len or 0, long_action=settings.long_examples)
+    self.report.seq_len_auto = self.seq_len is None
     self.report.tokenized = f"streamed ({buffer} examples at a time)"
     self._before = 0  # examples of the source before the current buffer
     self._epoch = 0
@@ -107,11 +89,11 @@ class StreamingDataset:
     )
     pairs = np.maximum(lengths - 1, 0)
     if self.seq_len is None:  # from the first buffer
-      self.seq_len = self.report.seq_len = auto_seq_len(pairs, self._max_positions)
+      self.seq_len = self.report.seq_len = auto_seq_len(pairs, self.settings.max_positions)
       self.report.seq_len_capped = self.seq_len < auto_seq_len(pairs, None)
     try:
       keep, fitted, report = fit_examples(
-        tok, pairs, self.seq_len, self.long_examples, False, self.report.name
+        tok, pairs, self.seq_len, self.settings.long_examples, self.report.name
       )
     except DataError:  # a buffer with nothing to train on: skip it
       keep, fitted, report = np.zeros(len(pairs), bool), pairs, None
@@ -120,7 +102,7 @@ class StreamingDataset:
       self.report.no_labels += report.no_labels
     kept = np.flatnonzero(keep)
     self._rows = Dataset(
-      tok.tokens, tok.labels, starts[kept], fitted[kept], self.seq_len, self.pack
+      tok.tokens, tok.labels, starts[kept], fitted[kept], self.seq_len, self.settings.pack
     )
     self._served = 0
     return self._rows
@@ -138,7 +120,7 @@ class StreamingDataset:
             raise DataError(f"{self.report.name} ran out of examples.")
         continue
       take = min(left, need)
-      order = rows.order(self.seed + self._epoch, self._before)
+      order = rows.order(self.settings.seed + self._epoch, self._before)
       out.append(rows.rows(order[self._served : self._served + take]))
       self._served += take
       need -= take
@@ -151,7 +133,7 @@ class StreamingDataset:
     return {k: np.concatenate([p[k] for p in parts]).reshape(shape) for k in parts[0]}
 
   # A stream has no length: these describe the current buffer.
-  packed = property(lambda self: self.pack)
+  packed = property(lambda self: self.settings.pack)
   packing_efficiency = property(lambda self: self._rows.packing_efficiency)
 
   def __len__(self) -> int:

@@ -19,13 +19,14 @@ from typing import Any
 import numpy as np
 
 from jaxtune.data import formats, sources
+from jaxtune.data.damage import arrow_damage
 from jaxtune.data.formats import IGNORE
 from jaxtune.data.rows import Dataset
+from jaxtune.data.settings import DataSettings
 from jaxtune.errors import DataError
 
 # Bumped when tokenization changes what it writes, so old cache entries are not reused.
 TOKENIZATION_VERSION = "1"
-LONG_EXAMPLES = ("truncate", "drop")
 AUTO_SEQ_MULTIPLE, AUTO_SEQ_MAX, AUTO_SEQ_QUANTILE = 256, 4096, 99.0
 # Examples at or above which tokenization runs in worker processes.
 PARALLEL_FROM = 8192
@@ -87,46 +88,28 @@ class Tokenized:
 
 
 def load(
-  data: Any,
-  tokenizer: Any,
-  *,
-  seq_len: int | None,
-  data_format: str | None = None,
-  columns: str | None = None,
-  config: str | None = None,
-  split: str = "train",
-  train_on_prompt: bool = False,
-  pack: bool = True,
-  long_examples: str = "truncate",
-  max_positions: int | None = None,
-  eval_split: float = 0.0,
-  seed: int = 0,
-  num_proc: int | None = None,
+  data: Any, tokenizer: Any, settings: DataSettings
 ) -> tuple[Dataset, Dataset | None, Report]:
-  """(training rows, rows held out by ``eval_split`` or None, report).
+  """(training rows, rows held out by ``settings.eval_split`` or None, report).
 
-  ``seq_len`` None: the smallest multiple of 256 that holds 99% of the examples, at most
-  ``max_positions`` and 4096.
+  ``settings.seq_len`` None: the smallest multiple of 256 that holds 99% of the examples, at
+  most ``settings.max_positions`` and 4096 (``auto_seq_len``).
   """
-  if eval_split and not 0 < eval_split < 0.5:
-    raise DataError(f"--eval-split must be a fraction between 0 and 0.5, got {eval_split}.")
-  tok = tokenize(data, tokenizer, data_format, columns, config, split, train_on_prompt, num_proc)
+  tok = tokenize(data, tokenizer, settings)
   name = _name(data)
   paired = tok.format in formats.PAIRED
   pairs = np.maximum(tok.lengths - 1, 0)  # next-token pairs of each example
   units = pairs[0::2] + pairs[1::2] if paired else pairs  # what one row must hold whole
-  auto = seq_len is None
+  seq_len, auto = settings.seq_len, settings.seq_len is None
   if auto:
-    seq_len = auto_seq_len(units, max_positions)
-  if paired:
-    keep, lengths, report = _fit_pairs(tok, pairs, seq_len, long_examples, name)
-  else:
-    keep, lengths, report = fit_examples(tok, pairs, seq_len, long_examples, train_on_prompt, name)
+    seq_len = auto_seq_len(units, settings.max_positions)
+  fit = _fit_pairs if paired else fit_examples
+  keep, lengths, report = fit(tok, pairs, seq_len, settings.long_examples, name)
   report.seq_len_auto, report.tokenized = auto, tok.how
   report.seq_len_capped = auto and seq_len < auto_seq_len(units, None)
   kept = np.flatnonzero(keep)  # examples, or with pairs the pairs
   held = np.zeros(0, np.int64)
-  if eval_split:
+  if eval_split := settings.eval_split:
     k = max(1, round(eval_split * len(kept)))
     if k >= len(kept):
       raise DataError(
@@ -134,7 +117,7 @@ def load(
         "use more data or a smaller fraction."
       )
     # Seeded by the run's seed alone: the same examples are held out when the run resumes.
-    chosen = np.random.default_rng([seed, 0xE7A1]).permutation(len(kept))[:k]
+    chosen = np.random.default_rng([settings.seed, 0xE7A1]).permutation(len(kept))[:k]
     held = np.sort(kept[chosen])
     kept = np.setdiff1d(kept, held)
     report.eval_examples = k
@@ -142,7 +125,8 @@ def load(
   def subset(idx):
     if paired:  # pair p -> its examples 2p, 2p + 1
       idx = np.stack([2 * idx, 2 * idx + 1], axis=1).reshape(-1)
-    return Dataset(tok.tokens, tok.labels, tok.starts[idx], lengths[idx], seq_len, pack, paired)
+    starts = tok.starts[idx]
+    return Dataset(tok.tokens, tok.labels, starts, lengths[idx], seq_len, settings.pack, paired)
 
   return subset(kept), (subset(held) if len(held) else None), report
 
@@ -156,16 +140,10 @@ def auto_seq_len(pairs: np.ndarray, max_positions: int | None) -> int:
 
 
 def fit_examples(
-  tok: Tokenized,
-  pairs: np.ndarray,
-  seq_len: int,
-  long_examples: str,
-  train_on_prompt: bool,
-  name: str,
+  tok: Tokenized, pairs: np.ndarray, seq_len: int, long_examples: str, name: str
 ) -> tuple[np.ndarray, np.ndarray, Report]:
-  """Which examples train and at what length; counts for the report."""
-  if long_examples not in LONG_EXAMPLES:
-    raise DataError(f"--long-examples must be truncate or drop, got {long_examples!r}.")
+  """Which examples train and at what length; counts for the report. ``long_examples`` comes
+  from a ``DataSettings``, which checked it."""
   long = pairs > seq_len
   lengths = np.minimum(pairs, seq_len)
   keep = pairs > 0
@@ -197,8 +175,6 @@ def _fit_pairs(tok: Tokenized, pairs, seq_len: int, long_examples: str, name: st
   whose prompt leaves a side no response token (truncation), and pairs whose chosen and
   rejected tokenize the same.
   """
-  if long_examples not in LONG_EXAMPLES:
-    raise DataError(f"--long-examples must be truncate or drop, got {long_examples!r}.")
   c, r = pairs[0::2], pairs[1::2]
   long = c + r > seq_len
   half = seq_len // 2
@@ -234,19 +210,15 @@ def _name(data: Any) -> str:
   return str(data) if isinstance(data, str | Path) else "the given dataset"
 
 
-def tokenize(
-  data: Any,
-  tokenizer: Any,
-  data_format: str | None = None,
-  columns: str | None = None,
-  config: str | None = None,
-  split: str = "train",
-  train_on_prompt: bool = False,
-  num_proc: int | None = None,
-) -> Tokenized:
-  """Read ``data`` and tokenize every example (``datasets.map``; cached across runs)."""
-  table, name = sources.open_source(data, config, split)
-  table, fmt = detect_format(table, name, data_format, columns)
+def tokenize(data: Any, tokenizer: Any, settings: DataSettings | None = None) -> Tokenized:
+  """Read ``data`` and tokenize every example (``datasets.map``; cached across runs). Of
+  ``settings`` (None: the defaults) it reads where the examples are, their format and
+  columns, ``train_on_prompt`` and ``num_proc``."""
+  if settings is None:
+    settings = DataSettings(seq_len=None)
+  train_on_prompt, num_proc = settings.train_on_prompt, settings.num_proc
+  table, name = sources.open_source(data, settings.config, settings.split)
+  table, fmt = detect_format(table, name, settings.data_format, settings.columns)
   encoder = formats.Encoder(fmt, tokenizer, train_on_prompt, name)
   import datasets
 
@@ -374,7 +346,7 @@ def _cache_intact(files: list[Path], name: str) -> bool:
   while datasets wrote it, a full disk, a cache cut short by a copy) is said on stderr and
   removed, with the rest of its map's files, so that the rows are tokenized anew: the cache
   is jaxtune's own, and datasets would otherwise fail on it in every run."""
-  damage = next(filter(None, map(sources.arrow_damage, files)), None)
+  damage = next(filter(None, map(arrow_damage, files)), None)
   if damage is None:
     return bool(files)
   print(

@@ -26,6 +26,7 @@ import jaxtune
 from jaxtune.data import formats
 from jaxtune.data import rows as data
 from jaxtune.data import tokenize as data_tokenize
+from jaxtune.data.settings import DataSettings
 from jaxtune.errors import DataError
 from jaxtune.parallel import runtime
 from jaxtune.run import default_model
@@ -221,7 +222,7 @@ def test_long_pairs_are_truncated_or_counted_and_dropped(tok, tmp_path):
   rows.append({"prompt": "same", "chosen": " x", "rejected": " x"})
   path = tmp_path / "pairs.jsonl"
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  ds, _, report = data_tokenize.load(str(path), tok, seq_len=48)
+  ds, _, report = data_tokenize.load(str(path), tok, DataSettings(seq_len=48))
   line = report.line()
   assert "preference, 6 pairs" in line
   assert "3 pairs longer than seq-len truncated" in line  # rows 2, 3 and 4
@@ -233,7 +234,8 @@ def test_long_pairs_are_truncated_or_counted_and_dropped(tok, tmp_path):
   short_side = [p for p in lengths if min(p) < 24]  # the long pair with a short side
   assert any(p.sum() == 48 and max(p) > 24 for p in short_side)
   assert any((p == 24).all() for p in lengths)  # both long: half each
-  _, _, dropped = data_tokenize.load(str(path), tok, seq_len=48, long_examples="drop")
+  settings = DataSettings(seq_len=48, long_examples="drop")
+  _, _, dropped = data_tokenize.load(str(path), tok, settings)
   assert "3 pairs longer than seq-len dropped" in dropped.line()
 
 

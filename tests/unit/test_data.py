@@ -15,6 +15,7 @@ from jaxtune.data import formats
 from jaxtune.data import rows as data
 from jaxtune.data import streaming as data_streaming
 from jaxtune.data import tokenize as data_tokenize
+from jaxtune.data.settings import DataSettings
 from jaxtune.errors import DataError
 from jaxtune.run import default_model, loading
 
@@ -219,7 +220,7 @@ def test_each_format_and_source_loads_and_trains(fmt, kind, extra, tmp_path, cap
   path = _write(tmp_path / f"{fmt}{suffix}", fmt, kind)
   shown = "prompt_completion" if fmt == "mapped" else fmt
   if f"{fmt}-{kind}" not in RUN:
-    rows, _, report = data_tokenize.load(str(path), tok, seq_len=128)
+    rows, _, report = data_tokenize.load(str(path), tok, DataSettings(seq_len=128))
     assert (report.format, report.examples) == (shown, 24)
     assert len(rows) > 0 and np.count_nonzero(np.asarray(rows.labels) != IGNORE) > 0
     return
@@ -236,7 +237,7 @@ def test_each_format_and_source_loads_and_trains(fmt, kind, extra, tmp_path, cap
   assert [r["step"] for r in rows if "loss" in r] == [1, 2]
   assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
   if "eval_data" in extra:  # every trained token of the test split, none of train's
-    held, _, _ = data_tokenize.load(str(path), tok, seq_len=128, split="test")
+    held, _, _ = data_tokenize.load(str(path), tok, DataSettings(seq_len=128, split="test"))
     evals = [r["eval_tokens"] for r in rows if "eval_tokens" in r]
     assert evals == [np.count_nonzero(held.labels != IGNORE)]
   assert rows[0]["tokens"] > 0
@@ -275,15 +276,15 @@ def _jsonl(path, rows):
 
 def test_tokenization_is_cached_for_the_same_data_and_tokenizer(tok, plain_tok, tmp_path):
   path = _jsonl(tmp_path / "c.jsonl", _rows("text"))
-  first, _, r1 = data_tokenize.load(path, tok, seq_len=64)
-  second, _, r2 = data_tokenize.load(path, tok, seq_len=64)
+  first, _, r1 = data_tokenize.load(path, tok, DataSettings(seq_len=64))
+  second, _, r2 = data_tokenize.load(path, tok, DataSettings(seq_len=64))
   assert r1.tokenized.startswith("tokenized in") and r2.tokenized.startswith("tokenized earlier")
   np.testing.assert_array_equal(first.input_ids, second.input_ids)
   np.testing.assert_array_equal(first.labels, second.labels)
   # Another tokenizer (here: its template) is another cache entry.
   other = copy.deepcopy(plain_tok)
   other.add_tokens(["<|new|>"])
-  _, _, r3 = data_tokenize.load(path, other, seq_len=64)
+  _, _, r3 = data_tokenize.load(path, other, DataSettings(seq_len=64))
   assert r3.tokenized.startswith("tokenized in")
 
 
@@ -294,18 +295,22 @@ def test_long_examples_are_counted_and_truncated_or_dropped(tok, tmp_path):
   rows = [{"text": tok.decode(base[:n])} for n in lengths]
   pairs = [len(formats.Encoder("text", tok)(r, 0)[0]) - 1 for r in rows]
   path = _jsonl(tmp_path / "long.jsonl", rows)
-  ds, _, report = data_tokenize.load(path, tok, seq_len=32, pack=False)
+  ds, _, report = data_tokenize.load(path, tok, DataSettings(seq_len=32, pack=False))
   assert report.long == sum(p > 32 for p in pairs) == 2 and report.long_action == "truncate"
   assert sorted(np.count_nonzero(ds.segment_ids, axis=1)) == sorted(min(p, 32) for p in pairs)
   assert "2 longer than seq-len truncated" in report.line()
-  ds, _, report = data_tokenize.load(path, tok, seq_len=32, pack=False, long_examples="drop")
+  ds, _, report = data_tokenize.load(
+    path, tok, DataSettings(seq_len=32, pack=False, long_examples="drop")
+  )
   assert report.long == 2 and ds.examples == 1 and "dropped" in report.line()
   # Chat: a truncation that leaves no assistant token drops the example, and says so.
   chats = [
     {"messages": [{"role": "user", "content": "hi " * 60}, {"role": "assistant", "content": "yo"}]},
     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
   ]
-  ds, _, report = data_tokenize.load(_jsonl(tmp_path / "chat.jsonl", chats), tok, seq_len=32)
+  ds, _, report = data_tokenize.load(
+    _jsonl(tmp_path / "chat.jsonl", chats), tok, DataSettings(seq_len=32)
+  )
   assert (report.long, report.no_labels, ds.examples) == (1, 1, 1)
   assert "1 without a trained token dropped" in report.line()
 
@@ -317,11 +322,13 @@ def test_unset_seq_len_holds_99_percent_capped_by_the_model(tok, tmp_path):
   assert data_tokenize.auto_seq_len(pairs, 256) == 256  # the model's positions
   assert data_tokenize.auto_seq_len(np.array([9000]), None) == 4096
   rows = [{"text": "fox " * k} for k in [20] * 30]
-  ds, _, report = data_tokenize.load(_jsonl(tmp_path / "s.jsonl", rows), tok, seq_len=None)
+  ds, _, report = data_tokenize.load(
+    _jsonl(tmp_path / "s.jsonl", rows), tok, DataSettings(seq_len=None)
+  )
   assert ds.seq_len == 256 and report.seq_len_auto and "seq-len 256 (chosen: 99%" in report.line()
   long = [{"text": "fox " * 400}] * 3
   ds, _, report = data_tokenize.load(
-    _jsonl(tmp_path / "l.jsonl", long), tok, seq_len=None, max_positions=256
+    _jsonl(tmp_path / "l.jsonl", long), tok, DataSettings(seq_len=None, max_positions=256)
   )
   assert ds.seq_len == 256 and report.seq_len_capped and "capped" in report.line()
 
@@ -329,20 +336,43 @@ def test_unset_seq_len_holds_99_percent_capped_by_the_model(tok, tmp_path):
 def test_eval_split_is_seeded_disjoint_and_stable(tok, tmp_path):
   path = _jsonl(tmp_path / "e.jsonl", _rows("text", 50))
   train_a, held_a, report = data_tokenize.load(
-    path, tok, seq_len=64, eval_split=0.1, seed=3, pack=False
+    path, tok, DataSettings(seq_len=64, eval_split=0.1, seed=3, pack=False)
   )
-  train_b, held_b, _ = data_tokenize.load(path, tok, seq_len=64, eval_split=0.1, seed=3, pack=False)
+  train_b, held_b, _ = data_tokenize.load(
+    path, tok, DataSettings(seq_len=64, eval_split=0.1, seed=3, pack=False)
+  )
   assert report.eval_examples == 5 and held_a.examples == 5 and train_a.examples == 45
   np.testing.assert_array_equal(held_a.input_ids, held_b.input_ids)  # as a resumed run sees
   seen = {tuple(r) for r in train_a.input_ids}
   assert not any(tuple(r) in seen for r in held_a.input_ids)
-  _, held_c, _ = data_tokenize.load(path, tok, seq_len=64, eval_split=0.1, seed=4, pack=False)
+  _, held_c, _ = data_tokenize.load(
+    path, tok, DataSettings(seq_len=64, eval_split=0.1, seed=4, pack=False)
+  )
   assert not np.array_equal(held_a.input_ids, held_c.input_ids)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_a_run_configs_data_settings_reach_load(tok, tmp_path, packing):
+  """The run layer builds one DataSettings from the RunConfig: its sequence length, packing,
+  long-example action and eval split are what the rows are made with."""
+  from jaxtune.run import session
+
+  rows = [{"text": f"fox {i} " * 4} for i in range(12)] + [{"text": "fox " * 200}]
+  run = jaxtune.RunConfig(
+    data=_jsonl(tmp_path / "r.jsonl", rows), seq_len=48, packing=packing,
+    long_examples="drop", eval_split=0.25,
+  )  # fmt: skip
+  ds, held, report = session._load_data(run, tok, 1024, None, None)
+  assert ds.seq_len == report.seq_len == 48 and not report.seq_len_auto
+  assert (report.long, report.long_action) == (1, "drop")  # the long one, dropped
+  assert report.eval_examples == held.examples == 3 and ds.examples == 9
+  assert ds.packed is packing and held.seq_len == 48
+  assert len(ds) < 9 if packing else len(ds) == 9  # several examples a row, or one each
 
 
 def test_stream_resumes_at_the_same_example(tok, tmp_path):
   path = _jsonl(tmp_path / "stream.jsonl", _rows("text", 50))
-  kw = dict(seq_len=32, buffer=16, seed=1)
+  kw = dict(settings=DataSettings(seq_len=32, seed=1), buffer=16)
   whole = data_streaming.StreamingDataset(path, tok, **kw)
   batches = [whole.batch(i, 4, 1, 1) for i in range(12)]  # crosses buffers and an epoch
   again = data_streaming.StreamingDataset(path, tok, **kw)
@@ -357,8 +387,8 @@ def test_stream_resumes_at_the_same_example(tok, tmp_path):
       np.testing.assert_array_equal(got[k], batches[i][k])
   # Streams map columns and detect formats from their first rows, as tables do.
   mapped = data_streaming.StreamingDataset(
-    _jsonl(tmp_path / "qa.jsonl", _rows("mapped")), tok, seq_len=32, buffer=8,
-    columns="prompt=question,completion=answer",
+    _jsonl(tmp_path / "qa.jsonl", _rows("mapped")), tok,
+    DataSettings(seq_len=32, columns="prompt=question,completion=answer"), buffer=8,
   )  # fmt: skip
   assert mapped.report.format == "prompt_completion"
   assert np.any(mapped.batch(0, 4, 1, 0)["labels"] != IGNORE)
@@ -413,9 +443,11 @@ class NoTorch:
       raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, NoTorch())
 from jaxtune.data import tokenize as data_tokenize
+from jaxtune.data.settings import DataSettings
 from jaxtune.run import default_model, loading
 tok = loading.load_tokenizer(default_model.ensure_default_checkpoint())
-ds, _, report = data_tokenize.load(str(default_model.DATASET), tok, seq_len=128, num_proc=2)
+settings = DataSettings(seq_len=128, num_proc=2)
+ds, _, report = data_tokenize.load(str(default_model.DATASET), tok, settings)
 assert ds.examples == 600, report
 assert "torch" not in sys.modules
 """,
@@ -453,14 +485,14 @@ def test_a_lone_surrogate_is_named_by_file_and_line(tmp_path, case):
   path.write_text(_row("fine") * 2 + '{"text": "' + raw + '"}\n' + _row("fine"))
   assert json.loads(path.read_text().splitlines()[2])  # the line is valid JSON either way
   if not refused:
-    from jaxtune.data.sources import _check_text_file
+    from jaxtune.data.damage import check_text_file
 
-    _check_text_file(path, "json")
+    check_text_file(path, "json")
     return
-  from jaxtune.data import sources
+  from jaxtune.data import damage
 
   with pytest.raises(DataError, match=rf"^{path}:3 holds \\u[dD][89a-fA-F]\w\w, half of a UTF-16"):
-    sources._check_text_file(path, "json")
+    damage.check_text_file(path, "json")
 
 
 def _nested(depth: int) -> str:
@@ -471,23 +503,23 @@ def _nested(depth: int) -> str:
 
 
 def test_rows_nested_deeper_than_arrow_holds_are_named_and_the_limit_is_arrows(tmp_path):
-  from jaxtune.data import sources
+  from jaxtune.data import damage
 
-  deep = sources.MAX_DEPTH
+  deep = damage.MAX_DEPTH
   ok = tmp_path / "ok.jsonl"
   ok.write_text(_row("a") + _nested(deep) + _row("b"))
-  sources._check_text_file(ok, "json")
+  damage.check_text_file(ok, "json")
   too = tmp_path / "too.jsonl"
   too.write_text(_row("a") * 4 + _nested(deep + 1) + _row("b"))
   with pytest.raises(DataError, match=rf"^{too}:5 nests \[ and {{ more than {deep} levels deep"):
-    sources._check_text_file(too, "json")
+    damage.check_text_file(too, "json")
   # A file that is one JSON array of rows: the array's own level is not the row's.
   array = tmp_path / "rows.json"
   array.write_text("[\n" + ",\n".join([_row("a").strip(), _nested(deep).strip()]) + "\n]\n")
-  sources._check_text_file(array, "json")
+  damage.check_text_file(array, "json")
   array.write_text("[\n" + ",\n".join([_row("a").strip(), _nested(deep + 1).strip()]) + "\n]\n")
   with pytest.raises(DataError, match=rf"^{array}:3 nests"):
-    sources._check_text_file(array, "json")
+    damage.check_text_file(array, "json")
   # The limit is datasets' own: the deepest row passed reads, one level more does not.
   ds = pytest.importorskip("datasets")
   assert ds.load_dataset("json", data_files=str(ok), split="train").num_rows == 3
