@@ -95,7 +95,13 @@ def _read_config(run_dir: Path) -> dict:
     raise UserError(f"{path} is not valid YAML{where}; fix the file.") from e
   if not isinstance(config, dict):
     raise UserError(f"{path} must hold a mapping of run settings (name: value lines).")
-  return config
+  # Settings under their sections (model: {model: ..., dtype: ...}, as runs write config.yaml)
+  # or flat (older runs): no setting holds a mapping.
+  return {
+    k: v
+    for key, value in config.items()
+    for k, v in (value.items() if isinstance(value, dict) else [(key, value)])
+  }
 
 
 def _read_info(run_dir: Path) -> dict:

@@ -32,7 +32,7 @@ if __name__ == "__main__":  # the command line: XLA's C++ warnings only when ask
 from jaxtune.cli import CACHE_HELP, Parser  # noqa: E402
 from jaxtune.errors import UserError  # noqa: E402
 from jaxtune.run import run_dir  # noqa: E402
-from jaxtune.run_config import OPTIONAL_NUMBERS, RunConfig  # noqa: E402
+from jaxtune.run_config import OPTIONAL_NUMBERS, SECTIONS, RunConfig  # noqa: E402
 
 _HELP = {
   "model": "HF checkpoint directory or Hub id (default: the built-in small Llama)",
@@ -181,18 +181,25 @@ def build_parser() -> argparse.ArgumentParser:
     "settings differ from the run's config.yaml (recorded in OUT/config-history)",
   )
   p.add_argument("--no-compile-cache", action="store_true", help=CACHE_HELP)
+  # One group of flags per section of RunConfig (a --config file's sections too).
+  groups = {name: p.add_argument_group(name, about) for name, about in SECTIONS}
   defaults = RunConfig()
   for f in dataclasses.fields(RunConfig):
+    group = groups[f.metadata["section"]]
     flag = "--" + f.name.replace("_", "-")
     default = getattr(defaults, f.name)
     if isinstance(default, bool):
-      p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=_HELP[f.name])
+      group.add_argument(
+        flag, action=argparse.BooleanOptionalAction, default=None, help=_HELP[f.name]
+      )
     elif f.name == "lora_targets":
-      p.add_argument(flag, default=None, help=_HELP[f.name] + f" (default: {','.join(default)})")
+      group.add_argument(
+        flag, default=None, help=_HELP[f.name] + f" (default: {','.join(default)})"
+      )
     else:
       kind = OPTIONAL_NUMBERS.get(f.name) or (type(default) if default is not None else str)
       shown = "" if default is None else f" (default: {default})"
-      p.add_argument(flag, type=kind, default=None, help=_HELP[f.name] + shown)
+      group.add_argument(flag, type=kind, default=None, help=_HELP[f.name] + shown)
   return p
 
 

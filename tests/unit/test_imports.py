@@ -195,6 +195,7 @@ PACKAGE_LAYERS = {
   "converters": 2,
   "jaxtune.errors": 3,
   "jaxtune.run_config": 3,
+  "jaxtune.setting_values": 3,
   "jaxtune.cli": 3,
   "jaxtune.nf4_storage": 3,
   "jaxtune.data": 3,
