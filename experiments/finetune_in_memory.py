@@ -50,7 +50,7 @@ def main() -> None:
     f"train loss {train[0]['loss']:.3f} -> {train[-1]['loss']:.3f}; "
     f"eval loss {evals[-1]['eval_loss']:.3f}"
   )
-  tokenizer = load_tokenizer(model.checkpoint_dir)
+  tokenizer = load_tokenizer(model.provenance.checkpoint_dir)
   prompts = ["What is 12 plus 30?", "What is 7 plus 41?"]
   texts = jaxtune.generate(model, tokenizer, prompts, max_new_tokens=16)
   for prompt, text in zip(prompts, texts, strict=True):

@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       )
     if args.model:
       model, what = _load_checkpoint(args.model)
-      card = model_card.render_base(model.checkpoint_dir, args.model, args.format)
+      card = model_card.render_base(model.provenance.checkpoint_dir, args.model, args.format)
     else:
       card = model_card.render(Path(args.checkpoint), args.format)  # reads the run's files
       model, what = _load_run(Path(args.checkpoint))

@@ -276,13 +276,13 @@ def load_adapter(model: nnx.Module, adapter_dir: str | Path) -> nnx.Module:
   fresh from ``from_pretrained``; returns the same model."""
   d = Path(adapter_dir)
   cfg = read_config(d)
-  if getattr(model, "lora_config", None) is not None:
+  if model.lora_config is not None:
     raise ConfigError(
       "this model already has LoRA adapters; load the adapter into a model fresh from "
       "jaxtune.from_pretrained."
     )
   mcfg = model.config
-  _check_base(cfg, d, getattr(model, "hub_id", None), getattr(model, "checkpoint_dir", None))
+  _check_base(cfg, d, model.provenance.hub_id, model.provenance.checkpoint_dir)
   _check_architecture(cfg, d, model)
   linears = {path[-1]: linear for path, linear in iter_linears(model)}
   unknown = [t for t in cfg.targets if t not in linears]
@@ -414,8 +414,8 @@ def _check_base(cfg: AdapterConfig, d: Path, model_id: str | None, model_dir: st
 def _check_architecture(cfg: AdapterConfig, d: Path, model: nnx.Module) -> None:
   """Refuse an adapter whose recorded transformers class (PEFT records it when the task type
   is unset), or whose local base model's model_type, is not the model's."""
-  config_json = Path(getattr(model, "checkpoint_dir", "") or "") / "config.json"
-  if cfg.architecture is not None and config_json.is_file():
+  config_json = model.provenance.file("config.json")
+  if cfg.architecture is not None and config_json is not None and config_json.is_file():
     architectures = json.loads(config_json.read_text()).get("architectures") or []
     if architectures and cfg.architecture not in architectures:
       raise ConfigError(

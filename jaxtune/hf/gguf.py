@@ -115,7 +115,7 @@ def export_gguf(
   if cfg.model_type not in ARCHITECTURES:
     raise ExportError(f"GGUF export does not support model_type {cfg.model_type!r}.")
   arch = ARCHITECTURES[cfg.model_type]
-  src = Path(getattr(model, "checkpoint_dir", "") or "")
+  src = Path(model.provenance.checkpoint_dir or "")
   vocab = tokenizer_writer(src, cfg.vocab_size)
   tensors = _plan(model, arch, gguf_type, merge_source(model, merge_into))
   out = Path(out_dir)

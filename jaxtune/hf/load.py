@@ -30,6 +30,7 @@ from jaxtune.errors import ConfigError, UserError
 from jaxtune.hf.device_put import DeviceBuffers, put_in_pieces
 from jaxtune.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from jaxtune.models.decoder import Decoder
+from jaxtune.models.provenance import Provenance
 
 log = logging.getLogger("jaxtune")
 
@@ -90,9 +91,13 @@ def from_pretrained(
   except bnb.BnbError as e:
     raise CheckpointError(str(e)) from e
   compute = DTYPES[dtype]
+  # hub_id: None for a local directory
+  provenance = Provenance(str(ckpt), hub_id(path_or_hub_id) or hub_id(ckpt))
 
   abstract = nnx.eval_shape(
-    lambda: MODELS[cfg.model_type](cfg, quantized=quantized, dtype=compute, rngs=nnx.Rngs(0))
+    lambda: MODELS[cfg.model_type](
+      cfg, quantized=quantized, dtype=compute, provenance=provenance, rngs=nnx.Rngs(0)
+    )
   )
   graphdef, state = nnx.split(abstract)
   variables = dict(state.flat_state())
@@ -149,10 +154,7 @@ def from_pretrained(
   if missing:
     shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
     raise CheckpointError(f"{ckpt} lacks weights for {shown}; the checkpoint is incomplete.")
-  model = nnx.merge(graphdef, nnx.from_flat_state(buffers.state()))
-  model.checkpoint_dir = str(ckpt)
-  model.hub_id = hub_id(path_or_hub_id) or hub_id(ckpt)  # None for a local directory
-  return model
+  return nnx.merge(graphdef, nnx.from_flat_state(buffers.state()))
 
 
 __all__ = ["CheckpointError", "ConfigError", "from_pretrained", "hub_id", "safetensors_files"]

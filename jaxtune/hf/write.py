@@ -174,7 +174,7 @@ def merge_source(model: nnx.Module, merge_into: str) -> OriginalWeights | None:
     raise ExportError(f"--merge-into must be original or dequantized, got {merge_into!r}.")
   if merge_into == "dequantized":
     return None
-  src = getattr(model, "checkpoint_dir", None)
+  src = model.provenance.checkpoint_dir
   if not src:
     raise ExportError(
       "this model was not loaded from a checkpoint, so it has no original weights to merge "
@@ -217,10 +217,10 @@ def param_value(
 
 
 def _copy_side_files(model, out: Path) -> None:
-  src = Path(getattr(model, "checkpoint_dir", "") or "")
   for name in _TOKENIZER_FILES:
-    if (src / name).is_file():
-      shutil.copy2(src / name, out / name)
+    src = model.provenance.file(name)
+    if src is not None and src.is_file():
+      shutil.copy2(src, out / name)
 
 
 def export_merged(
@@ -305,10 +305,10 @@ def _export(
     (out / "model.safetensors.index.json").write_text(
       json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2)
     )
-  src_config = Path(getattr(model, "checkpoint_dir", "") or "") / "config.json"
+  src_config = model.provenance.file("config.json")
   config = (
     json.loads(src_config.read_text())
-    if src_config.is_file()
+    if src_config is not None and src_config.is_file()
     else {"model_type": model.config.model_type}
   )
   config.pop("quantization_config", None)
@@ -324,7 +324,7 @@ def _export(
 
 def base_model_name(model: nnx.Module) -> str:
   """The base model as PEFT records it: its Hub id when known, else its local directory."""
-  return getattr(model, "hub_id", None) or str(getattr(model, "checkpoint_dir", "") or "")
+  return model.provenance.base_name
 
 
 def _peft_pattern(values: dict[str, dict[str, float]], default: float) -> dict[str, float]:
@@ -345,7 +345,7 @@ def _peft_pattern(values: dict[str, dict[str, float]], default: float) -> dict[s
 
 def export_peft(model: nnx.Module, out_dir: str | Path) -> Path:
   """adapter_model.safetensors + adapter_config.json in PEFT's names and layout."""
-  lora_cfg = getattr(model, "lora_config", None)
+  lora_cfg = model.lora_config
   if lora_cfg is None:
     raise ExportError("this model has no LoRA adapters; call jaxtune.apply_lora first.")
   out = Path(out_dir)

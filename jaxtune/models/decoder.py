@@ -2,16 +2,15 @@
 
 One module, not one per family: the families differ by switches in ModelConfig (q/k/v bias,
 q/k norms, (1 + w) norms, embedding scale, sandwich norms, softcaps, sliding windows, local
-rope). Layers are stacked and run under ``jax.lax.scan``; what differs from layer to layer
-(window size, which rope) is a scanned array, never a Python branch over layers.
+rope). Layers (models/blocks.py) are stacked and run under ``jax.lax.scan``, rematerialised
+as the run's remat policy says; what differs from layer to layer (window size, which rope) is
+a scanned array, never a Python branch over layers.
 
-Module and attribute names follow transformers' (``layers.self_attn.q_proj``), so the
-converter table and LoRA targets read the same as a PEFT config.
+A model knows where it came from through one static attribute, ``provenance``
+(models/provenance.py), empty for a model built directly.
 """
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,23 +19,14 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
-from jaxtune.models import attention, rope
+from jaxtune.models import rope
+from jaxtune.models.blocks import MLP, PROJECTIONS, Attention, Block
 from jaxtune.models.config import SLIDING, ModelConfig
-from jaxtune.models.layers import Embed, Linear, RMSNorm, lora_inputs
+from jaxtune.models.layers import Embed, Linear, RMSNorm
+from jaxtune.models.lora import LoraConfig
+from jaxtune.models.provenance import EMPTY, Provenance
 from jaxtune.parallel import pipeline, sharding
 from jaxtune.parallel.runtime import DEFAULT, Runtime
-
-# The order fixes which fold_in index each projection's LoRA dropout key gets.
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_AXES = {
-  "q_proj": ("heads", "embed"),
-  "k_proj": ("kv_heads", "embed"),
-  "v_proj": ("kv_heads", "embed"),
-  "o_proj": ("embed", "heads"),
-  "gate_proj": ("mlp", "embed"),
-  "up_proj": ("mlp", "embed"),
-  "down_proj": ("embed", "mlp"),
-}
 
 # What a layer's backward pass reads, so that remat="activations" recomputes no matmul and no
 # attention, only elementwise work (norms, rope, the MLP activation): the attention's inputs
@@ -101,203 +91,6 @@ GROUP_POLICIES = {
 }
 _IN_GROUP = jax.checkpoint_policies.nothing_saveable
 
-_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
-
-
-def _linear(cfg: ModelConfig, name: str, *, quantized, param_dtype, rngs, bias=False):
-  out_features, in_features = cfg.linear_shapes()[name]
-  return Linear(
-    in_features,
-    out_features,
-    axes=_AXES[name],
-    quantized=quantized,
-    use_bias=bias,
-    layers=cfg.num_layers,
-    param_dtype=param_dtype,
-    rngs=rngs,
-  )
-
-
-class Attention(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, quantized: bool, param_dtype: DTypeLike, rngs: nnx.Rngs):
-    kw = dict(quantized=quantized, param_dtype=param_dtype, rngs=rngs)
-    self.q_proj = _linear(cfg, "q_proj", bias=cfg.qkv_bias, **kw)
-    self.k_proj = _linear(cfg, "k_proj", bias=cfg.qkv_bias, **kw)
-    self.v_proj = _linear(cfg, "v_proj", bias=cfg.qkv_bias, **kw)
-    self.o_proj = _linear(cfg, "o_proj", bias=cfg.o_bias, **kw)
-    self.qkv_fused = nnx.data(None)  # a layers.Fused while decoding (prepare_kernel_operands)
-    if cfg.qk_norm:
-      norm = dict(eps=cfg.rms_norm_eps, layers=cfg.num_layers, plus_one=cfg.norm_plus_one)
-      self.q_norm = RMSNorm(cfg.head_dim, **norm, param_dtype=param_dtype)
-      self.k_norm = RMSNorm(cfg.head_dim, **norm, param_dtype=param_dtype)
-    else:
-      self.q_norm = self.k_norm = None
-    self.num_heads = cfg.num_heads
-    self.num_kv_heads = cfg.num_kv_heads
-    self.head_dim = cfg.head_dim
-    self.scale = cfg.attention_scale
-    self.softcap = cfg.attn_logit_softcap
-
-  def __call__(
-    self,
-    x: jax.Array,
-    cos: jax.Array,
-    sin: jax.Array,
-    segment_ids: jax.Array | None,
-    window: jax.Array | None,
-    keys: Sequence[jax.Array | None],
-    runtime: Runtime,
-    cache: Callable[..., tuple[jax.Array, Any]] | None = None,
-    positions: jax.Array | None = None,
-  ) -> jax.Array | tuple[jax.Array, Any]:
-    """With ``cache``, a function (q, k, v, scale, softcap) -> (out, new cache) that stores
-    this chunk's keys and attends over the cached ones, returns (out, new cache).
-    ``positions`` [B, T]: what ring attention masks by (a ``context`` axis)."""
-    b, t, _ = x.shape
-    mm, again = runtime.nf4_matmul, runtime.dequantize_again
-    fq = fk = fv = None
-    if self.qkv_fused is not None:
-      fq, fk, fv = self.qkv_fused(x, mm)
-    q = self.q_proj(x, keys[0], mm, fq, again).reshape(b, t, self.num_heads, self.head_dim)
-    k = self.k_proj(x, keys[1], mm, fk, again).reshape(b, t, self.num_kv_heads, self.head_dim)
-    v = self.v_proj(x, keys[2], mm, fv, again).reshape(b, t, self.num_kv_heads, self.head_dim)
-    if self.q_norm is not None:  # its backward reads the projections (remat="activations")
-      q, k = checkpoint_name(q, "query_projected"), checkpoint_name(k, "key_projected")
-      q, k = self.q_norm(q), self.k_norm(k)
-    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-    if cache is None:
-      q, k, v = (checkpoint_name(a, n) for a, n in ((q, "query"), (k, "key"), (v, "value")))
-      out = attention.attention(  # [B, T, N, H], its ops under the "attention" scope
-        q,
-        k,
-        v,
-        segment_ids=segment_ids,
-        scale=self.scale,
-        window=window,
-        softcap=self.softcap,
-        runtime=runtime,
-        positions=positions,
-      )
-    else:  # the decoder decides where keys are kept and which it attends to
-      out, cache = cache(q, k, v, self.scale, self.softcap)
-    out = self.o_proj(out.reshape(b, t, -1), keys[3], mm, dequantize_again=again)
-    return out if cache is None else (out, cache)
-
-
-class MLP(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, quantized: bool, param_dtype: DTypeLike, rngs: nnx.Rngs):
-    kw = dict(quantized=quantized, param_dtype=param_dtype, rngs=rngs, bias=cfg.mlp_bias)
-    self.gate_proj = _linear(cfg, "gate_proj", **kw)
-    self.up_proj = _linear(cfg, "up_proj", **kw)
-    self.down_proj = _linear(cfg, "down_proj", **kw)
-    self.gate_up_fused = nnx.data(None)  # a layers.Fused while decoding
-    self.activation = cfg.hidden_act
-
-  def __call__(self, x: jax.Array, keys: Sequence[jax.Array | None], runtime: Runtime) -> jax.Array:
-    """down(act(gate(x)) * up(x)); with ``runtime.mlp_chunk``, a rematerialised scan over
-    pieces of that many tokens (the last one zero-padded; the MLP is per token), so the
-    [B, T, intermediate] temporaries exist for one piece at a time (long contexts, where they
-    are the largest buffers of a layer's backward). LoRA dropout draws each piece's masks
-    from its own key, so with dropout the masks (not their distribution) differ from the
-    unchunked run's."""
-    b, t, d = x.shape
-    c = runtime.mlp_chunk
-    if not c or t <= c:
-      return self._mlp(x, keys, runtime)
-    n = -(-t // c)
-
-    def piece(_, xs):
-      x_c, i = xs
-      keys_c = [None if k is None else jax.random.fold_in(k, i) for k in keys]
-      return None, self._mlp(x_c, keys_c, runtime)
-
-    padded = jnp.pad(x, ((0, 0), (0, n * c - t), (0, 0)))
-    pieces = padded.reshape(b, n, c, d).swapaxes(0, 1)
-    step = jax.checkpoint(piece, prevent_cse=False)
-    _, ys = jax.lax.scan(step, None, (pieces, jnp.arange(n)))
-    return ys.swapaxes(0, 1).reshape(b, n * c, -1)[:, :t]
-
-  def _mlp(self, x, keys, runtime: Runtime):
-    mm, again = runtime.nf4_matmul, runtime.dequantize_again
-    fg = fu = lg = lu = None
-    if self.gate_up_fused is not None:
-      fg, fu = self.gate_up_fused(x, mm)
-    else:  # their LoRA products folded into the frozen ones (Linear's lora_in)
-      lg, lu = lora_inputs(x, (self.gate_proj, self.up_proj), (keys[4], keys[5]))
-    gate = checkpoint_name(self.gate_proj(x, keys[4], mm, fg, again, lg), "mlp_gate")
-    up = checkpoint_name(self.up_proj(x, keys[5], mm, fu, again, lu), "mlp_up")
-    with jax.named_scope("mlp_activation"):
-      h = _ACTIVATIONS[self.activation](gate) * up
-    return self.down_proj(h, keys[6], mm, dequantize_again=again)
-
-
-class Block(nnx.Module):
-  """One decoder layer; built with a leading ``layers`` axis and run under scan.
-
-  Llama/Qwen/Gemma 1: x + attn(norm(x)), then + mlp(post_attention_layernorm(x)).
-  Gemma 2/3 (sandwich): x + post_attention_layernorm(attn(input_layernorm(x))), then
-  + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x))).
-  """
-
-  def __init__(self, cfg: ModelConfig, *, quantized: bool, param_dtype: DTypeLike, rngs: nnx.Rngs):
-    norm = dict(
-      eps=cfg.rms_norm_eps,
-      layers=cfg.num_layers,
-      plus_one=cfg.norm_plus_one,
-      param_dtype=param_dtype,
-    )
-    self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
-    self.self_attn = Attention(cfg, quantized=quantized, param_dtype=param_dtype, rngs=rngs)
-    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
-    if cfg.sandwich_norms:
-      self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, **norm)
-      self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, **norm)
-    else:
-      self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
-    self.mlp = MLP(cfg, quantized=quantized, param_dtype=param_dtype, rngs=rngs)
-
-  def _residual(self, x, runtime: Runtime):
-    """The residual stream after an add. Under sequence parallelism its tokens stay split over
-    ``tensor``, so the norms and adds run on 1/tensor of the tokens and each projection's
-    all-reduce becomes a reduce-scatter + all-gather."""
-    if not runtime.sequence_parallel:
-      return x
-    return runtime.constrain(x, "batch", "norm_length", "embed")
-
-  def __call__(
-    self,
-    x: jax.Array,
-    cos: jax.Array,
-    sin: jax.Array,
-    segment_ids: jax.Array | None,
-    window: jax.Array | None,
-    key: jax.Array | None,
-    runtime: Runtime,
-    cache: Callable[..., tuple[jax.Array, Any]] | None = None,
-    positions: jax.Array | None = None,
-  ) -> jax.Array | tuple[jax.Array, Any]:
-    """The layer's output; with a KV ``cache`` (see Attention), (output, new cache)."""
-    keys = [None] * len(PROJECTIONS)
-    if key is not None:
-      keys = [jax.random.fold_in(key, i) for i in range(len(PROJECTIONS))]
-    h = self.self_attn(
-      self.input_layernorm(x), cos, sin, segment_ids, window, keys, runtime, cache, positions
-    )
-    h, new_cache = (h, None) if cache is None else h
-    # Decoding (cache) runs on the model as it is: no training layout.
-    res = (lambda x: self._residual(x, runtime)) if cache is None else (lambda x: x)  # noqa: E731
-    mlp = lambda x: self.mlp(x, keys, runtime)  # noqa: E731
-    # The checkpoint names mark what remat="activations" keeps for the backward pass.
-    if self.pre_feedforward_layernorm is None:
-      x = checkpoint_name(res(x + h), "residual_mid")
-      x = res(x + mlp(self.post_attention_layernorm(x)))
-    else:
-      h = checkpoint_name(h, "attention_projected")
-      x = checkpoint_name(res(x + self.post_attention_layernorm(h)), "residual_mid")
-      h = checkpoint_name(mlp(self.pre_feedforward_layernorm(x)), "mlp_out")
-      x = res(x + self.post_feedforward_layernorm(h))
-    return x if cache is None else (x, new_cache)
-
 
 class Decoder(nnx.Module):
   def __init__(
@@ -307,12 +100,15 @@ class Decoder(nnx.Module):
     quantized: bool = False,
     dtype: DTypeLike = jnp.float32,
     param_dtype: DTypeLike | None = None,
+    provenance: Provenance = EMPTY,
     rngs: nnx.Rngs,
   ):
     param_dtype = param_dtype or dtype
     self.config = cfg
     self.dtype = dtype
     self.quantized = quantized
+    self.provenance = provenance  # static (in the graphdef): where the weights came from
+    self.lora_config: LoraConfig | None = None  # the adapters' settings, set by apply_lora
     self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=param_dtype, rngs=rngs)
     self.layers = Block(cfg, quantized=quantized, param_dtype=param_dtype, rngs=rngs)
     self.norm = RMSNorm(
@@ -500,3 +296,15 @@ class Decoder(nnx.Module):
     """Logits [B, T, V] in float32."""
     h = self.hidden_states(input_ids, positions, segment_ids, dropout_key, runtime, inputs_embeds)
     return self.logits_from_hidden(h).astype(jnp.float32)
+
+
+__all__ = [
+  "GROUP_POLICIES",
+  "MLP",
+  "PROJECTIONS",
+  "REMAT_POLICIES",
+  "SAVED_ACTIVATIONS",
+  "Attention",
+  "Block",
+  "Decoder",
+]

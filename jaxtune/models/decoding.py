@@ -306,9 +306,10 @@ def generate_ids(
   Prefill and the whole decode loop each run as one compiled call (a while loop on the
   device), cached across calls for the same model structure and sampling settings.
   ``word_lookup``: whether the loop copies the NF4 kernel's codes into its faster lookup's
-  order (None: where they take at most half the free device memory, ``word_codes_fit``);
-  "inplace": where the copy does not fit, permute the model's own codes for the loop and
-  back after it (``codes_in_word_order``: only for a caller that owns the model).
+  order (True), permutes the model's own codes for the loop and back after it ("inplace",
+  ``codes_in_word_order``: only for a caller that owns the model) or neither (False), as a
+  run's plan decides (``Plan.decode``); None: a copy where it takes at most half the free
+  device memory (``word_codes_fit``).
   ``fuse``: with those codes, q/k/v and gate/up each in one kernel launch (False: one per
   layer, to compare). ``max_positions``: refuse a prompt whose tokens and max_new_tokens
   need more positions (the command line passes the model's max_position_embeddings; None:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtune.models.decoder import MLP, Attention
+from jaxtune.models.blocks import MLP, Attention
 from jaxtune.models.layers import Fused
 from jaxtune.models.lora import iter_linears
 from jaxtune.parallel.runtime import free_device_bytes
@@ -147,12 +147,12 @@ def loop_codes(
   fuse: bool = True,
 ) -> bool | str:
   """The codes a decode loop of ``tokens`` rows gives the NF4 kernel (``prepare_kernel_operands``'
-  ``word``), as ``generate_ids`` decides from its ``word_lookup``: True (a word-order copy) where
-  it fits or is asked for; "inplace" where it is asked for and no copy fits: the model's own
-  codes permuted (``codes_in_word_order``, entered on ``stack``: put back when it closes); else
-  False."""
-  word = word_codes_fit(model, tokens, fuse) if word_lookup in (None, "inplace") else word_lookup
-  if word_lookup == "inplace" and not word:
-    if stack.enter_context(codes_in_word_order(model, tokens)):
-      word = "inplace"
+  ``word``), as ``word_lookup`` says (a run's plan decides it: run.choices.resolve_decode):
+  True a word-order copy; "inplace" the model's own codes permuted (``codes_in_word_order``,
+  entered on ``stack``: put back when it closes; False where no layer's calls reach the
+  kernel); False neither. None (a library call without a plan): a copy where it takes at most
+  half the free device memory (``word_codes_fit``), else none."""
+  word = word_codes_fit(model, tokens, fuse) if word_lookup is None else word_lookup
+  if word == "inplace":
+    word = "inplace" if stack.enter_context(codes_in_word_order(model, tokens)) else False
   return word

@@ -157,10 +157,10 @@ def apply_lora(
   alpha_pattern = dict(alpha_pattern or {})
   found = {path[-1] for path, _ in iter_linears(model)}
   named = {_parse_key(k)[1] for k in (*rank_pattern, *alpha_pattern)} - {None}
-  num_layers = getattr(getattr(model, "config", None), "num_layers", None)
+  num_layers = model.config.num_layers
   for key in (*rank_pattern, *alpha_pattern):
     layers = _parse_key(key)[0]
-    if layers is not None and num_layers is not None and layers.stop > num_layers:
+    if layers is not None and layers.stop > num_layers:
       raise UserError(
         f"LoRA pattern key {key!r} names layer {layers.stop - 1}, but the model has "
         f"{num_layers} layers (0 to {num_layers - 1})."

@@ -129,7 +129,7 @@ def test_a_source_gone_since_loading_is_one_sentence_and_nothing_is_left(tiny_mo
 def test_merged_config_names_one_dtype_and_transformers_loads_it_so(adapted, tmp_path):
   from transformers import AutoModelForCausalLM
 
-  source = json.loads((Path(adapted.checkpoint_dir) / "config.json").read_text())
+  source = json.loads((Path(adapted.provenance.checkpoint_dir) / "config.json").read_text())
   out = export.write(adapted, "merged", tmp_path / "m", "bfloat16")
   config = json.loads((out / "config.json").read_text())
   assert config["dtype"] == config["torch_dtype"] == "bfloat16" != source["torch_dtype"]

@@ -1,5 +1,7 @@
 """Llama parity with transformers' own PyTorch implementation, on tiny random checkpoints."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,9 +11,11 @@ from conftest import copy_dequantized_into, max_rel_err, torch_logits
 from flax import nnx
 
 import jaxtune
+from jaxtune.errors import ExportError
 from jaxtune.models.config import ModelConfig
 from jaxtune.models.decoder import Decoder
 from jaxtune.models.layers import Linear
+from jaxtune.models.provenance import Provenance
 from jaxtune.nf4_storage import NF4Storage
 from jaxtune.parallel import runtime
 
@@ -182,6 +186,39 @@ def test_full_size_shapes_without_allocating():
   )
   linear_params = cfg.num_layers * sum(o * i for o, i in cfg.linear_shapes().values())
   assert codes * 2 == linear_params  # two 4-bit codes per byte
+
+
+def test_a_loaded_model_carries_its_provenance_and_exports_read_it(hf_llama_dir, tmp_path):
+  """from_pretrained records where the weights came from as one static attribute, which
+  split and merge keep (in the graphdef, not the state); the exports read it: pointed at
+  another directory, the merged export copies that one's config and tokenizer files and PEFT
+  names its Hub id as the base. A model built directly has the empty Provenance."""
+  path, _ = hf_llama_dir()
+  load = lambda: jaxtune.from_pretrained(path, quantization=None, dtype="float32")  # noqa: E731
+  model, again = load(), load()
+  assert model.provenance == Provenance(str(path), None)
+  graphdef, state = nnx.split(model)
+  assert graphdef == nnx.split(again)[0] and hash(graphdef) == hash(nnx.split(again)[0])
+  assert nnx.merge(graphdef, state).provenance == model.provenance
+  assert all(hasattr(leaf, "shape") for leaf in jax.tree.leaves(state))
+
+  other = tmp_path / "other"
+  other.mkdir()
+  config = json.loads((path / "config.json").read_text())
+  (other / "config.json").write_text(json.dumps({**config, "marker": "provenance"}))
+  (other / "tokenizer_config.json").write_text("{}")
+  model.provenance = Provenance(str(other), "tiny-org/elsewhere")
+  merged = jaxtune.export_merged(model, tmp_path / "merged", dtype="float32")
+  assert json.loads((merged / "config.json").read_text())["marker"] == "provenance"
+  assert (merged / "tokenizer_config.json").is_file()
+  peft = jaxtune.export_peft(jaxtune.apply_lora(model, rank=2), tmp_path / "peft")
+  adapter_config = json.loads((peft / "adapter_config.json").read_text())
+  assert adapter_config["base_model_name_or_path"] == "tiny-org/elsewhere"
+
+  direct = Decoder(model.config, rngs=nnx.Rngs(0))
+  assert direct.provenance == Provenance() and direct.lora_config is None
+  with pytest.raises(ExportError, match="not loaded from a checkpoint"):
+    jaxtune.export_merged(direct, tmp_path / "direct", merge_into="original")
 
 
 def test_lm_head_stays_dense(hf_llama_dir):

@@ -136,7 +136,7 @@ def test_folded_mlp_lora_equals_the_separate_products(
 ):
   """NF4 gate/up fold their LoRA into the frozen product (layers.lora_inputs): the same loss
   and adapter gradients as adding each LoRA's own product."""
-  from jaxtune.models import decoder
+  from jaxtune.models import blocks
   from pallas_kernels.nf4_matmul import reference
 
   path, _ = hf_llama_dir(seed=5)
@@ -172,7 +172,7 @@ def test_folded_mlp_lora_equals_the_separate_products(
   )
   got, got_grads = value_and_grad()
   assert folds, "the MLP did not fold"
-  monkeypatch.setattr(decoder, "lora_inputs", lambda x, layers, keys: [None] * len(layers))
+  monkeypatch.setattr(blocks, "lora_inputs", lambda x, layers, keys: [None] * len(layers))
   folded = len(folds)
   want, want_grads = value_and_grad()
   assert len(folds) == folded, "the separate products folded"
