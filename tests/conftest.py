@@ -346,14 +346,14 @@ _SUMMARY: list[str] = []
 
 @pytest.fixture(autouse=True)
 def _no_step_store_in_this_process(monkeypatch):
-  """The command lines' step store (compile_cache.py) is off in this process at every test's start
+  """The command lines' step store (step_store.py) is off in this process at every test's start
   and end: tests monkeypatch what a step computes, which the store's key cannot see. (A test
   that runs a command line's main() here turns it on for the rest of that test; none of
   those patches the step. The environment stays as it is: command lines the tests start as
   processes use the store.) Tests of the store turn it on themselves."""
-  from jaxtune.training import compile_cache
+  from jaxtune.training import step_store
 
-  monkeypatch.setattr(compile_cache, "_store_dir", None)
+  monkeypatch.setattr(step_store, "_store_dir", None)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -538,7 +538,7 @@ def mesh_lora_model(path, run, spec: str):
   from jaxtune.run import resolve as resolver
 
   devices = jax.devices()[: math.prod(meshlib.parse_mesh(spec, 8).values())]
-  rt = resolver.resolve(run.replace(mesh=spec), ModelConfig.from_hf(path), devices=devices)
+  rt = resolver.resolve(run.replace(mesh=spec), ModelConfig.from_hf(path), devices=devices).runtime
   model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32", mesh=rt.mesh)
   return rt, jaxtune.apply_lora(model, rank=4, alpha=8, seed=0)
 

@@ -6,10 +6,8 @@ checkpoints, signals, progress) lives here around it.
 
 import contextlib
 import dataclasses
-import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,21 +23,15 @@ from jaxtune.data.streaming import StreamingDataset
 from jaxtune.errors import TrainingError
 from jaxtune.parallel import distributed
 from jaxtune.parallel import ring_attention as context
-from jaxtune.parallel.runtime import Runtime
+from jaxtune.parallel.runtime import Plan, Runtime
 from jaxtune.run_config import RunConfig
 from jaxtune.training import log as run_log
 from jaxtune.training import plan, step
+from jaxtune.training.host_rows import HostRows
+from jaxtune.training.signals import Stopped, StopSignals  # noqa: F401 (train's, re-exported)
 
 if TYPE_CHECKING:
   from jaxtune.training.checkpoint import Checkpoints
-
-
-class Stopped(Exception):
-  """Training stopped on SIGTERM/SIGINT after saving a checkpoint at ``step``."""
-
-  def __init__(self, signum: int, step: int, saved: bool):
-    self.signum, self.step, self.saved = signum, step, saved
-    super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}")
 
 
 def _bad_loss_message(loss: float, grad_norm: float, step: int) -> str:
@@ -64,46 +56,6 @@ def _bad_loss_message(loss: float, grad_norm: float, step: int) -> str:
     f"the loss is {loss} at step {step}, most likely {cause}; pass --skip-nonfinite to skip "
     "such steps instead of stopping."
   )
-
-
-class StopSignals:
-  """While active, SIGTERM/SIGINT ask the loop to save and stop after the current step.
-
-  A second signal stops at once (the checkpoint on disk is then the last complete one:
-  orbax renames a checkpoint into place only when it is fully written).
-  """
-
-  SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-  def __init__(self):
-    self.signum: int | None = None
-    self.step: int | None = None  # the step in progress (dispatched), which the loop sets
-    self._previous = {}
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      for s in self.SIGNALS:
-        self._previous[s] = signal.signal(s, self._handle)
-    return self
-
-  def __exit__(self, *exc):
-    for s, handler in self._previous.items():
-      signal.signal(s, handler)
-    self._previous = {}
-
-  def _handle(self, signum, frame):
-    if self.signum is not None:
-      signal.signal(signum, signal.SIG_DFL)
-      os.kill(os.getpid(), signum)
-      return
-    self.signum = signum
-    which = "the step in progress" if self.step is None else f"step {self.step}, in progress"
-    print(
-      f"\njaxtune: {signal.Signals(signum).name} received; saving a checkpoint after {which}, "
-      "then stopping (send it again to stop at once).",
-      file=sys.stderr,
-      flush=True,
-    )
 
 
 def _start(lora, tx, runtime: Runtime, loss_scale, checkpoints, seed: int, dataset, rollouts):
@@ -136,248 +88,248 @@ def _start(lora, tx, runtime: Runtime, loss_scale, checkpoints, seed: int, datas
   return state["lora"], state["opt_state"], key, start, where
 
 
+class _Loop:
+  """The state the steps carry (adapters, optimizer state, key), the placed batches, and the
+  rows read back from the device: what ``train``'s hooks around the jitted step share.
+
+  Step i's figures are read (a wait for the device) after step i + 1 is dispatched, so the
+  device goes from one step to the next without waiting on the host (``pending``). Steps that
+  evaluate, save or end the run are read at once, before anything is made from them, and so
+  is a step that a signal stops. GRPO's are too: its rollouts wait for the step on the device
+  anyway, and its update_s is the step's own time. With several processes the stop check
+  (distributed.any_process) waits for each step, so there the overlap is lost."""
+
+  def __init__(self, model, dataset, run: RunConfig, plan_: Plan, checkpoints, loss_scale,
+               objective, rollouts):  # fmt: skip
+    runtime = plan_.runtime
+    self.model, self.dataset, self.run, self.plan = model, dataset, run, plan_
+    self.checkpoints, self.objective, self.rollouts = checkpoints, objective, rollouts
+    self.graphdef, lora, frozen = step.place(model, runtime)
+    self.rows = HostRows(frozen, runtime) if runtime.host_embeddings else None
+    self.frozen = frozen if self.rows is None else self.rows.frozen
+    if loss_scale is None and runtime.dtype == "float16":
+      loss_scale = step.LossScale()
+    self.loss_scale = loss_scale
+    # The step's last argument, so that none of them is a constant of its program; on every
+    # device of the mesh, as the key.
+    numbers = step.optimizer_numbers(run)
+    self.tx, _ = step.make_optimizer(run, numbers)
+    self.learning_rate = step.host_learning_rate(run, numbers)  # rows: nothing queued on device
+    self.numbers = jax.device_put(
+      numbers, None if runtime.mesh is None else NamedSharding(runtime.mesh, PartitionSpec())
+    )
+    self.lora, self.opt_state, self.key, self.start, where = _start(
+      lora, self.tx, runtime, loss_scale, checkpoints, run.seed, dataset, rollouts
+    )
+    replicated = runtime.sharding()
+    self.out_shardings = (
+      None if replicated is None else (where["lora"], where["opt_state"], replicated)
+    )
+    self.batch_at = runtime.sharding("accum", "batch", "length")
+    self.eval_at = runtime.sharding("batch", "length")
+    self.row_at = runtime.sharding("accum", "batch")  # per-row leaves (GRPO's advantages)
+    # The next batch is assembled while the step runs, where batches are a function of the
+    # step alone; a stream's position (saved in checkpoints) must not run ahead of the steps.
+    self.prefetch = not hasattr(dataset, "state") and rollouts is None
+    self.figures: dict = {}  # the last rollout's (GRPO)
+    self.first = None  # the next step's batch, placed ahead of it
+    self.step_fn = self.eval_step = None
+    self.pending = None  # (i, m, tokens, t0, rolled, t_step) of a step dispatched, not read
+    self.read_at = None  # when the last step's figures came back
+    self.history: list[dict] = []
+    self.counts = {"skipped_steps": 0, "overflow_steps": 0}
+    self.saved = self.start
+
+  def next_batch(self, i: int) -> dict[str, jax.Array]:
+    """Step ``i``'s batch, placed; a rollout's figures (GRPO) go to ``figures``."""
+    run = self.run
+    if self.rollouts is not None:
+      host, self.figures = self.rollouts(i, self.graphdef, self.lora, self.frozen)
+    else:
+      host = self.dataset.batch(i, run.batch_size, run.grad_accum, run.seed)
+    host = context.zigzag_batch(host, self.plan.runtime.context, 2)
+    return _place(host, self.batch_at, self.row_at, self.rows)
+
+  def compile(self, announce) -> None:
+    """The step compiled for the run's real first arguments, its remat and loss chunk chosen
+    by their memory plan among the candidates resolve listed (plan.choose, which records the
+    choice in the run's plan); then the held-out step, under the plan's eval runtime."""
+    run = self.run
+    if self.start < run.steps:
+      self.first = self.next_batch(self.start)
+      args = (self.lora, self.opt_state, self.frozen, self.first)
+      key = jax.random.fold_in(self.key, self.start)
+      self.step_fn, chosen = plan.choose(
+        lambda rt: step.make_train_step(
+          self.graphdef, self.tx, rt, self.loss_scale, self.out_shardings, self.objective, run=run
+        ),
+        (*args, key, self.numbers),
+        self.plan,
+        plan.device_budget(self.plan.runtime.memory_limit),
+        logits_bytes=_logits_bytes(self.model, self.first, self.plan.runtime),
+        floor=lambda rt: _floor(self.graphdef, *args, self.key, rt, self.objective),
+        identity=_step_identity(
+          self.graphdef, self.model, run, self.objective, self.loss_scale, self.out_shardings
+        ),
+      )
+      if announce is not None:
+        announce(chosen)
+    elif announce is not None:
+      announce(None)
+
+  def dispatch(self, i: int):
+    """Step ``i`` dispatched (its batch placed first, the next one placed while it runs);
+    returns what ``read`` takes."""
+    t0 = time.perf_counter()
+    batch, self.first = self.first if self.first is not None else self.next_batch(i), None
+    rolled, t_step = self.figures, time.perf_counter()
+    key = jax.random.fold_in(self.key, i)
+    self.lora, self.opt_state, m = self.step_fn(
+      self.lora, self.opt_state, self.frozen, batch, key, self.numbers
+    )
+    if self.prefetch and i + 1 < self.run.steps:  # built on the host while step i runs
+      self.first = self.next_batch(i + 1)
+    return (i, m, int(np.prod(batch["input_ids"].shape)), t0, rolled, t_step)
+
+  def read(self, log, i, m, tokens, t0, rolled, t_step) -> dict:
+    """Step ``i``'s row: its figures (waiting for them), a bad step counted or raised, logged."""
+    # A step dispatched before the previous one was read starts when that one ends.
+    row = _row(
+      i, m, self.learning_rate, tokens, t0 if self.read_at is None else max(t0, self.read_at)
+    )
+    self.read_at = time.perf_counter()
+    if self.rollouts is not None:
+      row.update(rolled, update_s=self.read_at - t_step)
+    _count_bad_step(row, m, self.run, self.loss_scale, self.counts)
+    self.history.append(row)
+    if (i + 1) % self.run.log_every == 0 or i + 1 == self.run.steps:
+      log.train(row)
+    return row
+
+  def read_pending(self, log) -> None:
+    if self.pending is not None:
+      taken, self.pending = self.pending, None
+      self.read(log, *taken)
+
+  def evaluate(self, log, n: int, row: dict, eval_dataset, sample_fn) -> None:
+    """Held-out figures and samples after step ``n``, logged and added to its ``row``."""
+    metrics, samples = {}, []
+    if eval_dataset is not None:
+      if self.eval_step is None:
+        self.eval_step = step.make_eval_step(self.graphdef, self.plan.eval, self.objective)
+      metrics = step.evaluate(
+        self.eval_step, self.lora, self.frozen, eval_dataset, self.run.batch_size,
+        self.eval_at, self.eval_rows,
+      )  # fmt: skip
+    if sample_fn is not None:
+      whole = self.frozen if self.rows is None else self.rows.restore(self.frozen)
+      local = distributed.local_copy((self.lora, whole), self.plan.runtime.mesh)
+      samples = sample_fn(nnx.merge(self.graphdef, *local)) if distributed.is_main() else []
+    log.eval(n, metrics, samples)
+    row.update(metrics)
+
+  def eval_rows(self, host: dict) -> dict:
+    """A held-out host batch [B, T] as the eval step takes it."""
+    host = context.zigzag_batch(host, self.plan.runtime.context, 1)
+    return host if self.rows is None else self.rows.add(host)
+
+  def save(self, n: int) -> None:
+    if self.checkpoints is not None and n != self.saved:
+      data_state = self.dataset.state() if hasattr(self.dataset, "state") else None
+      held = self.rollouts.state(n) if self.rollouts is not None else None
+      state = {"lora": self.lora, "opt_state": self.opt_state, "key": self.key}
+      self.checkpoints.save(n, state, data_state, held)
+      self.saved = n
+
+  def finish(self) -> nnx.Module:
+    """The trained model: the adapters merged back with the frozen weights (the embedding
+    table back on the devices), the run's copies of the kernels' codes dropped."""
+    frozen = self.frozen if self.rows is None else self.rows.restore(self.frozen)
+    trained = nnx.merge(self.graphdef, self.lora, frozen)
+    step.drop_kernel_operands(trained)  # the run's copies of the codes (step.kernel_operands)
+    return trained
+
+
 def train(
   model: nnx.Module,
   dataset: "Dataset | StreamingDataset",
   run: RunConfig,
-  runtime: Runtime,
+  plan_: Plan | Runtime,
   checkpoints: "Checkpoints | None" = None,
   eval_dataset: Dataset | None = None,
   sample_fn: Callable[[nnx.Module], list[tuple[str, str]]] | None = None,
   stop: StopSignals | None = None,
   loss_scale: step.LossScale | None = None,
   previous_steps: int | None = None,
-  announce: Callable[[plan.Plan | None], None] | None = None,
+  announce: Callable[[plan.MemoryPlan | None], None] | None = None,
   objective: step.Objective = step.sft_objective,
   rollouts: step.Rollouts | None = None,
 ) -> tuple[nnx.Module, list[dict]]:
-  """Run the loop under ``runtime``; returns (trained model, list of per-step metrics).
+  """Run the loop under ``plan_`` (run.resolve's Plan; a Runtime alone stands for a plan of
+  it); returns (trained model, list of per-step metrics).
 
   With ``eval_dataset``, held-out loss every ``run.eval_every`` steps and at the end;
   ``sample_fn(model) -> [(prompt, text)]`` adds a few generations to each evaluation. A
-  float16 ``runtime.dtype`` scales the loss dynamically (``loss_scale``, default
-  ``LossScale()``). With ``stop``, a SIGTERM/SIGINT saves a checkpoint after the current step
-  and raises ``Stopped``. ``previous_steps``: the length of the run being resumed, when known
-  (the resume line then says how its schedule changed). ``announce(plan)`` is called once
+  float16 dtype scales the loss dynamically (``loss_scale``, default ``LossScale()``). With
+  ``stop``, a SIGTERM/SIGINT saves a checkpoint after the current step and raises
+  ``Stopped``. ``previous_steps``: the length of the run being resumed, when known (the
+  resume line then says how its schedule changed). ``announce(memory plan)`` is called once
   the step is compiled, before the first step (the start line); ``announce(None)`` when no
-  step is left to train. ``objective``: what the step minimises (step.Objective; default
-  SFT's cross-entropy, preference.Preference for DPO/IPO/ORPO); its figures join the rows.
-  ``rollouts`` (step.Rollouts): batches made from the current adapters (GRPO, rl.Rollouts)
-  instead of ``dataset``'s; their figures join the rows, their state the checkpoints.
+  step is left to train. ``objective``: what the step minimises (objective.Objective; default
+  SFT's cross-entropy); its figures join the rows. ``rollouts`` (step.Rollouts): batches made
+  from the current adapters (GRPO, rl.Rollouts) instead of ``dataset``'s; their figures join
+  the rows, their state the checkpoints.
   """
-  graphdef, lora, frozen = step.place(model, runtime)
-  rows = HostRows(frozen, runtime) if runtime.host_embeddings else None
-  if rows is not None:
-    frozen = rows.frozen
-  if loss_scale is None and runtime.dtype == "float16":
-    loss_scale = step.LossScale()
-  # The step's last argument, so that none of them is a constant of its program; on every
-  # device of the mesh, as the key.
-  numbers = step.optimizer_numbers(run)
-  tx, _ = step.make_optimizer(run, numbers)
-  learning_rate = step.host_learning_rate(run, numbers)  # rows: nothing queued on the device
-  numbers = jax.device_put(
-    numbers, None if runtime.mesh is None else NamedSharding(runtime.mesh, PartitionSpec())
-  )
-  lora, opt_state, key, start, where = _start(
-    lora, tx, runtime, loss_scale, checkpoints, run.seed, dataset, rollouts
-  )
-  if start and distributed.is_main():
-    print(_resume_line(start, run, learning_rate, previous_steps), file=sys.stderr, flush=True)
-  replicated = runtime.sharding()
-  out_shardings = None if replicated is None else (where["lora"], where["opt_state"], replicated)
-  batch_at = runtime.sharding("accum", "batch", "length")
-  eval_at = runtime.sharding("batch", "length")
-  row_at = runtime.sharding("accum", "batch")  # per-row leaves (GRPO's advantages)
-  figures: dict = {}
-
-  def next_batch(i: int) -> dict[str, jax.Array]:
-    """Step ``i``'s batch, placed; a rollout's figures (GRPO) go to ``figures``."""
-    nonlocal figures
-    if rollouts is not None:
-      host, figures = rollouts(i, graphdef, lora, frozen)
-    else:
-      host = dataset.batch(i, run.batch_size, run.grad_accum, run.seed)
-    return _place(context.zigzag_batch(host, runtime.context, 2), batch_at, row_at, rows)
-
-  def eval_rows(host: dict) -> dict:
-    """A held-out host batch [B, T] as the eval step takes it."""
-    host = context.zigzag_batch(host, runtime.context, 1)
-    return host if rows is None else rows.add(host)
-
-  first = None
-  if start < run.steps:
-    # The step compiled for the run's real first arguments, its remat and loss chunk chosen
-    # by their memory plan where the settings leave a choice (plan.py).
-    first = next_batch(start)
-    step_fn, chosen = plan.choose(
-      lambda rt: step.make_train_step(
-        graphdef, tx, rt, loss_scale, out_shardings, objective, run=run
-      ),
-      (lora, opt_state, frozen, first, jax.random.fold_in(key, start), numbers),
-      runtime,
-      plan.device_budget(runtime.memory_limit),
-      logits_bytes=_logits_bytes(model, first, runtime),
-      floor=lambda rt: _floor(graphdef, lora, opt_state, frozen, first, key, rt, objective),
-      identity=_step_identity(graphdef, model, run, objective, loss_scale, out_shardings),
-    )
-    runtime = chosen.runtime
-    if announce is not None:
-      announce(chosen)
-  elif announce is not None:
-    announce(None)
-  eval_step = None
-  if eval_dataset is not None:
-    # A forward pass saves nothing for a backward one: the scan costs it nothing, and unrolled
-    # (or in two scans keeping layers' activations) it would only compile longer (unless
-    # --layer-loop unrolled asks for it).
-    scan = run.layer_loop != "unrolled" or runtime.scan_layers
-    looped = runtime.replace(kept_layers=0, scan_layers=scan)
-    eval_step = step.make_eval_step(graphdef, looped, objective)
-  history, counts = [], {"skipped_steps": 0, "overflow_steps": 0}
-  # The next batch is assembled while the step runs, where batches are a function of the step
-  # alone; a stream's position (saved in checkpoints) must not run ahead of the steps taken.
-  prefetch = not hasattr(dataset, "state") and rollouts is None
+  if not isinstance(plan_, Plan):
+    plan_ = Plan(plan_, eval_scan=run.layer_loop != "unrolled")
+  loop = _Loop(model, dataset, run, plan_, checkpoints, loss_scale, objective, rollouts)
+  if loop.start and distributed.is_main():
+    print(_resume_line(loop.start, run, loop.learning_rate, previous_steps), file=sys.stderr,
+          flush=True)  # fmt: skip
+  loop.compile(announce)
   log = run_log.RunLog(
-    Path(run.out),
-    run.steps,
-    enabled=distributed.is_main(),
-    report_to=run.report_to,
+    Path(run.out), run.steps, enabled=distributed.is_main(), report_to=run.report_to,
     config={**dataclasses.asdict(run), "hardware": _hardware()},
-  )
-  saved = start
-
-  def save(n):
-    nonlocal saved
-    if checkpoints is not None and n != saved:
-      data_state = dataset.state() if hasattr(dataset, "state") else None
-      held = rollouts.state(n) if rollouts is not None else None
-      checkpoints.save(n, {"lora": lora, "opt_state": opt_state, "key": key}, data_state, held)
-      saved = n
-
-  # Step i's figures are read (a wait for the device) after step i + 1 is dispatched, so the
-  # device goes from one step to the next without waiting on the host. Steps that evaluate,
-  # save or end the run are read at once, before anything is made from them, and so is a step
-  # that a signal stops. GRPO's are too: its rollouts wait for the step on the device anyway,
-  # and its update_s is the step's own time. With several processes the stop check
-  # (distributed.any_process) waits for each step, so there the overlap is lost.
-  pending = None  # (i, m, tokens, t0, rolled, t_step) of a step dispatched but not yet read
-  read_at = None  # when the last step's figures came back
-
-  def read(i, m, tokens, t0, rolled, t_step) -> dict:
-    """Step ``i``'s row: its figures (waiting for them), a bad step counted or raised, logged."""
-    nonlocal read_at
-    # A step dispatched before the previous one was read starts when that one ends.
-    row = _row(i, m, learning_rate, tokens, t0 if read_at is None else max(t0, read_at))
-    read_at = time.perf_counter()
-    if rollouts is not None:
-      row.update(rolled, update_s=read_at - t_step)
-    _count_bad_step(row, m, run, loss_scale, counts)
-    history.append(row)
-    if (i + 1) % run.log_every == 0 or i + 1 == run.steps:
-      log.train(row)
-    return row
-
-  def read_pending() -> None:
-    nonlocal pending
-    if pending is not None:
-      taken, pending = pending, None
-      read(*taken)
-
+  )  # fmt: skip
+  saves = checkpoints is not None
   try:
-    for i in range(start, run.steps):
-      if stop is not None and stop.signum is not None and i > start and jax.process_count() == 1:
+    for i in range(loop.start, run.steps):
+      if (
+        stop is not None and stop.signum is not None and i > loop.start and jax.process_count() == 1
+      ):
         # A signal that came after the last check, before this step is dispatched: stop at
         # the step the message named. (Several processes agree once a step, below.)
-        read_pending()
-        save(i)
-        raise Stopped(stop.signum, i, checkpoints is not None)
-      t0 = time.perf_counter()
-      batch, first = first if first is not None else next_batch(i), None
-      rolled = figures
-      t_step = time.perf_counter()
-      lora, opt_state, m = step_fn(
-        lora, opt_state, frozen, batch, jax.random.fold_in(key, i), numbers
-      )
+        loop.read_pending(log)
+        loop.save(i)
+        raise Stopped(stop.signum, i, saves)
+      taken = loop.dispatch(i)
       if stop is not None:
         stop.step = i + 1
-      if prefetch and i + 1 < run.steps:  # built on the host while the device runs step i
-        first = next_batch(i + 1)
-      read_pending()
+      loop.read_pending(log)
       last = i + 1 == run.steps
-      sampling_only = eval_step is None and rollouts is not None and sample_fn is not None
+      sampling_only = eval_dataset is None and rollouts is not None and sample_fn is not None
       due = last or (run.eval_every and (i + 1) % run.eval_every == 0)
-      evaluating = (eval_step is not None or sampling_only) and due
-      saving = checkpoints is not None and ((i + 1) % run.save_every == 0 or last)
-      taken = (i, m, int(np.prod(batch["input_ids"].shape)), t0, rolled, t_step)
+      evaluating = (eval_dataset is not None or sampling_only) and due
+      saving = saves and ((i + 1) % run.save_every == 0 or last)
       if rollouts is None and not (last or evaluating or saving):
-        pending = taken  # read while step i + 1 runs
+        loop.pending = taken  # read while step i + 1 runs
       else:
-        row = read(*taken)
+        row = loop.read(log, *taken)
         if evaluating:
-          metrics = {}
-          if eval_step is not None:
-            metrics = step.evaluate(
-              eval_step, lora, frozen, eval_dataset, run.batch_size, eval_at, eval_rows
-            )
-          samples = []
-          if sample_fn is not None:
-            whole = frozen if rows is None else rows.restore(frozen)
-            local = distributed.local_copy((lora, whole), runtime.mesh)
-            samples = sample_fn(nnx.merge(graphdef, *local)) if distributed.is_main() else []
-          log.eval(i + 1, metrics, samples)
-          row.update(metrics)
+          loop.evaluate(log, i + 1, row, eval_dataset, sample_fn)
         if saving:
-          save(i + 1)
+          loop.save(i + 1)
       if stop is not None and not last and distributed.any_process(stop.signum is not None):
-        read_pending()  # a bad step raises here, before its checkpoint
-        save(i + 1)
-        raise Stopped(stop.signum or signal.SIGTERM, i + 1, checkpoints is not None)
+        loop.read_pending(log)  # a bad step raises here, before its checkpoint
+        loop.save(i + 1)
+        raise Stopped(stop.signum or signal.SIGTERM, i + 1, saves)
   except BaseException:
     with contextlib.suppress(Exception):  # the step before the failure's row, where readable
-      read_pending()
+      loop.read_pending(log)
     raise
   finally:
     log.close()
-  if rows is not None:
-    frozen = rows.restore(frozen)
-  trained = nnx.merge(graphdef, lora, frozen)
-  step.drop_kernel_operands(trained)  # the run's copies of the codes (step.kernel_operands)
-  return trained, history
-
-
-class HostRows:
-  """``--embeddings host``: the input embedding table moved to host memory (its place in the
-  frozen state holds an empty array on the devices, which the step never reads) and each
-  batch's rows gathered from it there, as ``inputs_embeds``.
-
-  The table's device buffer is freed: the model given to ``train`` no longer holds it (the
-  model ``train`` returns does)."""
-
-  def __init__(self, frozen: nnx.State, runtime: Runtime):
-    table = frozen["embed_tokens"]["embedding"][...]
-    self._sharding = table.sharding
-    self.table = np.asarray(distributed.local_copy(table, runtime.mesh))
-    mesh = runtime.mesh
-    empty = np.zeros((0, table.shape[1]), table.dtype)
-    where = NamedSharding(mesh, PartitionSpec()) if mesh is not None else self._sharding
-    self.frozen = self._with(frozen, jax.device_put(empty, where))
-    table.delete()
-
-  def add(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The host batch with the embedding rows of its ``input_ids`` ([..., T] -> [..., T, D])."""
-    return {**batch, "inputs_embeds": self.table[batch["input_ids"]]}
-
-  def restore(self, frozen: nnx.State) -> nnx.State:
-    """``frozen`` with the whole table back on the devices."""
-    return self._with(frozen, distributed.global_batch(self.table, self._sharding))
-
-  @staticmethod
-  def _with(frozen: nnx.State, table: jax.Array) -> nnx.State:
-    frozen = jax.tree.map(lambda x: x, frozen)  # new containers, the same arrays
-    variable = frozen["embed_tokens"]["embedding"]
-    frozen["embed_tokens"]["embedding"] = variable.replace(table)
-    return frozen
+  return loop.finish(), loop.history
 
 
 def _floor(graphdef, lora, opt_state, frozen, batch, key, runtime: Runtime, objective) -> int:

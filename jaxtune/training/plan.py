@@ -26,8 +26,8 @@ import jax
 import jax.extend
 
 from jaxtune.errors import UserError, size_text
-from jaxtune.parallel.runtime import Runtime
-from jaxtune.training import compile_cache
+from jaxtune.parallel.runtime import Plan, Runtime
+from jaxtune.training import compile_cache, step_store
 
 GIB = 2**30
 # remat -> a faster setting whose plan was smaller in every shape measured (experiments/
@@ -93,8 +93,9 @@ def scan_outputs_unwritten(enabled: bool = True) -> Iterator[None]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-  """The chosen setting, what it plans to use, and what was tried before it."""
+class MemoryPlan:
+  """The chosen setting, what it plans to use, and what was tried before it: recorded in the
+  run's ``Plan`` (jaxtune.parallel.runtime) by ``choose``."""
 
   runtime: Runtime
   planned: int  # bytes per device: arguments + outputs - donated + temporaries
@@ -202,19 +203,20 @@ def fits(planned: int, budget: int) -> bool:
 def choose(
   build: Callable[[Runtime], Any],
   args: tuple,
-  runtime: Runtime,
+  plan: Plan | Runtime,
   budget: tuple[int, str],
   logits_bytes: int = 0,
   floor: Callable[[Runtime], int] | None = None,
   identity: str | None = None,
-) -> tuple[Any, Plan]:
-  """(compiled step, plan): the first of ``runtime.candidates`` whose compiled plan fits
-  ``budget``; ``build(runtime)`` returns the jitted step, lowered and compiled here with
-  ``args`` (the real first arguments, so the program's layouts are the run's).
-  ``logits_bytes``: the float32 logits of one micro-batch on one device; a loss-chunked
-  candidate is not compiled when its unchunked twin would not fit even without 4 times that
-  (the logits, their gradient and the softmax's temporaries are what chunking saves), and a
-  DOMINATED_BY setting is not compiled once the setting that dominates it was refused.
+) -> tuple[Any, MemoryPlan]:
+  """(compiled step, memory plan): the first of the candidates that resolve listed
+  (``plan.runtime.candidates``) whose compiled plan fits ``budget``, recorded in ``plan``
+  (``Plan.record``; a ``Runtime`` alone stands for a plan of it). ``build(runtime)`` returns the
+  jitted step, lowered and compiled here with ``args`` (the real first arguments, so the program's
+  layouts are the run's). ``logits_bytes``: the float32 logits of one micro-batch on one device; a
+  loss-chunked candidate is not compiled when its unchunked twin would not fit even without 4
+  times that (the logits, their gradient and the softmax's temporaries are what chunking saves),
+  and a DOMINATED_BY setting is not compiled once the setting that dominates it was refused.
   ``floor(runtime)``: a floor of that candidate's plan found without compiling
   (``floor_bytes``); a candidate whose floor misses the budget is not compiled, nor its
   layers unrolled (also for a forced setting) where UNROLLED_GROWTH times the floor misses.
@@ -226,12 +228,14 @@ def choose(
   the program, e.g. the schedule's kind, the objective), as text: with it, and the step
   store on (``compile_cache.use_compile_cache``), the chosen step is kept whole, and a later
   process with the same key reads it back without tracing, lowering or choosing
-  (``compile_cache.StepStore``).
+  (``step_store.StepStore``).
 
   Raises a ``UserError`` naming the leanest plan and the levers when none fits.
   """
+  plan = plan if isinstance(plan, Plan) else Plan(plan)
+  runtime = plan.runtime
   t0 = time.perf_counter()
-  store = compile_cache.StepStore.open(identity, args, runtime, budget, logits_bytes)
+  store = step_store.StepStore.open(identity, args, runtime, budget, logits_bytes)
   if store is not None:
     found = store.load(args)
     if found is not None:
@@ -241,14 +245,17 @@ def choose(
         candidates=(), try_unrolled=False, keep_up_to=0,
       )  # fmt: skip
       took = time.perf_counter() - t0
-      return compiled, Plan(rt, planned, limit, source, rejected, took, 0, stored=True)
+      chosen = MemoryPlan(rt, planned, limit, source, rejected, took, 0, stored=True)
+      plan.record(chosen)
+      return compiled, chosen
   compiled, chosen = _choose(build, args, runtime, budget, logits_bytes, floor)
   if store is not None:
     store.save(compiled, chosen)
+  plan.record(chosen)
   return compiled, chosen
 
 
-def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Plan]:
+def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, MemoryPlan]:
   candidates = runtime.candidates or ((runtime.remat, runtime.loss_chunk),)
   choosing = len(candidates) > 1
   limit, source = budget
@@ -306,7 +313,7 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
           kept = _keep_layers(build, args, rt, planned, above, limit, runtime.keep_up_to, rejected)
           if kept is not None:
             compiled, rt, planned = kept
-        plan = Plan(
+        chosen = MemoryPlan(
           rt,
           planned or 0,
           limit if choosing else None,
@@ -315,7 +322,7 @@ def _choose(build, args, runtime, budget, logits_bytes, floor) -> tuple[Any, Pla
           time.perf_counter() - t0,
           compile_cache.cache_hits() - hits,
         )
-        return compiled, plan
+        return compiled, chosen
       rejected.append((f"remat {rt.setting}", planned, True))
       refused.add((remat, loss_chunk))
       missed[remat, loss_chunk] = planned
@@ -368,5 +375,5 @@ def _compile(build, rt: Runtime, args) -> Any:
   hits = compile_cache.cache_hits()
   compiled = lowered.compile()
   if compile_cache.cache_hits() > hits:
-    compile_cache.FROM_CACHE.add(compiled)
+    step_store.FROM_CACHE.add(compiled)
   return compiled

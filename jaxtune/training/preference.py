@@ -38,12 +38,13 @@ from jaxtune.parallel.runtime import Runtime
 from jaxtune.run_config import RunConfig
 from jaxtune.training.log import FIGURES as METRICS  # per pair, summed (the step takes the means)
 from jaxtune.training.losses import token_log_probs
+from jaxtune.training.objective import Objective
 
 PREFERENCE_METHODS = ("dpo", "ipo", "orpo")
 
 
 @dataclasses.dataclass(frozen=True)
-class Preference:
+class Preference(Objective):
   """One preference objective; ``segments``: the most examples a row holds (static)."""
 
   method: str
@@ -59,7 +60,7 @@ class Preference:
 
   @property
   def figures(self) -> dict[str, Any]:
-    """The dtypes of what ``__call__`` returns beside the loss (step.Objective)."""
+    """The dtypes of what ``__call__`` returns beside the loss (Objective.figures)."""
     return {"tokens": jnp.int32, **dict.fromkeys(METRICS, jnp.float32)}
 
   @property

@@ -36,14 +36,15 @@ from jaxtune.data import formats, sources
 from jaxtune.data.rows import IGNORE
 from jaxtune.errors import DataError
 from jaxtune.models import decoding
-from jaxtune.parallel.runtime import Runtime
+from jaxtune.parallel.runtime import NO_WORD_CODES, Decode, Runtime
 from jaxtune.run_config import RunConfig
 from jaxtune.training import rewards
 from jaxtune.training.losses import token_log_probs
+from jaxtune.training.objective import Objective
 
 
 @dataclasses.dataclass(frozen=True)
-class GRPO:
+class GRPO(Objective):
   """The clipped policy-gradient objective with a KL penalty (module docstring)."""
 
   beta: float = 0.0
@@ -56,7 +57,7 @@ class GRPO:
 
   @property
   def figures(self) -> dict[str, Any]:
-    """The dtypes of what ``__call__`` returns beside the loss (step.Objective)."""
+    """The dtypes of what ``__call__`` returns beside the loss (Objective.figures)."""
     return {"tokens": jnp.int32, "kl": jnp.float32, "clip_fraction": jnp.float32}
 
   def __call__(
@@ -214,8 +215,14 @@ class Rollouts:
   the step takes them; also the step's rollout figures (rewards per function, lengths, time).
   --batch-size counts prompts: a step trains on batch-size x num-generations rows."""
 
-  def __init__(self, prompts: Prompts, tokenizer: Any, run: RunConfig, runtime: Runtime):
+  def __init__(
+    self, prompts: Prompts, tokenizer: Any, run: RunConfig, runtime: Runtime,
+    decode: Decode = NO_WORD_CODES,
+  ):  # fmt: skip
+    """``runtime``: the step's (the old policy's log-probabilities); ``decode``: how the
+    rollouts generate (the run's ``Plan.decode``)."""
     self.prompts, self.tok, self.run, self.runtime = prompts, tokenizer, run, runtime
+    self.decode = decode
     self.fns = rewards.load(run.reward)
     eos = tokenizer.eos_token_id
     self.eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -267,7 +274,7 @@ class Rollouts:
     completions = decoding.generate_ids(
       model, ids, run.max_new_tokens, self.eos, run.temperature, 0, run.top_p,
       seed=int(np.random.default_rng([run.seed, rollout, 0x5A17]).integers(2**31)),
-      pad_id=self.pad,
+      pad_id=self.pad, word_lookup=self.decode.word_codes,
     )  # fmt: skip
     rollout_s = time.perf_counter() - t0
     texts = [self.tok.decode(c, skip_special_tokens=True) for c in completions]

@@ -28,7 +28,7 @@ from jaxtune.parallel import distributed, sharding
 from jaxtune.parallel.runtime import DEFAULT, Runtime, free_device_bytes, operand_bytes
 from jaxtune.run_config import RunConfig
 from jaxtune.training import log as run_log
-from jaxtune.training.losses import loss_sums
+from jaxtune.training.objective import Objective, sft_objective
 from pallas_kernels.nf4_matmul import training_operands
 
 
@@ -129,13 +129,6 @@ class LossScale:
     }
 
 
-# What a step minimises: objective(graphdef, lora, frozen, micro_batch, key, runtime) ->
-# (sum of losses, how many they are, {"tokens": trained tokens, other figures: sums}); the
-# step divides the loss and the figures by the count over the accumulated batch. Its
-# ``figures`` attribute names the figures' dtypes ({"tokens": int32, ...}).
-Objective = Callable[..., tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
-
-
 class Rollouts(Protocol):
   """Batches made from the current adapters instead of a dataset's (GRPO: rl.Rollouts)."""
 
@@ -155,22 +148,6 @@ class Rollouts(Protocol):
     ...
 
 
-def sft_objective(
-  graphdef: Any,
-  lora: nnx.State,
-  frozen: nnx.State,
-  batch: dict[str, jax.Array],
-  key: jax.Array | None,
-  runtime: Runtime = DEFAULT,
-) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-  """Next-token cross-entropy, averaged over trained tokens."""
-  s, n = loss_sums(graphdef, lora, frozen, batch, key, runtime)
-  return s, n, {"tokens": n}
-
-
-sft_objective.figures = {"tokens": jnp.int32}
-
-
 def make_train_step(
   graphdef: Any,
   tx: optax.GradientTransformation,
@@ -181,8 +158,8 @@ def make_train_step(
   run: RunConfig | None = None,
 ) -> Callable[..., tuple[nnx.State, optax.OptState, dict[str, jax.Array]]]:
   """The jitted step, computed as ``runtime`` says, minimising ``objective`` (default: SFT's
-  cross-entropy; preference.Preference for DPO/IPO/ORPO). ``loss_scale``: dynamic loss
-  scaling (float16); None: no scaling.
+  cross-entropy; preference.Preference for DPO/IPO/ORPO, rl.GRPO). ``loss_scale``: dynamic
+  loss scaling (float16); None: no scaling.
 
   With ``run``, the step takes a sixth argument, ``optimizer_numbers(run)`` or those of
   another run of the same schedule kind, and builds the optimizer from it
@@ -229,9 +206,8 @@ def make_train_step(
     grads = jax.tree.map(lambda g: g / (denom * scale), grads)
     loss, grad_norm = loss_sum / denom, optax.global_norm(grads)
     # A loss of exactly 0 means no labelled token, except for objectives where it is a
-    # normal value (GRPO: every group's rewards equal, so every advantage is 0).
-    zero_ok = getattr(objective, "zero_loss_ok", False)
-    loss_ok = jnp.isfinite(loss) & ((loss != 0) | zero_ok)
+    # normal value (Objective.zero_loss_ok).
+    loss_ok = jnp.isfinite(loss) & ((loss != 0) | objective.zero_loss_ok)
     overflow = ~jnp.isfinite(grad_norm)
     good = loss_ok & ~overflow
     updates, new_tx_state = opt.update(grads, tx_state, lora)

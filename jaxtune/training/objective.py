@@ -1,0 +1,70 @@
+"""What a training step minimises (``Objective``), written once: the call the step makes on
+each micro-batch and the attributes it reads. SFT's cross-entropy (``SFT``, here), the
+preference objectives (preference.Preference: DPO, IPO, ORPO) and GRPO (rl.GRPO) implement it.
+"""
+
+import dataclasses
+from typing import Any, ClassVar, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtune.parallel.runtime import DEFAULT, Runtime
+from jaxtune.training.losses import loss_sums
+
+
+class Objective(Protocol):
+  """``objective(graphdef, lora, frozen, batch, key, runtime)`` on one micro-batch ->
+  (sum of losses, how many they are, {"tokens": trained tokens, other figures: sums}); the
+  step divides the loss and the figures by the count over the accumulated batch. ``key``: the
+  dropout key (None in evaluation, and for a reference forward).
+
+  Implementations subclass it, for the defaults below, as frozen dataclasses: their fields
+  then name them in the step store's key (loop._step_identity)."""
+
+  # A loss of exactly 0 means no labelled token (the step is skipped), except for objectives
+  # where it is a normal value (GRPO: every group's rewards equal, so every advantage is 0).
+  zero_loss_ok: ClassVar[bool] = False
+
+  @property
+  def figures(self) -> dict[str, Any]:
+    """The dtypes of the figures ``__call__`` returns beside the loss ({"tokens": int32, ...})."""
+    ...
+
+  def __call__(
+    self,
+    graphdef: Any,
+    lora: nnx.State,
+    frozen: nnx.State,
+    batch: dict[str, jax.Array],
+    key: jax.Array | None,
+    runtime: Runtime,
+  ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """(sum of losses, how many they are, figures' sums) of one micro-batch."""
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class SFT(Objective):
+  """Next-token cross-entropy, averaged over trained tokens (losses.loss_sums)."""
+
+  @property
+  def figures(self) -> dict[str, Any]:
+    return {"tokens": jnp.int32}
+
+  def __call__(
+    self,
+    graphdef: Any,
+    lora: nnx.State,
+    frozen: nnx.State,
+    batch: dict[str, jax.Array],
+    key: jax.Array | None,
+    runtime: Runtime = DEFAULT,
+  ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """(sum of token losses, trained tokens, {"tokens": trained tokens})."""
+    s, n = loss_sums(graphdef, lora, frozen, batch, key, runtime)
+    return s, n, {"tokens": n}
+
+
+sft_objective = SFT()  # the default objective (--method sft)
