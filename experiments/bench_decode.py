@@ -40,7 +40,7 @@ LOOKUPS = {
   "prmt": (False, False),
   "word": (True, False),
   "fused": (True, True),
-  "inplace": ("inplace", True),  # a copy where it fits (then fused), else the codes in place
+  "inplace": ("inplace", True),  # the model's own codes permuted in place (no copy)
 }
 
 

@@ -101,7 +101,8 @@ def main():
         # the codes copied in word order where that fits, else permuted in place (70B on one
         # GPU: kernel_operands.codes_in_word_order, as generate does), put back after the profile.
         with contextlib.ExitStack() as in_place:
-          word = kernel_operands.loop_codes(model, b, in_place, "inplace")
+          fits = kernel_operands.word_codes_fit(model, b)
+          word = kernel_operands.loop_codes(model, b, in_place, True if fits else "inplace")
           prepared = nnx.merge(*nnx.split(model))
           kernel_operands.prepare_kernel_operands(prepared, b, word)
           pgraph, pstate = nnx.split(prepared)

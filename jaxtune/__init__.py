@@ -24,7 +24,7 @@ _PUBLIC = {
   "load_adapter": "jaxtune.hf.adapters:load_adapter",
   "DataError": "jaxtune.errors:DataError",
   "RunConfig": "jaxtune.run_config:RunConfig",
-  "train": "jaxtune.run.session:train",
+  "train": "jaxtune.run.api:train",
 }
 
 __all__ = sorted(_PUBLIC)

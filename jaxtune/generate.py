@@ -48,7 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = build_parser().parse_args(argv)  # --help and a bad flag end here, before JAX
+  import jax
+
   from jaxtune.models.decoding import check_sampling, generate, generate_ids
+  from jaxtune.parallel.runtime import free_device_bytes
+  from jaxtune.run.choices import resolve_decode
   from jaxtune.run.loading import load_run_model, load_tokenizer
   from jaxtune.training import compile_cache
   from jaxtune.training import log as run_log
@@ -62,10 +66,15 @@ def main(argv: Sequence[str] | None = None) -> int:
       raise UserError("pass --prompt TEXT (repeatable) or --chat.")
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     quant = None if args.quantization == "none" else args.quantization
+    free = free_device_bytes()  # before loading: what resolve_decode weighs the model against
     model, ckpt = load_run_model(args.adapter, args.model, quant, args.dtype)
     tokenizer = load_tokenizer(ckpt)
+    # This command owns the model: where no copy of the kernel's codes fits, its own permuted.
+    one = jax.devices()[0]
+    decode = resolve_decode(model.config, devices=jax.device_count(), device=one, free=free,
+                            owns_model=True)  # fmt: skip
     kw = dict(
-      word_lookup="inplace",  # this command owns the model: the kernel's order without a copy
+      word_lookup=decode.word_codes,
       max_new_tokens=args.max_new_tokens,
       temperature=args.temperature,
       top_k=args.top_k,

@@ -224,6 +224,65 @@ class Runtime:
     return ", ".join(parts + list(self.notes))
 
 
+@dataclasses.dataclass(frozen=True)
+class Decode:
+  """How generation computes: a run's samples (--eval-prompts) and GRPO's rollouts, and
+  ``python -m jaxtune.generate``. ``word_codes``: the NF4 kernel's codes in its faster
+  lookup's order for the decode loop: True a copy, made once a loop; "inplace" the model's own
+  codes permuted for the loop and put back (a caller that owns the model, where no copy fits);
+  False neither (also where the kernel never runs: off a single Hopper GPU)."""
+
+  word_codes: bool | str = False
+
+  def __post_init__(self):
+    if self.word_codes not in (True, False, "inplace"):
+      raise ValueError(f"word_codes must be True, False or 'inplace', got {self.word_codes!r}")
+
+
+@dataclasses.dataclass
+class Plan:
+  """Every decision of a run, taken once by jaxtune.run.resolve.resolve: the training step's
+  ``runtime`` (with the memory plan's ``candidates``), the held-out step's and generation's.
+  The memory plan (training.plan.choose) compiles the candidates resolve listed and records
+  the one it keeps here (``record``), once; nothing else changes a plan."""
+
+  runtime: Runtime
+  decode: Decode = Decode()
+  # The held-out step's layers in a scan (its forward saves nothing for a backward pass: the
+  # scan costs it nothing), unless --layer-loop unrolled asks for them unrolled.
+  eval_scan: bool = True
+  memory: Any = None  # training.plan.MemoryPlan: the choice among the candidates, once made
+
+  def record(self, memory: Any) -> None:
+    """The memory plan's choice among ``runtime.candidates``: recorded once."""
+    if self.memory is not None:
+      raise ValueError("a plan records its memory plan's choice once")
+    rt = memory.runtime
+    if self.runtime.candidates and (rt.remat, rt.loss_chunk) not in self.runtime.candidates:
+      raise ValueError(f"the memory plan chose {rt.setting!r}, not among the plan's candidates")
+    self.memory = memory
+
+  @property
+  def step(self) -> Runtime:
+    """The training step's runtime: the memory plan's choice once recorded."""
+    return self.runtime if self.memory is None else self.memory.runtime
+
+  @property
+  def eval(self) -> Runtime:
+    """The held-out step's runtime: the training step's, every layer alike (no kept layers),
+    in a scan where ``eval_scan``."""
+    step = self.step
+    return step.replace(kept_layers=0, scan_layers=self.eval_scan or step.scan_layers)
+
+  @property
+  def mesh(self) -> Mesh | None:
+    return self.runtime.mesh
+
+  @property
+  def dtype(self) -> str:
+    return self.runtime.dtype
+
+
 def manual_stages(sizes: dict[str, int], shard_frozen: bool) -> bool:
   """Runtime.manual_stages for a mesh of these axis sizes."""
   return (
@@ -241,6 +300,8 @@ def _names(axis: str | tuple | None) -> set[str]:
 
 # What a model computes with when given no runtime: one device, no remat, XLA attention.
 DEFAULT = Runtime()
+# How generation computes when given no plan: no copy of the kernel's codes.
+NO_WORD_CODES = Decode()
 
 
 def compute_dtype(requested: str, devices: Sequence) -> tuple[str, str | None]:

@@ -151,6 +151,6 @@ def load_run_model(
     return load_adapter(model, run_dir), ckpt
   if run_dir:
     model, _ = load_trained(Path(run_dir), quantization, dtype)
-    return model, Path(model.checkpoint_dir)
+    return model, Path(model.provenance.checkpoint_dir)
   ckpt = resolve_checkpoint(model_path)
   return from_pretrained(ckpt, quantization=quantization, dtype=dtype), ckpt

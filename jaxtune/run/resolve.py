@@ -1,9 +1,16 @@
-"""The one resolve: a run's settings, its model config, the devices and the data -> the frozen
-``Runtime`` (jaxtune.parallel.runtime), with every refusal of an impossible combination
-raised here, as one ``UserError`` sentence, before anything is built."""
+"""The one resolve: a run's settings, its model config, the devices and a summary of its data
+-> the ``Plan`` (jaxtune.parallel.runtime: the training step's ``Runtime`` with the memory
+plan's candidates, the held-out step's, generation's), with every refusal of an impossible
+combination raised here, as one ``UserError`` sentence, before anything is built.
+
+A run calls ``check`` first, before it reads its data (the refusals that need none of it:
+a mistake costs no tokenizing), then ``resolve`` once, with the data's summary: it checks
+again with the length the data chose, and takes every decision. Nothing below this module
+decides again."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -17,164 +24,35 @@ from jaxtune.parallel.runtime import (
   FUSED_PIECE_TOKENS,
   GROUPED_REMAT,
   LARGE_VOCAB,
+  Plan,
   Runtime,
-  operand_bytes,
+)
+from jaxtune.run.choices import (  # noqa: F401 (the plan's choices, named here too)
+  kernel_operand_bytes,
+  loaded_bytes,
+  resolve_attention,
+  resolve_decode,
+  resolve_nf4_matmul,
+  resolve_ring_blocks,
 )
 from jaxtune.run_config import AUTO_LOSS_CHUNK, AUTO_REMAT, RunConfig
-from pallas_kernels.flash_attention import mosaic_supports
 
 if TYPE_CHECKING:
   from jaxtune.models.config import ModelConfig
 
 
-# Training on the Pallas NF4 kernels by default (``resolve_nf4_matmul``) where they measured
-# faster than XLA's dequantize-then-dot in the step, on one H100 (experiments/RESULTS.md,
-# sessions 30-31): Llama-3.1-8B at 2 x 2,048 tokens a call 1.026-1.044x XLA's tokens/s over
-# four run pairs (1.044x since the grid order of session 31; 1.017x in session 29), in 31.7 GiB
-# at the peak against 37.9; Llama-3.2-1B at 8 x 2,048 0.971x. XLA's dequantization is a cost
-# per weight that a call's tokens share (its time over cuBLAS bf16: 1.11-1.13 at 4,096 tokens,
-# 1.00-1.04 at 16,384, 1.04-1.07 at 8,192), while the kernels' (codes made once) was
-# 0.77-1.08 on the 8B's shapes at 4,096 tokens and 0.86-1.15 forward, 1.11-1.43 input gradient
-# on the 1B's at 16,384. Supervised fine-tuning only: DPO on the kernels (8B, 2 rows of 2,304
-# tokens) ran 0.89x XLA's tokens/s. From ``TRAIN_KERNEL_MIN_TOKENS`` the input gradient is the
-# forward kernel on W^T's codes (made once with the rest), as measured; below, another kernel.
-TRAIN_KERNEL_MIN_TOKENS = 2048  # a call's tokens (rows x positions of a micro-batch)
-TRAIN_KERNEL_MAX_TOKENS = 4096
-TRAIN_KERNEL_MIN_HIDDEN = 4096  # the model's width, the K of most of its products
+@dataclasses.dataclass(frozen=True)
+class DataSummary:
+  """What ``resolve`` needs of a run's data once it is read: whether any training or
+  held-out row holds several examples (attention must keep them apart). Its length is the
+  run's ``seq_len`` by then."""
+
+  packed: bool = False
 
 
-def resolve_nf4_matmul(
-  requested: str | None, cfg: ModelConfig, *, method: str, quantized: bool, tokens: int | None,
-  devices: int, device: jax.Device, dtype: str, free: int | None,
-) -> str:  # fmt: skip
-  """``requested`` where set; else "kernel" for supervised fine-tuning of an NF4 model on one
-  Hopper GPU in bfloat16 where a call has ``TRAIN_KERNEL_MIN_TOKENS`` to
-  ``TRAIN_KERNEL_MAX_TOKENS`` tokens, the model is at least ``TRAIN_KERNEL_MIN_HIDDEN`` wide
-  and the kernels' operands, made once for the run (``step.kernel_operands``), fit beside the
-  loaded model in half of what is left of ``free`` bytes (the device's, before loading): where
-  the kernels measured faster. Else "auto" (pallas_kernels.nf4_matmul's choice per call: the
-  kernel for decoding's few tokens). ``tokens`` None: not known yet (no --seq-len before the
-  data is read)."""
-  if requested is not None:
-    return requested
-  if (
-    method == "sft"
-    and quantized
-    and devices == 1
-    and runtime.on_hopper(device)
-    and dtype == "bfloat16"
-    and tokens is not None
-    and TRAIN_KERNEL_MIN_TOKENS <= tokens <= TRAIN_KERNEL_MAX_TOKENS
-    and cfg.hidden_size >= TRAIN_KERNEL_MIN_HIDDEN
-    and free is not None
-    and kernel_operand_bytes(cfg) <= (free - loaded_bytes(cfg)) // 2
-  ):
-    return "kernel"
-  return "auto"
-
-
-def kernel_operand_bytes(cfg: ModelConfig) -> int:
-  """The training kernels' operands of an NF4 model (``operand_bytes`` of its codes)."""
-  return operand_bytes(cfg.linear_params() // 2)
-
-
-def loaded_bytes(cfg: ModelConfig) -> int:
-  """About what an NF4 model takes on the device: the linear layers' codes and absmax (a byte
-  per 64 weights) and the rest (embeddings, output layer, norms) in bf16."""
-  linear = cfg.linear_params()
-  return linear // 2 + linear // 64 + 2 * (cfg.num_params() - linear)
-
-
-def resolve_attention(
-  requested: str | None,
-  cfg: ModelConfig,
-  *,
-  dtype: str,
-  packed: bool,
-  pipelined: bool = False,
-  device: jax.Device | None = None,
-) -> tuple[str, str | None]:
-  """(the attention implementation that runs, a note when it is not what was asked).
-
-  Unset: cuDNN on a GPU where it computes the model's function (one document per row, no
-  softcap or window: measured 2.5% faster than the Pallas kernel in the 1B train step on an
-  H100, and compiles in seconds), else the Pallas kernel on Hopper, else XLA. Under a
-  pipeline (cuDNN does not run inside the stages) the Pallas kernel on Hopper, else XLA: on
-  each stage's rows where the stages run manual over every axis (8B on 4 H200s, `--mesh
-  1x1x4`: 1.50x XLA's tokens/s), split by the partitioner through custom_partitioning where
-  they are manual over pipe only (a tensor axis or --shard-frozen; `1x2x2`: 1.37x).
-  Refuses what cannot compute the model's function.
-  """
-  device = device or jax.devices()[0]
-  gpu, hopper = device.platform == "gpu", runtime.on_hopper(device)
-  special = bool(cfg.attn_logit_softcap) or cfg.has_sliding_layers
-  cudnn_exact = gpu and not (special or packed)
-  kernel_ok = hopper and mosaic_supports(dtype, cfg.head_dim)
-  if requested == "fused" and pipelined:
-    raise MeshError(
-      "--attention fused (cuDNN) cannot run inside the pipeline yet; use --attention xla or "
-      "pallas with a pipe axis in --mesh."
-    )
-  if requested == "fused":
-    if special:
-      raise UserError(
-        f"--attention fused cannot apply {cfg.model_type}'s logit softcap or sliding window; "
-        "use --attention pallas or xla."
-      )
-    if packed:
-      raise UserError(
-        "--attention fused (cuDNN, causal only) would let packed examples attend to each "
-        "other; use --attention pallas or xla, or --no-packing."
-      )
-    return ("cudnn", None) if gpu else ("xla", "xla attention (fused is cuDNN, GPU only)")
-  if requested == "pallas":
-    if kernel_ok:
-      return "mosaic", None
-    return "flash_xla", "flash attention's jnp reference (the kernel needs a Hopper GPU)"
-  if requested == "xla":
-    return "xla", None
-  if cudnn_exact and not pipelined:
-    return "cudnn", None
-  return ("mosaic", None) if kernel_ok else ("xla", None)
-
-
-def resolve_ring_blocks(
-  requested: str | None, cfg: ModelConfig, *, dtype: str, device: jax.Device
-) -> tuple[str, str | None]:
-  """(how ring attention computes its chunk pairs, a note when it is not what was asked).
-
-  Unset or --attention pallas: the flash op per chunk pair, the Pallas kernel on Hopper (16-bit
-  inputs). Measured on 4 H200s (experiments/RESULTS.md, bench_ring and bench_cli_mesh): 8-16x
-  faster than XLA's tiles, which ran the 8B 32k-token step at 0.13 of linear against 0.94.
-  Unset elsewhere, or --attention xla: XLA's tiles; --attention pallas off Hopper: the op's jnp
-  reference (tests). The flash op needs a model without sliding windows (it masks by index, and
-  a window reaching across two chunks would need their distance): XLA's tiles there.
-  """
-  if requested not in (None, "pallas"):
-    return "xla", None
-  if cfg.has_sliding_layers:
-    note = "ring attention by XLA tiles (sliding windows span chunks)"
-    return "xla", note if requested == "pallas" else None
-  if runtime.on_hopper(device) and mosaic_supports(dtype, cfg.head_dim):
-    return "mosaic", None
-  if requested is None:
-    return "xla", None
-  note = "ring blocks by flash attention's jnp reference (the kernel: Hopper, 16-bit inputs)"
-  return "flash_xla", note
-
-
-def resolve(
-  run: RunConfig,
-  cfg: ModelConfig,
-  *,
-  packed: bool = False,
-  devices: Sequence | None = None,
-) -> Runtime:
-  """The runtime of ``run`` for model ``cfg`` on ``devices`` (default: all of JAX's), with
-  ``packed`` saying whether any training or held-out row holds several examples.
-
-  Raises a ``UserError`` (one sentence) for every combination that cannot run.
-  """
+def check(run: RunConfig, cfg: ModelConfig, devices: Sequence | None = None) -> None:
+  """Raise every refusal of ``run`` for model ``cfg`` on ``devices`` that needs none of the
+  data but its length (a ``UserError`` sentence); ``resolve`` runs it too."""
   devices = list(devices if devices is not None else jax.devices())
   if run.batch_size % run.grad_accum:
     raise UserError(
@@ -196,27 +74,54 @@ def resolve(
       f"{run.mesh or len(devices)} has tensor={tp}, pipe={pp} for --seq-len {run.seq_len}; "
       "use a tensor axis > 1 that divides --seq-len and no pipe axis, or drop the flag."
     )
-  microbatches = 1
   if pp > 1:
-    per_shard = max(1, micro_batch // mesh.shape["data"])
-    microbatches = pipeline.num_microbatches(per_shard, run.microbatches)
+    pipeline.num_microbatches(max(1, micro_batch // mesh.shape["data"]), run.microbatches)
   cp = mesh.shape[context.AXIS]
   if cp > 1:
     _check_context(run, cp, pp, seq_len)
   if run.remat_group > 1:
     _check_remat_group(run, cfg.num_layers, pp)
-  dtype, dtype_note = runtime.compute_dtype(run.dtype, devices)
-  fused = fused_loss_chunk(run, cfg, micro_batch, mesh.size, devices[0], dtype)
-  candidates = remat_candidates(run, pipelined=pp > 1, whole_logits=cp > 1, fused_chunk=fused)
   if run.layer_loop == "unrolled" and pp > 1:
     raise MeshError(
       f"--layer-loop unrolled does not run inside a pipeline (the pipe axis of --mesh "
       f"{run.mesh}) yet; drop it or the pipe axis."
     )
-  try_unrolled = unrolled_first(run, mesh.size, devices[0], candidates)
-  keep_up_to = cfg.num_layers if keeps_layers(run, pp, candidates) else 0
   if run.embeddings == "host":
     _check_host_embeddings(run, cfg)
+  if cp == 1:  # the attention's own refusals, --packing taken as packing
+    resolve_attention(
+      run.attention, cfg, dtype=runtime.compute_dtype(run.dtype, devices)[0],
+      packed=run.packing, pipelined=pp > 1, device=devices[0],
+    )  # fmt: skip
+
+
+def resolve(
+  run: RunConfig,
+  cfg: ModelConfig,
+  data: DataSummary | None = None,
+  *,
+  devices: Sequence | None = None,
+) -> Plan:
+  """The plan of ``run`` for model ``cfg`` on ``devices`` (default: all of JAX's) and data
+  summarised by ``data`` (None: rows of one example each).
+
+  Raises a ``UserError`` (one sentence) for every combination that cannot run.
+  """
+  devices = list(devices if devices is not None else jax.devices())
+  data = data if data is not None else DataSummary()
+  check(run, cfg, devices)
+  mesh = meshlib.make_mesh(run.mesh, devices)
+  micro_batch = run.batch_size // run.grad_accum
+  pp, cp = mesh.shape[pipeline.AXIS], mesh.shape[context.AXIS]
+  microbatches = 1
+  if pp > 1:
+    per_shard = max(1, micro_batch // mesh.shape["data"])
+    microbatches = pipeline.num_microbatches(per_shard, run.microbatches)
+  dtype, dtype_note = runtime.compute_dtype(run.dtype, devices)
+  fused = fused_loss_chunk(run, cfg, micro_batch, mesh.size, devices[0], dtype)
+  candidates = remat_candidates(run, pipelined=pp > 1, whole_logits=cp > 1, fused_chunk=fused)
+  try_unrolled = unrolled_first(run, mesh.size, devices[0], candidates)
+  keep_up_to = cfg.num_layers if keeps_layers(run, pp, candidates) else 0
   ring_blocks = "xla"
   if cp > 1:
     attention = "ring"
@@ -225,9 +130,10 @@ def resolve(
     )
   else:
     attention, attention_note = resolve_attention(
-      run.attention, cfg, dtype=dtype, packed=packed, pipelined=pp > 1, device=devices[0]
+      run.attention, cfg, dtype=dtype, packed=data.packed, pipelined=pp > 1, device=devices[0]
     )
-  return Runtime(
+  free = runtime.free_device_bytes(run.memory_limit) if runtime.on_hopper(devices[0]) else None
+  step = Runtime(
     mesh=mesh if mesh.size > 1 else None,
     dtype=dtype,
     remat=candidates[0][0],
@@ -242,7 +148,7 @@ def resolve(
       devices=mesh.size,
       device=devices[0],
       dtype=dtype,
-      free=runtime.free_device_bytes(run.memory_limit) if runtime.on_hopper(devices[0]) else None,
+      free=free,
     ),
     loss_chunk=candidates[0][1],
     candidates=candidates if len(candidates) > 1 else (),
@@ -258,6 +164,8 @@ def resolve(
     try_unrolled=try_unrolled,
     notes=tuple(n for n in (dtype_note, attention_note) if n),
   )
+  decode = resolve_decode(cfg, devices=mesh.size, device=devices[0], free=free)
+  return Plan(step, decode=decode, eval_scan=run.layer_loop != "unrolled")
 
 
 def fused_loss_chunk(

@@ -8,7 +8,6 @@ directory until the model has loaded, so a bad input leaves no half-made run beh
 import contextlib
 import dataclasses
 import math
-import re
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -21,7 +20,7 @@ from converters import hub, model_card
 from jaxtune.data import rows as data_lib
 from jaxtune.data import streaming
 from jaxtune.data import tokenize as data_tokenize
-from jaxtune.errors import RunConfigError, TrainingError, UserError
+from jaxtune.errors import TrainingError, UserError
 from jaxtune.hf import export
 from jaxtune.hf.adapters import lora_settings
 from jaxtune.hf.load import resolve_checkpoint
@@ -29,7 +28,9 @@ from jaxtune.models.config import ModelConfig
 from jaxtune.models.decoding import generate
 from jaxtune.models.lora import parse_pattern
 from jaxtune.parallel import distributed
+from jaxtune.parallel.runtime import NO_WORD_CODES, Decode
 from jaxtune.run import checks, default_model, run_dir
+from jaxtune.run import report as run_report
 from jaxtune.run import resolve as resolver
 from jaxtune.run.loading import build_model, load_tokenizer
 from jaxtune.run_config import RunConfig
@@ -45,15 +46,18 @@ def say(line: str) -> None:
 
 
 def make_sample_fn(
-  prompts: list[str], tokenizer: Any
+  prompts: list[str], tokenizer: Any, decode: Decode = NO_WORD_CODES
 ) -> Callable[[nnx.Module], list[tuple[str, str]]] | None:
-  """model -> [(prompt, greedy completion)] for --eval-prompts, or None."""
+  """model -> [(prompt, greedy completion)] for --eval-prompts, or None; ``decode``: how they
+  generate (the run's ``Plan.decode``)."""
   if not prompts:
     return None
   chat = getattr(tokenizer, "chat_template", None) is not None
 
   def sample(model):
-    texts = generate(model, tokenizer, prompts, max_new_tokens=64, chat=chat)
+    texts = generate(
+      model, tokenizer, prompts, max_new_tokens=64, chat=chat, word_lookup=decode.word_codes
+    )
     return list(zip(prompts, texts, strict=True))
 
   return sample
@@ -72,7 +76,8 @@ def _load_data(run: RunConfig, tokenizer, positions: int, data: Any, eval_data: 
       columns=run.data_columns,
     )  # fmt: skip
     return prompts, None, prompts
-  common = dict(
+  settings = data_tokenize.DataSettings(
+    seq_len=run.seq_len,
     data_format=run.data_format,
     columns=run.data_columns,
     config=run.data_config,
@@ -81,29 +86,21 @@ def _load_data(run: RunConfig, tokenizer, positions: int, data: Any, eval_data: 
     pack=run.packing,
     long_examples=run.long_examples,
     max_positions=positions,
+    eval_split=run.eval_split or 0.0,
+    seed=run.seed,
   )
   if run.data_streaming:
-    dataset = streaming.StreamingDataset(
-      data, tokenizer, seq_len=run.seq_len, seed=run.seed, **common
-    )
+    dataset = streaming.StreamingDataset(data, tokenizer, settings)
     held_out, report = None, dataset.report
   else:
-    dataset, held_out, report = data_tokenize.load(
-      data,
-      tokenizer,
-      seq_len=run.seq_len,
-      eval_split=run.eval_split or 0.0,
-      seed=run.seed,
-      **common,
-    )
+    dataset, held_out, report = data_tokenize.load(data, tokenizer, settings)
   checks.check_method_data(run, report.format, report.name)
   if eval_data is not None:
     # Held-out data is read as the training data is, at its sequence length; from the
     # "test" split when it is the training source itself, else from "train".
     split = run.eval_data_split or ("test" if eval_data == data else "train")
-    held_out, _, held_report = data_tokenize.load(
-      eval_data, tokenizer, seq_len=dataset.seq_len, **{**common, "split": split}
-    )
+    held = dataclasses.replace(settings, seq_len=dataset.seq_len, split=split, eval_split=0.0)
+    held_out, _, held_report = data_tokenize.load(eval_data, tokenizer, held)
     checks.check_method_data(run, held_report.format, held_report.name, "--eval-data")
   return dataset, held_out, report
 
@@ -201,66 +198,6 @@ def _needs_room(run: RunConfig, cfg: ModelConfig, resume: bool) -> dict:
   if run.export:
     needs["the export"] = export.estimated_bytes(run.export, cfg.num_params(), lora, run.gguf_type)
   return needs
-
-
-def _summary(history: list[dict], start_time: float, out: Path, run: RunConfig) -> str:
-  """The end-of-run line: losses, tokens, time, and where things are."""
-  took, out = _duration(time.perf_counter() - start_time), out.resolve()
-  if not history:
-    return f"jaxtune: nothing left to train (step {run.steps} was reached before); {took}"
-  train = [r for r in history if "loss" in r]
-  tokens = sum(r["tokens"] for r in train)
-  first, last = train[0], train[-1]
-  parts = [
-    f"trained steps {first['step']}-{last['step']} of {run.steps} in {took}",
-    f"loss {first['loss']:.4f} -> {last['loss']:.4f}",
-  ]
-  evals = [r for r in history if "eval_loss" in r]
-  if evals:
-    last = evals[-1]
-    how = (
-      f"perplexity {last['eval_ppl']:.2f}"
-      if "eval_ppl" in last
-      else f"reward accuracy {last['eval_reward_accuracy']:.3f}"
-    )
-    parts.append(f"eval loss {last['eval_loss']:.4f} ({how})")
-  processed = [r for r in train if "processed_tokens" in r]
-  if processed:
-    # tok/s counts processed tokens (the progress line's figure), past the first step's
-    # compile where there is more than one step.
-    timed = processed[1:] or processed
-    rate = sum(r["processed_tokens"] for r in timed) / sum(
-      r["processed_tokens"] / r["tokens_per_s"] for r in timed
-    )
-    total = sum(r["processed_tokens"] for r in processed)
-    parts.append(f"{total:,} tokens processed ({rate:,.0f} tok/s), {tokens:,} of them trained")
-  else:
-    parts.append(f"{tokens:,} trained tokens")
-  where = [f"checkpoints in {out / 'checkpoints'}", f"metrics in {out / 'metrics.jsonl'}"]
-  if run.export:
-    where.append(f"{run.export} export in {out / 'export'}")
-  return "jaxtune: " + ", ".join(parts) + "; " + ", ".join(where)
-
-
-def _method(run: RunConfig) -> str:
-  """The preference or RL method and its settings, for the start line."""
-  if run.method == "grpo":
-    kl = f"KL {run.method_beta:g} to the adapters off" if run.method_beta else "no KL term"
-    return (
-      f"grpo ({run.reward}; epsilon {run.epsilon:g}, {kl}, temperature {run.temperature:g}"
-      f", {run.num_iterations} step(s) per rollout)"
-    )
-  if run.method == "orpo":
-    return f"orpo (lambda {run.orpo_lambda:g})"
-  beta = run.method_beta
-  smoothing = f", label smoothing {run.label_smoothing:g}" if run.label_smoothing else ""
-  return f"{run.method} (beta {beta:g}{smoothing}; reference: the adapters off)"
-
-
-def _duration(seconds: float) -> str:
-  m, s = divmod(int(round(seconds)), 60)
-  h, m = divmod(m, 60)
-  return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 class Trained(NamedTuple):
@@ -365,7 +302,7 @@ def _run_locked(
   grpo = run.method == "grpo"
   # GRPO's step trains on batch-size prompts x num-generations rows.
   per_step = run.batch_size * run.num_generations if grpo else run.batch_size
-  resolver.resolve(run.replace(batch_size=per_step), cfg, packed=run.packing)  # refusals first
+  resolver.check(run.replace(batch_size=per_step), cfg)  # before the data: no tokenizing
   tokenizer = load_tokenizer(model_path)
   checks.check_vocabulary(tokenizer, cfg, model_path)
   positions = min(cfg.max_position_embeddings, cpu_seq_cap(run, laptop) or 1 << 62)
@@ -376,7 +313,9 @@ def _run_locked(
     _check_resumed_data(out / "checkpoints", fingerprint, report.name, previous, allow_changes)
   run = run.replace(seq_len=dataset.seq_len, steps=_steps(run, dataset))
   packed = getattr(dataset, "packed", False) or (eval_dataset is not None and eval_dataset.packed)
-  rt = resolver.resolve(run.replace(batch_size=per_step), cfg, packed=packed)
+  summary = resolver.DataSummary(packed=packed)
+  the_plan = resolver.resolve(run.replace(batch_size=per_step), cfg, summary)
+  rt = the_plan.runtime
   t_load = time.perf_counter()
   model = build_model(run, model_path, rt.mesh, dtype=rt.dtype)
   jax.block_until_ready(nnx.state(model))
@@ -417,13 +356,13 @@ def _run_locked(
   shape = (
     f"jaxtune: {cfg.model_type} {cfg.num_layers} layers, {fill}"
     f"{run.steps} steps{epochs}, "
-    + (f"{_method(run)}, " if run.method != "sft" else "")
+    + (f"{run_report.method(run)}, " if run.method != "sft" else "")
     + f"mesh {rt.mesh_shape} on {jax.device_count()} {jax.devices()[0].platform} device(s)"
     + laptop
     + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
   )
 
-  def announce(chosen: plan.Plan | None) -> None:
+  def announce(chosen: plan.MemoryPlan | None) -> None:
     """The start line, once the step is compiled: the settings it runs with and their plan."""
     record_start()
     if chosen is None:
@@ -437,7 +376,7 @@ def _run_locked(
 
   ckpt_dir = out / "checkpoints"
   ckpts = checkpoint.Checkpoints(ckpt_dir, keep=run.keep_checkpoints, data_fingerprint=fingerprint)
-  sample_fn = make_sample_fn(prompts, tokenizer)
+  sample_fn = make_sample_fn(prompts, tokenizer, the_plan.decode)
   was_steps = previous.saved.steps if previous.saved is not None else None
   try:
     with trainer.StopSignals() as stop:
@@ -445,7 +384,7 @@ def _run_locked(
         model,
         dataset,
         run,
-        rt,
+        the_plan,
         ckpts,
         eval_dataset,
         sample_fn,
@@ -453,7 +392,7 @@ def _run_locked(
         previous_steps=was_steps,
         announce=announce,
         objective=make_objective(run, dataset, eval_dataset),
-        rollouts=rl.Rollouts(dataset, tokenizer, run, rt) if grpo else None,
+        rollouts=rl.Rollouts(dataset, tokenizer, run, rt, the_plan.decode) if grpo else None,
       )
   except TrainingError as e:
     reason = str(e).rstrip(".")
@@ -478,7 +417,7 @@ def _run_locked(
         url = hub.push(out / "export", run.push_to_hub, private=run.hub_private)
         say(f"jaxtune: pushed the export to {url}")
     distributed.barrier("jaxtune export")
-  say(_summary(history, t_start, out, run))
+  say(run_report.summary(history, t_start, out, run))
   return Trained(out, model)
 
 
@@ -487,70 +426,3 @@ def _python_command(run: RunConfig) -> str:
     k: v for k, v in dataclasses.asdict(run).items() if v != getattr(RunConfig(), k) and k != "out"
   }
   return f"jaxtune.train({changed!r})"
-
-
-def train(
-  config: RunConfig | str | Path | dict[str, Any] | None = None,
-  data: Any = None,
-  *,
-  eval_data: Any = None,
-  resume: bool = False,
-  allow_changes: bool = False,
-  **settings: Any,
-) -> Trained:
-  """Fine-tune from Python (notebooks, scripts): the command line's run, in this process.
-
-  ``config``: a RunConfig, a YAML file or a dict of settings (the command line's names,
-  ``learning_rate=2e-4``); ``settings`` override it. ``data`` (and ``eval_data``): a path, a
-  Hub dataset id, a ``datasets.Dataset`` or an iterable of dicts. Returns ``(run_dir,
-  model)``; a mistake raises ``jaxtune.UserError`` (one sentence) before anything is written.
-  """
-  given = None  # a RunConfig: its settings that differ from the defaults (run_training)
-  if isinstance(config, RunConfig):
-    run = config.replace(**settings)
-  else:
-    if isinstance(config, str | Path):
-      base = RunConfig.read_yaml(config)
-    elif isinstance(config, dict):
-      base = dict(config)
-    elif config is None:
-      base = {}
-    else:
-      raise RunConfigError(
-        "config must be a RunConfig, a YAML path or a dict of settings, got "
-        f"{type(config).__name__}."
-      )
-    chosen = {**base, **settings}
-    if resume:  # the run's own config.yaml first, as on the command line
-      chosen = run_dir.resumed_settings(Path(chosen.get("out", RunConfig.out)), chosen)
-    run, given = RunConfig.from_settings(chosen), set(chosen)
-  if isinstance(data, str | Path):
-    run, data = run.replace(data=str(data)), None
-  if isinstance(eval_data, str | Path):
-    run, eval_data = run.replace(eval_data=str(eval_data)), None
-  try:
-    return run_training(
-      run, resume=resume, data=data, eval_data=eval_data, allow_changes=allow_changes, given=given
-    )
-  except UserError as e:  # the sentence names the settings as this caller spells them
-    e.args = (python_names(str(e)),)
-    raise
-
-
-_FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
-
-
-def python_names(sentence: str) -> str:
-  """A command line's sentence with each flag of a run setting spelled as jaxtune.train's
-  keyword (``--batch-size`` -> ``batch_size``; ``--resume`` -> ``resume=True``)."""
-  names = {f.name for f in dataclasses.fields(RunConfig)}
-  switches = {"resume": "resume=True", "allow-changes": "allow_changes=True"}
-
-  def spelled(m: re.Match) -> str:
-    flag = m[1]
-    if flag in switches:
-      return switches[flag]
-    name = flag.replace("-", "_")
-    return name if name in names else m[0]
-
-  return _FLAG.sub(spelled, sentence)

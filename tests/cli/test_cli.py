@@ -134,7 +134,7 @@ def test_a_real_model_on_cpus_alone_gets_a_laptops_batch_and_length():
 
 
 def test_the_python_apis_sentences_name_settings_as_keywords():
-  from jaxtune.run.session import python_names
+  from jaxtune.run.api import python_names
 
   assert python_names(
     "--resume: the checkpoints were trained with --batch-size 8; pass --allow-changes, or "

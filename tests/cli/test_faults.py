@@ -156,7 +156,9 @@ _KILL_SCRIPT = textwrap.dedent(
 def test_kill_during_a_checkpoint_write_leaves_the_previous_one(tmp_path, point):
   directory = tmp_path / "checkpoints"
   script = _KILL_SCRIPT.format(
-    tests=[str(Path(__file__).parent), str(Path(__file__).parents[1])], directory=str(directory), point=point
+    tests=[str(Path(__file__).parent), str(Path(__file__).parents[1])],
+    directory=str(directory),
+    point=point,
   )
   proc = subprocess.run(
     [sys.executable, "-c", script],

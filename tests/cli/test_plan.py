@@ -21,7 +21,7 @@ from jaxtune.parallel.runtime import Runtime
 from jaxtune.run import resolve as resolver
 from jaxtune.run.resolve import remat_candidates
 from jaxtune.run_config import AUTO_LOSS_CHUNK, RunConfig
-from jaxtune.training import compile_cache, plan
+from jaxtune.training import compile_cache, plan, step_store
 
 MIB = 2**20
 GIB = 2**30
@@ -192,15 +192,17 @@ def test_training_takes_the_nf4_kernels_where_they_measured_faster(monkeypatch):
   cfg = wide
   one = jax.devices()[:1]
   run = RunConfig(dtype="bfloat16", seq_len=2048, batch_size=8)
-  assert resolve(run, cfg, devices=one).nf4_matmul == "auto"
-  assert resolve(run.replace(grad_accum=4), cfg, devices=one).nf4_matmul == "kernel"
-  assert resolve(run.replace(grad_accum=4), cfg, devices=jax.devices()[:2]).nf4_matmul == "auto"
+  assert resolve(run, cfg, devices=one).runtime.nf4_matmul == "auto"
+  assert resolve(run.replace(grad_accum=4), cfg, devices=one).runtime.nf4_matmul == "kernel"
+  assert (
+    resolve(run.replace(grad_accum=4), cfg, devices=jax.devices()[:2]).runtime.nf4_matmul == "auto"
+  )
   for other in (
     run.replace(grad_accum=4, method="dpo"),
     run.replace(grad_accum=4, memory_limit=16.0),
     run.replace(grad_accum=4, quantization=None),
   ):
-    assert resolve(other, cfg, devices=one).nf4_matmul == "auto", other
+    assert resolve(other, cfg, devices=one).runtime.nf4_matmul == "auto", other
 
 
 def test_the_margin_is_a_fraction_of_the_budget_and_at_most_a_few_gib():
@@ -519,24 +521,23 @@ def test_the_command_lines_compile_cache_follows_its_settings(tmp_path, monkeypa
     monkeypatch.delenv("JAX_COMPILATION_CACHE_MAX_SIZE", raising=False)
     monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    monkeypatch.delenv(compile_cache.STORE_VAR, raising=False)
+    monkeypatch.delenv(step_store.STORE_VAR, raising=False)
     assert compile_cache.use_compile_cache(True) == tmp_path / "cache"
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "cache")
     assert (
-      compile_cache._store_dir == tmp_path / "cache" / compile_cache.STORE_NAME
+      step_store._store_dir == tmp_path / "cache" / step_store.STORE_NAME
     )  # whole steps beside it
-    monkeypatch.setenv(compile_cache.STORE_VAR, "0")
+    monkeypatch.setenv(step_store.STORE_VAR, "0")
     assert (
-      compile_cache.use_compile_cache(True) == tmp_path / "cache"
-      and compile_cache._store_dir is None
+      compile_cache.use_compile_cache(True) == tmp_path / "cache" and step_store._store_dir is None
     )
-    monkeypatch.delenv(compile_cache.STORE_VAR)
+    monkeypatch.delenv(step_store.STORE_VAR)
     # A size limit: jax then takes a file lock around every read and write of the cache.
     assert jax.config.jax_compilation_cache_max_size == compile_cache.CACHE_GIB * 2**30
     assert jax.config.jax_persistent_cache_min_compile_time_secs == 0  # small programs too
     jax.config.update("jax_compilation_cache_dir", None)
     assert compile_cache.use_compile_cache(False) is None  # --no-compile-cache
-    assert compile_cache._store_dir is None
+    assert step_store._store_dir is None
     monkeypatch.setenv(compile_cache.CACHE_VAR, "")
     assert compile_cache.use_compile_cache(True) is None
     assert jax.config.jax_compilation_cache_dir is None
@@ -753,7 +754,7 @@ def test_a_step_read_back_from_the_compilation_cache_is_kept_in_the_store_off_cp
   functions when it is serialized again (jax 0.11.2: "Function ... not found" when the copy
   runs; shown below): there the store keeps only the steps compiled in the process, and a
   run that read its step from the cache trains on that step as it was read. Elsewhere (on
-  an H100 such programs loaded and ran right: experiments/check_cache_store.py) it keeps
+  an H100 such programs loaded and ran right: experiments/log/RESULTS-2026-11.md) it keeps
   them."""
   if jax.config.jax_compilation_cache_dir is None:
     pytest.skip("the persistent compilation cache is off (JAXTUNE_TEST_COMPILE_CACHE=0)")
@@ -763,20 +764,18 @@ def test_a_step_read_back_from_the_compilation_cache_is_kept_in_the_store_off_cp
   unique = AUTO.replace(remat="full", loss_chunk=9173, candidates=())  # a program of its own
   choose = lambda: plan.choose(lambda rt: _store_step(rt, []), _store_args(devices), unique,  # noqa: E731
                                (GIB, "test"), identity="step")  # fmt: skip
-  monkeypatch.setattr(compile_cache, "_store_dir", None)
+  monkeypatch.setattr(step_store, "_store_dir", None)
   fresh, _ = choose()  # compiled here, and written to the compilation cache
-  monkeypatch.setattr(compile_cache, "_store_dir", tmp_path / "steps")
+  monkeypatch.setattr(step_store, "_store_dir", tmp_path / "steps")
   cached, chosen = choose()  # read back from the cache
   assert (
-    chosen.cache_hits > 0
-    and cached in compile_cache.FROM_CACHE
-    and fresh not in compile_cache.FROM_CACHE
+    chosen.cache_hits > 0 and cached in step_store.FROM_CACHE and fresh not in step_store.FROM_CACHE
   )
   assert not list((tmp_path / "steps").glob("*.step"))
   want = np.asarray(fresh(*_store_args(devices))[1]["loss"])
   np.testing.assert_array_equal(np.asarray(cached(*_store_args(devices))[1]["loss"]), want)
   # What the store would have read back (where a jax release mends this, the test fails here:
-  # compile_cache.FROM_CACHE can then go):
+  # step_store.FROM_CACHE can then go):
   copy = serialize_executable.deserialize_and_load(
     *serialize_executable.serialize(cached), execution_devices=devices
   )
@@ -785,18 +784,18 @@ def test_a_step_read_back_from_the_compilation_cache_is_kept_in_the_store_off_cp
   # Off a CPU the same read-back program is kept.
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   again, chosen = choose()
-  assert chosen.cache_hits > 0 and again in compile_cache.FROM_CACHE
+  assert chosen.cache_hits > 0 and again in step_store.FROM_CACHE
   assert len(list((tmp_path / "steps").glob("*.step"))) == 1
 
 
 def test_the_step_store_reads_a_chosen_step_back_without_tracing_or_choosing(
   tmp_path, monkeypatch, capsys
 ):
-  """A command line's chosen step is kept whole (compile_cache.StepStore): the next process with the
+  """A command line's chosen step is kept whole (step_store.StepStore): the next process with the
   same key gets the same program and plan without building, tracing or choosing; any part
   of the key that differs compiles anew; a damaged entry is removed with one line."""
   store = tmp_path / "steps"
-  monkeypatch.setattr(compile_cache, "_store_dir", store)
+  monkeypatch.setattr(step_store, "_store_dir", store)
   devices = [jax.devices()[5], jax.devices()[3]]  # a device order of its own: kept exactly
   budget = (GIB, "test")
   # The fastest setting refused by its floor: the plan keeps what was refused and why.
@@ -862,7 +861,7 @@ def test_the_step_store_reads_a_chosen_step_back_without_tracing_or_choosing(
   assert len(built) == 8
 
   # At most STORE_ENTRIES, the least recently used removed first.
-  monkeypatch.setattr(compile_cache, "STORE_ENTRIES", 2)
+  monkeypatch.setattr(step_store, "STORE_ENTRIES", 2)
   os.utime(entry, (1, 1))
   choose(identity="a third step")
   kept = list(store.glob("*.step"))
@@ -887,8 +886,8 @@ def test_a_planted_pickle_in_the_step_store_is_never_loaded(tmp_path, monkeypatc
   import pickle
 
   cache = tmp_path / "cache"
-  store = cache / compile_cache.STORE_NAME
-  monkeypatch.setattr(compile_cache, "_store_dir", store)
+  store = cache / step_store.STORE_NAME
+  monkeypatch.setattr(step_store, "_store_dir", store)
   devices = [jax.devices()[0]]
   built: list = []
 
@@ -899,11 +898,11 @@ def test_a_planted_pickle_in_the_step_store_is_never_loaded(tmp_path, monkeypatc
   choose()
   (entry,) = store.glob("*.step")
   real = entry.read_bytes()
-  assert (store / compile_cache.KEY_NAME).stat().st_mode & 0o777 == 0o600
+  assert (store / step_store.KEY_NAME).stat().st_mode & 0o777 == 0o600
   marker = tmp_path / "pwned"
   bare = pickle.dumps(_Planted(marker))
   # The store's own format around the payload, signed with a key the planter guessed.
-  forged = compile_cache._entry_bytes({"plan": [], "devices": [0]}, bare, b"\0" * 32)
+  forged = step_store._entry_bytes({"plan": [], "devices": [0]}, bare, b"\0" * 32)
   for planted in (bare, forged):
     entry.write_bytes(planted)
     capsys.readouterr()
@@ -914,7 +913,7 @@ def test_a_planted_pickle_in_the_step_store_is_never_loaded(tmp_path, monkeypatc
   assert len(built) == 3
 
   # A real entry of this user's, in places others can write: not read either.
-  for place, mode in ((store, 0o777), (entry, 0o666), (store / compile_cache.KEY_NAME, 0o644)):
+  for place, mode in ((store, 0o777), (entry, 0o666), (store / step_store.KEY_NAME, 0o644)):
     entry.write_bytes(real)
     entry.chmod(0o600)
     place.chmod(mode)
@@ -934,7 +933,7 @@ def test_a_planted_pickle_in_the_step_store_is_never_loaded(tmp_path, monkeypatc
   try:
     monkeypatch.setenv(compile_cache.CACHE_VAR, str(shared))
     capsys.readouterr()
-    assert compile_cache.use_compile_cache(True) is None and compile_cache._store_dir is None
+    assert compile_cache.use_compile_cache(True) is None and step_store._store_dir is None
     assert jax.config.jax_compilation_cache_dir is None
     err = capsys.readouterr().err
     assert re.fullmatch(
@@ -949,7 +948,7 @@ def test_a_planted_pickle_in_the_step_store_is_never_loaded(tmp_path, monkeypatc
 def test_the_step_store_keeps_no_program_with_host_callbacks(tmp_path, monkeypatch):
   """A program calling back into this process (an interpreted Pallas kernel does) cannot be
   read back by another: it is not kept."""
-  monkeypatch.setattr(compile_cache, "_store_dir", tmp_path)
+  monkeypatch.setattr(step_store, "_store_dir", tmp_path)
 
   def build(rt):
     return jax.jit(lambda x: jax.pure_callback(np.sin, jax.ShapeDtypeStruct((3,), np.float32), x))
@@ -962,21 +961,19 @@ def test_the_step_store_keeps_no_program_with_host_callbacks(tmp_path, monkeypat
 def test_the_step_store_key_follows_the_source_of_every_package_a_step_runs(tmp_path, monkeypatch):
   """A change to the code a step runs (jaxtune, its kernels in pallas_kernels, converters)
   changes the store's key: a stale program is never read back."""
-  assert set(compile_cache.SOURCE_PACKAGES) >= {"jaxtune", "pallas_kernels"}
+  assert set(step_store.SOURCE_PACKAGES) >= {"jaxtune", "pallas_kernels"}
   package = tmp_path / "storekeyprobe"
   package.mkdir()
   (package / "__init__.py").write_text("")
   (package / "kernel.py").write_text("BLOCK = 64\n")
   monkeypatch.syspath_prepend(str(tmp_path))
-  monkeypatch.setattr(
-    compile_cache, "SOURCE_PACKAGES", (*compile_cache.SOURCE_PACKAGES, "storekeyprobe")
-  )
+  monkeypatch.setattr(step_store, "SOURCE_PACKAGES", (*step_store.SOURCE_PACKAGES, "storekeyprobe"))
   keys = []
   for text in ("BLOCK = 64\n", "BLOCK = 128\n", "BLOCK = 64\n"):
     (package / "kernel.py").write_text(text)
-    compile_cache._environment.cache_clear()
-    keys.append(compile_cache._environment())
-  compile_cache._environment.cache_clear()
+    step_store._environment.cache_clear()
+    keys.append(step_store._environment())
+  step_store._environment.cache_clear()
   assert keys[0] != keys[1] and keys[0] == keys[2]
 
 

@@ -40,7 +40,9 @@ def _packed_rows(seed: int, rows: int = 4, seq: int = SEQ) -> dict:
 
 def _runtime(path, run: RunConfig, spec: str):
   devices = jax.devices()[: math.prod(meshlib.parse_mesh(spec, 8).values())]
-  return resolver.resolve(run.replace(mesh=spec), ModelConfig.from_hf(path), devices=devices)
+  return resolver.resolve(
+    run.replace(mesh=spec), ModelConfig.from_hf(path), devices=devices
+  ).runtime
 
 
 def _loss_and_grads(model, rt, host: dict):

@@ -199,7 +199,7 @@ def test_activations_kept_in_the_first_layers_cost_each_layer_the_same(host_mode
       runtime.Runtime(kept_layers=2, **bad)
   with pytest.raises(ValueError, match="kept_layers must be at least 0"):
     runtime.Runtime(remat="full", kept_layers=-1)
-  rt = resolver.resolve(RunConfig(), cfg, devices=jax.devices()[:1])  # --remat auto
+  rt = resolver.resolve(RunConfig(), cfg, devices=jax.devices()[:1]).runtime  # --remat auto
   assert rt.keep_up_to == 8 and rt.kept_layers == 0
   assert (
     "remat full, activations kept in the first 3 layers"
@@ -209,7 +209,7 @@ def test_activations_kept_in_the_first_layers_cost_each_layer_the_same(host_mode
               RunConfig(layer_loop="unrolled"))  # fmt: skip
   for run in not_kept:
     devices = jax.devices()[: 2 if run.mesh else 1]
-    assert resolver.resolve(run, cfg, devices=devices).keep_up_to == 0, run
+    assert resolver.resolve(run, cfg, devices=devices).runtime.keep_up_to == 0, run
 
 
 @pytest.mark.slow
@@ -240,7 +240,7 @@ def test_remat_groups_keep_only_each_groups_input(host_model):
 
 def test_remat_groups_are_chosen_among_the_settings_that_take_them_or_refused():
   cfg, one = ModelConfig.from_hf(TINY), jax.devices()[:1]
-  rt = resolver.resolve(RunConfig(remat_group=4), cfg, devices=one)  # --remat auto
+  rt = resolver.resolve(RunConfig(remat_group=4), cfg, devices=one).runtime  # --remat auto
   assert rt.remat_group == 4 and rt.remat == "full"
   assert [r for r, _ in rt.candidates] == ["full", "full", "lean", "offload"]
   assert set(GROUP_POLICIES) == set(runtime.GROUPED_REMAT)
@@ -260,9 +260,9 @@ def test_remat_groups_are_chosen_among_the_settings_that_take_them_or_refused():
 
 def test_the_layer_loop_is_resolved_and_unrolled_refused_in_a_pipeline():
   cfg, one = ModelConfig.from_hf(TINY), jax.devices()[:1]
-  auto = resolver.resolve(RunConfig(), cfg, devices=one)
+  auto = resolver.resolve(RunConfig(), cfg, devices=one).runtime
   assert auto.scan_layers and not auto.try_unrolled  # a CPU: unrolling only costs compile time
-  unrolled = resolver.resolve(RunConfig(layer_loop="unrolled"), cfg, devices=one)
+  unrolled = resolver.resolve(RunConfig(layer_loop="unrolled"), cfg, devices=one).runtime
   assert not unrolled.scan_layers and not unrolled.try_unrolled
   assert "layers unrolled" in unrolled.describe()
   gpu, cpu = types.SimpleNamespace(platform="gpu"), types.SimpleNamespace(platform="cpu")
