@@ -331,7 +331,8 @@ def forward(
     # tokens with wgmmas in flight and the same 128-register accumulator, which points at the
     # register operand (PTX: its registers must not change before the wait). The 16-token
     # tiles decoding dispatches were checked for it: 1,920 launches of its configurations
-    # bit-identical to the same ones without wgmmas in flight (check_delay_release.py, H100).
+    # bit-identical to the same ones without wgmmas in flight (H100,
+    # experiments/log/RESULTS-2026-11.md).
     # Pinning the dequantized tiles into the next step (an optimization barrier after its
     # wait) did not cure the wide tiles (tried).
     raise ValueError("nf4 forward kernel: delay_release is measured correct up to 16 tokens")

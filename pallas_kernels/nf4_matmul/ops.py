@@ -89,7 +89,7 @@ TRAIN_OUT_CHUNK = 32
 # after the product. Same sweep (calls 3 and 4), with plut, against session 27's 16-token tile
 # with wgmmas in flight (lut): q/k/v 0.48x cuBLAS bf16 against 0.55-0.57x, o 0.54-0.55x against
 # 0.63x, gate/up 0.38x against 0.40x, down 0.39x against 0.41x; 3 pipeline stages fastest on all
-# four. End to end (check_decode_kernels.py): 8B batch 1 1.12x, 70B 1.04x.
+# four. End to end (experiments/log/RESULTS-2026-11.md): 8B batch 1 1.12x, 70B 1.04x.
 COLUMN_STAGES = 3
 
 
@@ -503,7 +503,7 @@ def nf4_matmul(
   "lut" where that table fits, else "word" (an asked-for "plut" or "lut" falls back the same
   way); ``TRAIN_LOOKUP`` (the same fallback) where the call has at least
   ``WORD_PER_CALL_MIN_TOKENS`` tokens (then permuted per call); else "prmt"
-  (measured on an H100, experiments/check_nf4_lookup.py: "word" 0.61-0.87x the time of "prmt" on
+  (measured on an H100, experiments/log/RESULTS-2026-11.md: "word" 0.61-0.87x the time of "prmt" on
   the 8B shapes at 1-64 tokens, where a per-call permutation costs more than it saves). Every
   path but the kernel's word, lut and plut lookups (XLA's, the interpreter's, "prmt", the
   backward) reads the codes from ``word_codes`` where they are given, put back in bitsandbytes'
