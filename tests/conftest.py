@@ -31,6 +31,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # operations (test_nf4 + test_bnb: 62 s -> 32 s).
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
+# The tiers' folders on the import path: a test may take a helper from a test module of another
+# tier (test_faults uses test_train's dataset), also when its own file runs alone.
+sys.path[1:1] = [
+  str(Path(__file__).parent / tier) for tier in ("unit", "models", "cli", "parallel", "kernels")
+]
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -12,7 +12,6 @@ ones (jaxtune/hf/device_put.py), so a load costs about as long as its slowest st
 ``*-bnb-4bit`` checkpoint's Linears arrive as six tensors each, assembled by converters/bnb.py.
 """
 
-import json
 import logging
 from pathlib import Path
 
@@ -84,10 +83,10 @@ def from_pretrained(
     raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
   quantized = quantization == "nf4"
   ckpt = resolve_checkpoint(path_or_hub_id)
-  cfg = ModelConfig.from_hf(ckpt)
+  cfg, settings = ModelConfig.read_hf(ckpt)
   files = safetensors_files(ckpt)
   try:
-    prequantized_file = bnb.is_bnb_4bit(json.loads((ckpt / "config.json").read_text()))
+    prequantized_file = bnb.is_bnb_4bit(settings)
   except bnb.BnbError as e:
     raise CheckpointError(str(e)) from e
   compute = DTYPES[dtype]

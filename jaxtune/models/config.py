@@ -112,6 +112,12 @@ class ModelConfig:
     machine can hold, before anything is allocated: a damaged or hostile config.json gets one
     sentence naming the file and the field.
     """
+    return cls.read_hf(config)[0]
+
+  @classmethod
+  def read_hf(cls, config: dict[str, Any] | str | Path) -> tuple["ModelConfig", dict[str, Any]]:
+    """(``from_hf``'s config, the HF settings it was read from): config.json read once for
+    what else a loader needs of it (its quantization_config)."""
     source = "config.json"
     if not isinstance(config, dict):
       path = Path(config)
@@ -160,7 +166,7 @@ class ModelConfig:
         f"intermediate_size={cfg.intermediate_size}, vocab_size={cfg.vocab_size}), more than "
         f"the {MAX_PARAMS:.0e} any machine holds; the file is damaged, re-download it."
       )
-    return cfg
+    return cfg, config
 
 
 MAX_LAYERS = 100_000

@@ -178,8 +178,8 @@ class _Loop:
       announce(None)
 
   def dispatch(self, i: int):
-    """Step ``i`` dispatched (its batch placed first, the next one placed while it runs);
-    returns what ``read`` takes."""
+    """Step ``i`` dispatched (its batch placed first where ``place_next`` has not); returns
+    what ``read`` takes."""
     t0 = time.perf_counter()
     batch, self.first = self.first if self.first is not None else self.next_batch(i), None
     rolled, t_step = self.figures, time.perf_counter()
@@ -187,9 +187,13 @@ class _Loop:
     self.lora, self.opt_state, m = self.step_fn(
       self.lora, self.opt_state, self.frozen, batch, key, self.numbers
     )
-    if self.prefetch and i + 1 < self.run.steps:  # built on the host while step i runs
-      self.first = self.next_batch(i + 1)
     return (i, m, int(np.prod(batch["input_ids"].shape)), t0, rolled, t_step)
+
+  def place_next(self, i: int) -> None:
+    """Step ``i + 1``'s batch, built on the host while step ``i`` runs (where batches are a
+    function of the step alone)."""
+    if self.prefetch and i + 1 < self.run.steps:
+      self.first = self.next_batch(i + 1)
 
   def read(self, log, i, m, tokens, t0, rolled, t_step) -> dict:
     """Step ``i``'s row: its figures (waiting for them), a bad step counted or raised, logged."""
@@ -282,6 +286,8 @@ def train(
   """
   if not isinstance(plan_, Plan):
     plan_ = Plan(plan_, eval_scan=run.layer_loop != "unrolled")
+  elif plan_.memory is not None:  # a plan trained with before: its decisions, chosen anew
+    plan_ = dataclasses.replace(plan_, memory=None)
   loop = _Loop(model, dataset, run, plan_, checkpoints, loss_scale, objective, rollouts)
   if loop.start and distributed.is_main():
     print(_resume_line(loop.start, run, loop.learning_rate, previous_steps), file=sys.stderr,
@@ -304,7 +310,8 @@ def train(
         raise Stopped(stop.signum, i, saves)
       taken = loop.dispatch(i)
       if stop is not None:
-        stop.step = i + 1
+        stop.step = i + 1  # a signal from here on names step i + 1, in progress
+      loop.place_next(i)
       loop.read_pending(log)
       last = i + 1 == run.steps
       sampling_only = eval_dataset is None and rollouts is not None and sample_fn is not None
