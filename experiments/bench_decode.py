@@ -26,16 +26,21 @@ from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
 from jaxtune.models import decoding, kernel_operands  # noqa: E402
 from jaxtune.models.decoding import generate_ids  # noqa: E402
+from jaxtune.parallel.runtime import Decode  # noqa: E402
 from pallas_kernels.nf4_matmul import ops  # noqa: E402
+
+# What a run's plan gives decoding on one Hopper GPU (run.choices.resolve_decode).
+NF4 = "few-tokens"
 
 
 def timed(model, prompts, n, word=None, fuse=True, reps=3):
   """Median seconds of generate_ids (after a compiling call)."""
-  call = lambda: generate_ids(model, prompts, max_new_tokens=n, word_lookup=word, fuse=fuse)  # noqa: E731
+  decode = Decode(word_codes=bool(word) and word, nf4_matmul=NF4)
+  call = lambda: generate_ids(model, prompts, max_new_tokens=n, decode=decode, fuse=fuse)  # noqa: E731
   return wall_ms(call, reps=reps) / 1e3
 
 
-# --lookups names -> (generate_ids' word_lookup, fuse)
+# --lookups names -> (Decode.word_codes, generate_ids' fuse)
 LOOKUPS = {
   "prmt": (False, False),
   "word": (True, False),
@@ -57,10 +62,12 @@ def kernel_operand_errors(model, b: int, lookups) -> dict:
   def step(how, state):
     m = nnx.merge(graphdef, state)
     if how in ("word", "fused"):
-      kernel_operands.prepare_kernel_operands(m, b, word=True, fuse=how == "fused")
+      kernel_operands.prepare_kernel_operands(m, b, True, fuse=how == "fused", nf4_matmul=NF4)
     elif how == "inplace":
-      kernel_operands.prepare_kernel_operands(m, b, word="inplace")
-    return decoding.forward_cached(m, ids, pos, decoding.init_cache(m, b, 64), 0, valid)[0]
+      kernel_operands.prepare_kernel_operands(m, b, word="inplace", nf4_matmul=NF4)
+    nf4 = "xla" if how == "xla" else NF4
+    cache = decoding.init_cache(m, b, 64)
+    return decoding.forward_cached(m, ids, pos, cache, 0, valid, nf4)[0]
 
   plain = np.asarray(step(None, nnx.state(model)), np.float64)
   rel = lambda y: float(np.linalg.norm(np.asarray(y) - plain) / np.linalg.norm(plain))  # noqa: E731
@@ -69,14 +76,9 @@ def kernel_operand_errors(model, b: int, lookups) -> dict:
     if how in lookups:
       errors[f"{how}_rel_err"] = rel(step(how, nnx.state(model)))
   if "inplace" in lookups:
-    with kernel_operands.codes_in_word_order(model, b):
+    with kernel_operands.codes_in_word_order(model, b, nf4_matmul=NF4):
       errors["inplace_rel_err"] = rel(step("inplace", nnx.state(model)))
-  uses = ops.uses_kernel
-  ops.uses_kernel = lambda tokens, weights: False  # dispatch: XLA everywhere, this trace only
-  try:
-    errors["xla_rel_err"] = rel(step("xla", nnx.state(model)))
-  finally:
-    ops.uses_kernel = uses
+  errors["xla_rel_err"] = rel(step("xla", nnx.state(model)))
   return errors
 
 

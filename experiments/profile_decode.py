@@ -35,6 +35,8 @@ from experiments.measure import wall_ms  # noqa: E402
 from experiments.record import record  # noqa: E402
 from experiments.write_checkpoint import write  # noqa: E402
 from jaxtune.models import decoding, kernel_operands  # noqa: E402
+from jaxtune.parallel.runtime import free_device_bytes  # noqa: E402
+from jaxtune.run.choices import resolve_decode  # noqa: E402
 
 CATEGORIES = (  # first match wins
   ("nf4-kernel", ("mosaic", "nf4")),
@@ -82,12 +84,15 @@ def main():
     if not (ckpt / "config.json").is_file():
       ckpt = write(ckpt, args.shape, bnb_4bit=args.bnb_4bit)
     for quant in args.quant.split(","):
+      free = free_device_bytes()  # before loading, as resolve_decode weighs it
       model = jaxtune.from_pretrained(
         ckpt, quantization=None if quant == "bf16" else quant, dtype="bfloat16"
       )
       graphdef, state = nnx.split(model)
       wbytes = weight_bytes(state)
       cfg = model.config
+      # As a generate command's plan (it owns the model: codes in place where no copy fits).
+      decode = resolve_decode(cfg, devices=1, device=jax.devices()[0], free=free, owns_model=True)
       for b in (int(x) for x in args.batches.split(",")):
         length = args.prompt_len + args.new_tokens
         cache = decoding.init_cache(model, b, length)
@@ -95,22 +100,23 @@ def main():
         rng = np.random.default_rng(b)
         ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, args.prompt_len)), jnp.int32)
         pos = jnp.broadcast_to(jnp.arange(args.prompt_len), ids.shape)
-        _, cache = decoding._prefill(graphdef, state, ids, pos, cache, key_valid)
+        _, cache = decoding._prefill(graphdef, state, ids, pos, cache, key_valid, decode.nf4_matmul)
 
         # As the decode loop runs it: the kernel's scales made once, outside the token step;
         # the codes copied in word order where that fits, else permuted in place (70B on one
         # GPU: kernel_operands.codes_in_word_order, as generate does), put back after the profile.
         with contextlib.ExitStack() as in_place:
-          fits = kernel_operands.word_codes_fit(model, b)
-          word = kernel_operands.loop_codes(model, b, in_place, True if fits else "inplace")
+          word = kernel_operands.loop_codes(model, b, in_place, decode)
           prepared = nnx.merge(*nnx.split(model))
-          kernel_operands.prepare_kernel_operands(prepared, b, word)
+          kernel_operands.prepare_kernel_operands(prepared, b, word, nf4_matmul=decode.nf4_matmul)
           pgraph, pstate = nnx.split(prepared)
 
           @functools.partial(jax.jit, donate_argnums=(2,))
-          def token_step(state, ids, cache, pos, graph=pgraph, valid=key_valid):
+          def token_step(
+            state, ids, cache, pos, graph=pgraph, valid=key_valid, nf4=decode.nf4_matmul
+          ):
             m = nnx.merge(graph, state)
-            return decoding.forward_cached(m, ids, pos, cache, args.prompt_len, valid)
+            return decoding.forward_cached(m, ids, pos, cache, args.prompt_len, valid, nf4)
 
           one = ids[:, :1]
           p1 = jnp.full((b, 1), args.prompt_len, jnp.int32)

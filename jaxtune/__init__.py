@@ -20,7 +20,7 @@ _PUBLIC = {
   "export_merged": "jaxtune.hf.write:export_merged",
   "export_peft": "jaxtune.hf.write:export_peft",
   "from_pretrained": "jaxtune.hf.load:from_pretrained",
-  "generate": "jaxtune.models.decoding:generate",
+  "generate": "jaxtune.run.api:generate",
   "load_adapter": "jaxtune.hf.adapters:load_adapter",
   "DataError": "jaxtune.errors:DataError",
   "RunConfig": "jaxtune.run_config:RunConfig",

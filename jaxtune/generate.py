@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     decode = resolve_decode(model.config, devices=jax.device_count(), device=one, free=free,
                             owns_model=True)  # fmt: skip
     kw = dict(
-      word_lookup=decode.word_codes,
+      decode=decode,
       max_new_tokens=args.max_new_tokens,
       temperature=args.temperature,
       top_k=args.top_k,

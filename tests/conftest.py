@@ -362,6 +362,28 @@ def _no_step_store_in_this_process(monkeypatch):
   monkeypatch.setattr(step_store, "_store_dir", None)
 
 
+# The persistent cache's settings that a command line's main() run in this process changes
+# (compile_cache.use_compile_cache: its directory, its size limit, which turns on JAX's
+# least-recently-used cache with a file lock), put back after each test, so that no test runs
+# under another's settings.
+_CACHE_SETTINGS = (
+  "jax_compilation_cache_dir",
+  "jax_compilation_cache_max_size",
+  "jax_persistent_cache_min_compile_time_secs",
+)
+
+
+@pytest.fixture(autouse=True)
+def _compile_cache_settings_restored():
+  import jax
+
+  saved = {name: getattr(jax.config, name) for name in _CACHE_SETTINGS}
+  yield
+  for name, value in saved.items():
+    if getattr(jax.config, name) != value:
+      jax.config.update(name, value)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _background_runs(request, tmp_path_factory):
   first_use = {}

@@ -11,6 +11,7 @@ copy (``kernel_operands``). The command line is jaxtune/generate.py.
 """
 
 import contextlib
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from jaxtune.errors import UserError
 from jaxtune.models import attention
 from jaxtune.models.decoder import Decoder
 from jaxtune.models.kernel_operands import loop_codes, prepare_kernel_operands
-from jaxtune.parallel.runtime import DEFAULT
+from jaxtune.parallel.runtime import DEFAULT, NO_WORD_CODES, Decode
 from jaxtune.run_config import shown
 
 # Prompt lengths and new-token counts are rounded up to multiples of this (compiled once per
@@ -77,12 +78,15 @@ def forward_cached(
   cache: dict,
   start: int | jax.Array,
   key_valid: jax.Array,
+  nf4_matmul: str = "xla",
 ) -> tuple[jax.Array, dict]:
   """Logits of the last position [B, V] (float32) and the cache with this chunk stored.
 
   input_ids/positions [B, T] take cache slots start .. start + T - 1; key_valid [B, S]
-  marks the slots that hold real tokens (left padding does not).
+  marks the slots that hold real tokens (left padding does not). ``nf4_matmul``: how NF4
+  layers multiply (``Decode.nf4_matmul``).
   """
+  runtime = dataclasses.replace(DEFAULT, nf4_matmul=nf4_matmul)
   t = input_ids.shape[1]
   x, rope_global, rope_local = model.embed(input_ids, positions)
   window, local = model.per_layer()
@@ -140,7 +144,7 @@ def forward_cached(
 
     def run(attend):
       attend_here = functools.partial(attend, cache, i)
-      return block(x, c, s, None, None, None, DEFAULT, cache=attend_here)
+      return block(x, c, s, None, None, None, runtime, cache=attend_here)
 
     if cache["local"] is None:
       x, cache = run(attend_global)
@@ -204,9 +208,10 @@ def sample(
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _prefill(graphdef, state, ids, positions, cache, key_valid):
-  return forward_cached(nnx.merge(graphdef, state), ids, positions, cache, 0, key_valid)
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def _prefill(graphdef, state, ids, positions, cache, key_valid, nf4_matmul):
+  model = nnx.merge(graphdef, state)
+  return forward_cached(model, ids, positions, cache, 0, key_valid, nf4_matmul)
 
 
 def _decode_loop(
@@ -226,13 +231,14 @@ def _decode_loop(
   n,
   word,
   fuse,
+  nf4_matmul,
 ):
   """Up to ``n`` (traced, at most ``room``) tokens [B, room] on the device; stops early once
   every row has emitted EOS. ``word``, ``fuse``: the NF4 kernel's operands made for the loop
-  (``prepare_kernel_operands``)."""
+  (``prepare_kernel_operands``); ``nf4_matmul``: how NF4 layers multiply."""
   model = nnx.merge(graphdef, state)
   b = logits.shape[0]
-  prepare_kernel_operands(model, b, word, fuse=fuse)
+  prepare_kernel_operands(model, b, word, fuse=fuse, nf4_matmul=nf4_matmul)
 
   def body(carry):
     i, logits, cache, key, tokens, done = carry
@@ -241,7 +247,7 @@ def _decode_loop(
     tokens = tokens.at[:, i].set(nxt)
     done = done | jnp.isin(nxt, eos)
     logits, cache = forward_cached(
-      model, nxt[:, None], (positions + i)[:, None], cache, first + i, key_valid
+      model, nxt[:, None], (positions + i)[:, None], cache, first + i, key_valid, nf4_matmul
     )
     return i + 1, logits, cache, key, tokens, done
 
@@ -254,16 +260,15 @@ def _decode_loop(
   return tokens, steps
 
 
-_STATIC = (0, 6, 7, 8, 9, 14, 15)
+_STATIC = (0, 6, 7, 8, 9, 14, 15, 16)
 _decode = jax.jit(_decode_loop, static_argnums=_STATIC)
-# From WIDE_ROWS rows on a GPU the loop is compiled with XLA's dynamic-slice fusion (a
-# cuBLAS product reads a slice of its operand in place: the KV cache's layer) and cuBLAS for
-# every product (Triton's fused products copy that slice first): H100, 8B, experiments/
-# RESULTS.md, the same options as XLA_FLAGS: 3,716 against 3,576 tok/s at batch 16; with
-# the heads-first KV cache 1.065x the previous tree at batch 16 and 1.28x at batch 64 (GRPO
-# rollouts); at batch 1 268 against 271, so not there.
+# From WIDE_ROWS rows on a GPU (the plan's ``Decode.wide_rows``) the loop is compiled with
+# XLA's dynamic-slice fusion (a cuBLAS product reads a slice of its operand in place: the KV
+# cache's layer) and cuBLAS for every product (Triton's fused products copy that slice
+# first): H100, 8B, experiments/RESULTS.md, the same options as XLA_FLAGS: 3,716 against
+# 3,576 tok/s at batch 16; with the heads-first KV cache 1.065x the previous tree at batch 16
+# and 1.28x at batch 64 (GRPO rollouts); at batch 1 268 against 271, so not there.
 WIDE_ROWS = 16
-WIDE_PLATFORMS = ("gpu",)
 _WIDE_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False}
 _decode_wide = jax.jit(_decode_loop, static_argnums=_STATIC, compiler_options=_WIDE_OPTIONS)
 
@@ -297,7 +302,7 @@ def generate_ids(
   top_p: float = 1.0,
   seed: int = 0,
   pad_id: int = 0,
-  word_lookup: bool | str | None = None,
+  decode: Decode = NO_WORD_CODES,
   fuse: bool = True,
   max_positions: int | None = None,
 ) -> list[list[int]]:
@@ -305,11 +310,11 @@ def generate_ids(
 
   Prefill and the whole decode loop each run as one compiled call (a while loop on the
   device), cached across calls for the same model structure and sampling settings.
-  ``word_lookup``: whether the loop copies the NF4 kernel's codes into its faster lookup's
-  order (True), permutes the model's own codes for the loop and back after it ("inplace",
-  ``codes_in_word_order``: only for a caller that owns the model) or neither (False), as a
-  run's plan decides (``Plan.decode``); None: a copy where it takes at most half the free
-  device memory (``word_codes_fit``).
+  ``decode``: how the loop computes, as a run's plan decides (``Plan.decode``,
+  run.choices.resolve_decode; the public ``jaxtune.generate`` resolves one): its NF4 products
+  and whether it copies the NF4 kernel's codes into its faster lookup's order (True),
+  permutes the model's own codes for the loop and back after it ("inplace",
+  ``codes_in_word_order``: only for a caller that owns the model) or neither (False).
   ``fuse``: with those codes, q/k/v and gate/up each in one kernel launch (False: one per
   layer, to compare). ``max_positions``: refuse a prompt whose tokens and max_new_tokens
   need more positions (the command line passes the model's max_position_embeddings; None:
@@ -341,21 +346,23 @@ def generate_ids(
   positions = jnp.asarray(np.maximum(np.arange(p_len)[None, :] - pad[:, None], 0))
 
   graphdef, state = nnx.split(model)
+  cache = init_cache(model, b, length)
   logits, cache = _prefill(
-    graphdef, state, jnp.asarray(tokens), positions, init_cache(model, b, length), key_valid
+    graphdef, state, jnp.asarray(tokens), positions, cache, key_valid, decode.nf4_matmul
   )
   eos = jnp.asarray(list(eos_token_ids), jnp.int32)
   with contextlib.ExitStack() as stack:
-    word = loop_codes(model, b, stack, word_lookup, fuse)
+    word = loop_codes(model, b, stack, decode)
     if word == "inplace":
       graphdef, state = nnx.split(model)
-    wide = b >= WIDE_ROWS and jax.devices()[0].platform in WIDE_PLATFORMS
+    wide = decode.wide_rows is not None and b >= decode.wide_rows
     loop = _decode_wide if wide else _decode
     new, steps = jax.block_until_ready(  # the loop ends before in-place codes are put back
       loop(
         graphdef, state, logits, cache, key_valid, p_len, room, float(temperature),
         int(top_k), float(top_p), jnp.asarray(p_len - pad, jnp.int32), eos,
         jax.random.key(seed), jnp.int32(max_new_tokens), word, fuse and word is True,
+        decode.nf4_matmul,
       )
     )  # fmt: skip
   new = np.asarray(new)[:, : int(steps)]
@@ -380,11 +387,11 @@ def generate(
   top_k: int = 0,
   top_p: float = 1.0,
   seed: int = 0,
-  word_lookup: bool | str | None = None,
+  decode: Decode = NO_WORD_CODES,
   max_positions: int | None = None,
 ) -> list[str]:
   """Completions of ``prompts`` (chat=True renders each as a user turn with the chat template).
-  ``word_lookup``, ``max_positions``: as ``generate_ids``'s."""
+  ``decode``, ``max_positions``: as ``generate_ids``'s."""
   if isinstance(prompts, str):
     prompts = [prompts]
   if chat:
@@ -413,7 +420,7 @@ def generate(
     top_p,
     seed,
     pad_id=tokenizer.pad_token_id or 0,
-    word_lookup=word_lookup,
+    decode=decode,
     max_positions=max_positions,
   )
   return [tokenizer.decode(t, skip_special_tokens=True) for t in new]

@@ -1,8 +1,9 @@
 """The NF4 kernel's operands made once for a loop of calls (a decode loop): its scales, its
 codes in the order its faster lookups read (a copy where it fits, else the model's own codes
 permuted in place and put back), and the layers of one input (q/k/v, gate/up) fused into one
-launch (``layers.Fused``). Decoding decides which (``loop_codes``) and makes them
-(``prepare_kernel_operands``); the training step makes its own (``step.kernel_operands``).
+launch (``layers.Fused``). The run's plan decides which (``Decode``, run.choices.resolve_decode);
+decoding makes them (``loop_codes``, ``prepare_kernel_operands``); the training step makes its
+own (``step.kernel_operands``).
 """
 
 import contextlib
@@ -14,10 +15,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtune.models.blocks import MLP, Attention
-from jaxtune.models.layers import Fused
+from jaxtune.models.layers import Fused, call_impl
 from jaxtune.models.lora import iter_linears
-from jaxtune.parallel.runtime import free_device_bytes
-from pallas_kernels.nf4_matmul import kernel_scales, uses_kernel, word_codes
+from jaxtune.parallel.runtime import Decode
+from pallas_kernels.nf4_matmul import kernel_scales, word_codes
 
 # Linear layers of one input whose frozen products a decode loop computes in one kernel
 # launch (layers.Fused): (module class, its attribute for the Fused, the layers' names).
@@ -28,13 +29,23 @@ FUSED = (
 
 
 def _kernel_plan(
-  model: nnx.Module, tokens: int, word: bool, every: bool = False, fuse: bool = True
+  model: nnx.Module,
+  tokens: int,
+  word: bool,
+  every: bool = False,
+  fuse: bool = True,
+  nf4_matmul: str = "xla",
 ):
   """What ``prepare_kernel_operands`` makes: ([(module, attribute, linears)] to fuse, [linear]
-  that go through the kernel alone). Groups fuse only with ``word`` (their codes are copied
+  that go through the kernel alone): the layers whose calls of ``tokens`` rows the kernel
+  computes under ``nf4_matmul`` (``Decode.nf4_matmul``: "few-tokens" those of the shapes it
+  pays on, ``layers.call_impl``). Groups fuse only with ``word`` (their codes are copied
   anyway) and ``fuse``, where the fused weight goes through the kernel. ``every``: as if every
   NF4 layer did (tests, on a machine without the GPU kernel)."""
-  uses = (lambda t, w: True) if every else uses_kernel
+
+  def uses(t: int, w: int) -> bool:
+    return every or call_impl(nf4_matmul, t, w) != "xla"
+
   groups, fused = [], set()
   if word is True and fuse:  # a copy of the codes is made anyway (not "inplace")
     for _, node in nnx.iter_graph(model):
@@ -62,6 +73,7 @@ def prepare_kernel_operands(
   word: bool | str = False,
   every: bool = False,
   fuse: bool = True,
+  nf4_matmul: str = "xla",
 ) -> int:
   """Give every NF4 linear layer whose calls of ``tokens`` rows go through the Pallas kernel
   its kernel scales (2 bytes per 64 weights) and, with ``word`` True, its codes in the "word"
@@ -69,9 +81,9 @@ def prepare_kernel_operands(
   it); ``word`` "inplace": the layers' own codes are in that order already
   (``codes_in_word_order``), no copy. With ``word`` True, layers of one input (q/k/v,
   gate/up) get one ``layers.Fused`` instead, one launch for all of them (``fuse`` False: each
-  alone, for comparison). ``every``: see ``_kernel_plan``. Returns how many kernel launches a
-  layer stack's token step has (fused groups count once)."""
-  groups, alone = _kernel_plan(model, tokens, word, every, fuse)
+  alone, for comparison). ``every``, ``nf4_matmul``: see ``_kernel_plan``. Returns how many
+  kernel launches a layer stack's token step has (fused groups count once)."""
+  groups, alone = _kernel_plan(model, tokens, word, every, fuse, nf4_matmul)
   for module, attr, linears in groups:
     codes = jnp.concatenate([lin.codes[...] for lin in linears], axis=-2)
     scales = jnp.concatenate([_scales(lin) for lin in linears], axis=-1)
@@ -102,15 +114,17 @@ def _swap_word_order(codes: jax.Array) -> jax.Array:
 
 
 @contextlib.contextmanager
-def codes_in_word_order(model: nnx.Module, tokens: int, every: bool = False) -> Iterator[int]:
+def codes_in_word_order(
+  model: nnx.Module, tokens: int, every: bool = False, nf4_matmul: str = "xla"
+) -> Iterator[int]:
   """Within the block, the codes of every NF4 layer whose calls of ``tokens`` rows go through
   the Pallas kernel are in its "word" order, permuted in their own buffers (no copy: for
   models with no room for ``word_codes``' copy, 70B on one GPU) and put back on the way out.
   The old arrays are donated: whatever else holds them (a trainer's frozen state) loses
   them, so only a caller that owns the model may use this. Calls that do not reach the
   kernel (XLA's path) read the codes back in their order (``nf4_matmul(word_codes=)``).
-  Yields how many layers were permuted. ``every``: see ``_kernel_plan``."""
-  _, alone = _kernel_plan(model, tokens, word="inplace", every=every)
+  Yields how many layers were permuted. ``every``, ``nf4_matmul``: see ``_kernel_plan``."""
+  _, alone = _kernel_plan(model, tokens, word="inplace", every=every, nf4_matmul=nf4_matmul)
   done = []  # put back on the way out, also when a later layer fails to permute
   try:
     for linear in alone:
@@ -126,33 +140,16 @@ def _scales(linear) -> jax.Array:
   return kernel_scales(linear.absmax[...], linear.nested_absmax[...], linear.offset[...])
 
 
-def word_codes_fit(model: nnx.Module, tokens: int, fuse: bool = True) -> bool:
-  """Whether the decode loop makes the kernel's "word" codes: a copy of every kernel layer's
-  codes (8B: 3.5 GB; 70B: 35 GB), made where it takes at most half the device's free memory
-  (kernel 0.61-0.87x the time with them; the loop's own temporaries need the rest)."""
-  groups, alone = _kernel_plan(model, tokens, word=True, fuse=fuse)
-  linears = [lin for *_, group in groups for lin in group] + alone
-  need = sum(lin.codes[...].nbytes for lin in linears)
-  if not need:
-    return False
-  free = free_device_bytes()
-  return free is not None and need <= free // 2
-
-
 def loop_codes(
-  model: nnx.Module,
-  tokens: int,
-  stack: contextlib.ExitStack,
-  word_lookup: bool | str | None = None,
-  fuse: bool = True,
+  model: nnx.Module, tokens: int, stack: contextlib.ExitStack, decode: Decode
 ) -> bool | str:
   """The codes a decode loop of ``tokens`` rows gives the NF4 kernel (``prepare_kernel_operands``'
-  ``word``), as ``word_lookup`` says (a run's plan decides it: run.choices.resolve_decode):
-  True a word-order copy; "inplace" the model's own codes permuted (``codes_in_word_order``,
+  ``word``), as the run's plan says (``decode.word_codes``, run.choices.resolve_decode): True
+  a word-order copy; "inplace" the model's own codes permuted (``codes_in_word_order``,
   entered on ``stack``: put back when it closes; False where no layer's calls reach the
-  kernel); False neither. None (a library call without a plan): a copy where it takes at most
-  half the free device memory (``word_codes_fit``), else none."""
-  word = word_codes_fit(model, tokens, fuse) if word_lookup is None else word_lookup
+  kernel); False neither."""
+  word = decode.word_codes
   if word == "inplace":
-    word = "inplace" if stack.enter_context(codes_in_word_order(model, tokens)) else False
+    permuted = codes_in_word_order(model, tokens, nf4_matmul=decode.nf4_matmul)
+    word = "inplace" if stack.enter_context(permuted) else False
   return word

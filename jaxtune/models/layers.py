@@ -20,7 +20,7 @@ from jax.typing import DTypeLike
 from jaxtune.errors import ConfigError
 from jaxtune.nf4_storage import NF4Storage
 from pallas_kernels import nf4
-from pallas_kernels.nf4_matmul import nf4_matmul, prepared_matmul
+from pallas_kernels.nf4_matmul import kernel_pays, nf4_matmul, prepared_matmul
 
 
 def _stacked(layers: int | None, shape: tuple[int, ...], axes: tuple) -> tuple[tuple, tuple]:
@@ -114,13 +114,13 @@ class Linear(nnx.Module):
     self,
     x: jax.Array,
     dropout_key: jax.Array | None = None,
-    nf4_impl: str = "auto",
+    nf4_impl: str = "xla",
     frozen_out: jax.Array | None = None,
     dequantize_again: bool = False,
     lora_in: tuple[jax.Array, int] | None = None,
   ) -> jax.Array:
-    """``nf4_impl``: "kernel" or "xla" for an NF4 weight, "auto" to let
-    pallas_kernels.nf4_matmul choose per shape and device (``Runtime.nf4_matmul``).
+    """``nf4_impl``: how an NF4 weight multiplies (``Runtime.nf4_matmul``: "xla", "kernel",
+    "interpret", or "few-tokens": ``call_impl``).
     ``frozen_out``: x W^T computed already (decoding runs several weights of one input in
     one kernel launch, ``Fused``); the bias and LoRA are added here.
     ``dequantize_again``: the input gradient dequantizes an NF4 weight anew
@@ -140,7 +140,7 @@ class Linear(nnx.Module):
       scales = None if self.kernel_scales is None else self.kernel_scales[...]
       word = None if self.kernel_codes is None else self.kernel_codes[...]
       word_t = None if self.kernel_codes_t is None else self.kernel_codes_t[...]
-      impl = None if nf4_impl == "auto" else nf4_impl
+      impl = call_impl(nf4_impl, x.size // x.shape[-1], self.in_features * self.out_features)
       with jax.named_scope("nf4_matmul"):
         y = nf4_matmul(
           x,
@@ -213,6 +213,16 @@ def lora_inputs(
   return [(inputs, next(starts)) if t else None for t in takes]
 
 
+def call_impl(nf4_matmul: str, tokens: int, weights: int) -> str:
+  """The ``impl`` of one NF4 product of ``tokens`` rows times ``weights`` values under a run's
+  ``nf4_matmul`` (``Runtime.nf4_matmul``, decided by the run's resolve): "few-tokens" sends the
+  shapes the kernel measured faster on (``kernel_pays``: decoding) to it, the rest to XLA; any
+  other setting is the impl itself."""
+  if nf4_matmul == "few-tokens":
+    return "kernel" if kernel_pays(tokens, weights) else "xla"
+  return nf4_matmul
+
+
 class Fused(nnx.Module):
   """Decoding only (kernel_operands.prepare_kernel_operands): the NF4 kernel's operands of several
   linear layers that read one input (q/k/v, gate/up), their output rows concatenated, so one
@@ -224,9 +234,9 @@ class Fused(nnx.Module):
     self.scales = nnx.data(scales)
     self.sizes = sizes
 
-  def __call__(self, x: jax.Array, nf4_impl: str = "auto") -> list[jax.Array]:
+  def __call__(self, x: jax.Array, nf4_impl: str = "xla") -> list[jax.Array]:
     """Each layer's x W^T (no bias, no LoRA: ``Linear(..., frozen_out=)`` adds them)."""
-    impl = None if nf4_impl == "auto" else nf4_impl
+    impl = call_impl(nf4_impl, x.size // x.shape[-1], x.shape[-1] * sum(self.sizes))
     with jax.named_scope("nf4_matmul"):
       y = prepared_matmul(x, self.codes[...], self.scales[...], impl=impl)
     ends = [sum(self.sizes[: i + 1]) for i in range(len(self.sizes) - 1)]

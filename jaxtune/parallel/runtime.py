@@ -35,7 +35,10 @@ from jaxtune.parallel import ring_attention as context
 from jaxtune.run_config import REMAT
 
 ATTENTION = ("xla", "cudnn", "mosaic", "interpret", "flash_xla", "ring")
-NF4_MATMUL = ("auto", "kernel", "xla", "interpret")  # interpret: the kernel on CPU (tests)
+# How NF4 layers multiply (pallas_kernels.nf4_matmul's ``impl``, or "few-tokens": the kernel for
+# calls whose shape it measured faster on, ``kernel_pays``, XLA for the rest; resolve picks it
+# on one Hopper GPU). interpret: the kernel on CPU (tests).
+NF4_MATMUL = ("xla", "few-tokens", "kernel", "interpret")
 FLASH = ("mosaic", "interpret", "flash_xla")  # run per shard through the flash op
 GROUPED_REMAT = ("full", "lean", "offload")  # those --remat-group applies to
 # With --loss-chunk, vocabularies larger than this (Gemma's 256k) are also cut into pieces
@@ -64,7 +67,7 @@ class Runtime:
   # "ring" attention's chunk pairs: "xla" (tiles, any mask) or a FLASH name (models without a
   # sliding window: the flash op per pair, merged by its log-sum-exp)
   ring_blocks: str = "xla"
-  nf4_matmul: str = "auto"  # "auto": the kernel for few tokens on one Hopper GPU (nf4_matmul)
+  nf4_matmul: str = "xla"  # one of NF4_MATMUL
   loss_chunk: int = 0  # > 0: float32 logits for this many tokens per row at a time
   mlp_chunk: int = 0  # > 0: the MLP runs this many tokens per row at a time
   # > 1: remat keeps the input of every group of this many layers only (models/decoder.py
@@ -207,7 +210,7 @@ class Runtime:
     if attention == "ring":
       attention += f" ({self.ring_blocks} blocks)" if self.ring_blocks != "xla" else " (xla tiles)"
     parts = [f"attention {attention}", f"remat {remat}", f"dtype {self.dtype}"]
-    if self.nf4_matmul != "auto":
+    if self.nf4_matmul not in ("xla", "few-tokens"):
       parts.append(f"nf4 matmul {self.nf4_matmul}")
     if self.mlp_chunk:
       parts.append(f"mlp chunk {self.mlp_chunk}")
@@ -230,13 +233,22 @@ class Decode:
   ``python -m jaxtune.generate``. ``word_codes``: the NF4 kernel's codes in its faster
   lookup's order for the decode loop: True a copy, made once a loop; "inplace" the model's own
   codes permuted for the loop and put back (a caller that owns the model, where no copy fits);
-  False neither (also where the kernel never runs: off a single Hopper GPU)."""
+  False neither (also where the kernel never runs: off a single Hopper GPU). ``nf4_matmul``:
+  how its NF4 layers multiply (``NF4_MATMUL``; "few-tokens" on one Hopper GPU). ``wide_rows``:
+  from this many rows the loop is compiled with the options of wide batches on a GPU
+  (decoding.WIDE_OPTIONS); None never."""
 
   word_codes: bool | str = False
+  nf4_matmul: str = "xla"
+  wide_rows: int | None = None
 
   def __post_init__(self):
     if self.word_codes not in (True, False, "inplace"):
       raise ValueError(f"word_codes must be True, False or 'inplace', got {self.word_codes!r}")
+    if self.nf4_matmul not in NF4_MATMUL:
+      raise ValueError(f"nf4_matmul must be one of {NF4_MATMUL}, got {self.nf4_matmul!r}")
+    if self.word_codes and self.nf4_matmul == "xla":
+      raise ValueError("word_codes are the NF4 kernel's: they need nf4_matmul other than xla")
 
 
 @dataclasses.dataclass
@@ -300,7 +312,7 @@ def _names(axis: str | tuple | None) -> set[str]:
 
 # What a model computes with when given no runtime: one device, no remat, XLA attention.
 DEFAULT = Runtime()
-# How generation computes when given no plan: no copy of the kernel's codes.
+# How generation computes when given no plan: XLA's products, no copy of the kernel's codes.
 NO_WORD_CODES = Decode()
 
 

@@ -12,6 +12,30 @@ from jaxtune.run.session import Trained, run_training
 from jaxtune.run_config import RunConfig
 
 
+def generate(
+  model: Any, tokenizer: Any, prompts: Any, max_new_tokens: int = 128, **kw: Any
+) -> list[str]:
+  """Completions of ``prompts`` by ``model`` (``jaxtune.models.decoding.generate``, its
+  keywords), computed as a run's plan would on this machine (``run.choices.resolve_decode``:
+  the NF4 kernel for decoding's few tokens on one Hopper GPU, with its codes copied into
+  their faster order where that copy fits in the free memory; the model is the caller's, so
+  never permuted in place). ``decode=`` overrides that plan."""
+  import jax
+
+  from jaxtune.models import decoding
+  from jaxtune.parallel.runtime import free_device_bytes
+  from jaxtune.run.choices import loaded_bytes, resolve_decode
+
+  if "decode" not in kw:
+    # resolve_decode weighs free memory before loading: the loaded model's bytes added back.
+    free = free_device_bytes()
+    kw["decode"] = resolve_decode(
+      model.config, devices=jax.device_count(), device=jax.devices()[0],
+      free=None if free is None else free + loaded_bytes(model.config),
+    )  # fmt: skip
+  return decoding.generate(model, tokenizer, prompts, max_new_tokens, **kw)
+
+
 def train(
   config: RunConfig | str | Path | dict[str, Any] | None = None,
   data: Any = None,

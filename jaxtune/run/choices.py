@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import jax
 
 from jaxtune.errors import MeshError, UserError
+from jaxtune.models.decoding import WIDE_ROWS
 from jaxtune.parallel import runtime
 from jaxtune.parallel.runtime import Decode, operand_bytes
 from pallas_kernels.flash_attention import mosaic_supports
@@ -42,9 +43,10 @@ def resolve_nf4_matmul(
   ``TRAIN_KERNEL_MAX_TOKENS`` tokens, the model is at least ``TRAIN_KERNEL_MIN_HIDDEN`` wide
   and the kernels' operands, made once for the run (``step.kernel_operands``), fit beside the
   loaded model in half of what is left of ``free`` bytes (the device's, before loading): where
-  the kernels measured faster. Else "auto" (pallas_kernels.nf4_matmul's choice per call: the
-  kernel for decoding's few tokens). ``tokens`` None: not known yet (no --seq-len before the
-  data is read)."""
+  the kernels measured faster. Else, on one Hopper GPU, "few-tokens" (the kernel for the
+  shapes it measured faster on, ``pallas_kernels.nf4_matmul.kernel_pays``: decoding's few
+  tokens), and "xla" elsewhere. ``tokens`` None: not known yet (no --seq-len before the data
+  is read)."""
   if requested is not None:
     return requested
   if (
@@ -60,7 +62,12 @@ def resolve_nf4_matmul(
     and kernel_operand_bytes(cfg) <= (free - loaded_bytes(cfg)) // 2
   ):
     return "kernel"
-  return "auto"
+  return few_tokens_or_xla(devices, device)
+
+
+def few_tokens_or_xla(devices: int, device: jax.Device) -> str:
+  """ "few-tokens" where the NF4 kernel runs (one Hopper GPU), else "xla"."""
+  return "few-tokens" if devices == 1 and runtime.on_hopper(device) else "xla"
 
 
 def kernel_operand_bytes(cfg: ModelConfig) -> int:
@@ -161,8 +168,12 @@ def resolve_decode(
   most half of what ``free`` bytes (the device's, before loading) leave beside the loaded model
   (the kernel 0.61-0.87x the time with them; the loop's own temporaries need the rest); else,
   for a caller that ``owns_model`` (``python -m jaxtune.generate``), the model's own codes
-  permuted for the loop; else none."""
-  if devices != 1 or not runtime.on_hopper(device):
-    return Decode(word_codes=False)
+  permuted for the loop; else none. Its NF4 products "few-tokens" there, else XLA's; on a GPU
+  the loop of at least ``decoding.WIDE_ROWS`` rows compiled with the wide batches' options."""
+  wide = WIDE_ROWS if device.platform == "gpu" else None
+  nf4 = few_tokens_or_xla(devices, device)
+  if nf4 == "xla":
+    return Decode(word_codes=False, nf4_matmul=nf4, wide_rows=wide)
   fits = free is not None and cfg.linear_params() // 2 <= (free - loaded_bytes(cfg)) // 2
-  return Decode(word_codes=True if fits else "inplace" if owns_model else False)
+  word = True if fits else "inplace" if owns_model else False
+  return Decode(word_codes=word, nf4_matmul=nf4, wide_rows=wide)

@@ -55,9 +55,7 @@ def make_sample_fn(
   chat = getattr(tokenizer, "chat_template", None) is not None
 
   def sample(model):
-    texts = generate(
-      model, tokenizer, prompts, max_new_tokens=64, chat=chat, word_lookup=decode.word_codes
-    )
+    texts = generate(model, tokenizer, prompts, max_new_tokens=64, chat=chat, decode=decode)
     return list(zip(prompts, texts, strict=True))
 
   return sample

@@ -274,7 +274,7 @@ class Rollouts:
     completions = decoding.generate_ids(
       model, ids, run.max_new_tokens, self.eos, run.temperature, 0, run.top_p,
       seed=int(np.random.default_rng([run.seed, rollout, 0x5A17]).integers(2**31)),
-      pad_id=self.pad, word_lookup=self.decode.word_codes,
+      pad_id=self.pad, decode=self.decode,
     )  # fmt: skip
     rollout_s = time.perf_counter() - t0
     texts = [self.tok.decode(c, skip_special_tokens=True) for c in completions]

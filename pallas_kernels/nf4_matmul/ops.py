@@ -1,27 +1,26 @@
 """y = x @ dequant(W)^T as a differentiable op (gradient for x only: W is frozen; and for an
 optional extra pair of columns, ``nf4_matmul(extra=)``).
 
-Dispatch (``impl=None``): the Mosaic GPU kernel where it measured faster than XLA
-(experiments/RESULTS.md, bench_nf4_matmul): bfloat16 inputs of at most ``KERNEL_MAX_TOKENS``
-rows (decoding, short prompts) and weights of at least ``KERNEL_MIN_WEIGHTS`` values, on a
-single Hopper GPU; there it measured 1.6-2.4x faster than XLA, which materialises the bf16
-weight on every call. Elsewhere XLA's dequantize-then-dot:
-at training sizes XLA dequantizes once per call into a bf16 weight and runs cuBLAS, which
-measured 1.11-1.13x a bf16 matmul on the 8B shapes at 4096 tokens; the kernels (plut lookup,
-operands made once for the run: ``training_operands``) measured 0.84-1.08x forward and
-0.87-1.10x for the input gradient (session 29, experiments/sweep_nf4_train.py, H100), 0.89-1.22x
-with their codes permuted and transposed per call. In the 8B batch-2 step (H100): 1.000x
-XLA's tokens/s with the LoRA's product added after the kernel's (session 29), 1.029x with
-gate/up's LoRA pair inside the kernel (``extra``; session 30, two runs each), 6.2 GiB less at
-the peak; the 1B at 8 x 2,048 tokens 0.971x (XLA's dequantization shared by 4x the tokens; the
-kernels 0.86-1.15x cuBLAS forward, 1.11-1.43x dx on its shapes); 8B DPO 0.89x. Per call,
-dispatch keeps training-size calls on XLA: a supervised fine-tuning run picks the kernels for
-the whole run, with their operands made once (jaxtune's ``runtime.resolve_nf4_matmul``, which
-forces ``impl`` "kernel"). Under a multi-device mesh the kernel would need a shard_map wrapper
-that is not written yet. ``impl`` forces one: "kernel", "xla", or "interpret" (the kernels
-under Mosaic GPU's CPU interpreter, with the lookup and data path the interpreter supports;
-what the tests run). kernel.py imports Mosaic
-GPU, so it is loaded the first time "kernel" or "interpret" runs.
+``impl``: "xla" (the default: dequantize, then XLA's dot), "kernel" (the Mosaic GPU kernels),
+or "interpret" (the kernels under Mosaic GPU's CPU interpreter, with the lookup and data path
+the interpreter supports; what the tests run). This package decides nothing about devices:
+the caller (jaxtune's ``run.choices``, once a run) picks ``impl``; ``kernel_pays`` is the
+shape rule it applies per call where it sends decoding's few tokens to the kernel. Where the
+kernel measured faster than XLA (experiments/RESULTS.md, bench_nf4_matmul): bfloat16 inputs
+of at most ``KERNEL_MAX_TOKENS`` rows (decoding, short prompts) and weights of at least
+``KERNEL_MIN_WEIGHTS`` values, on a single Hopper GPU, 1.6-2.4x faster than XLA, which
+materialises the bf16 weight on every call. At training sizes XLA dequantizes once per call
+into a bf16 weight and runs cuBLAS, which measured 1.11-1.13x a bf16 matmul on the 8B shapes
+at 4096 tokens; the kernels (plut lookup, operands made once for the run:
+``training_operands``) measured 0.84-1.08x forward and 0.87-1.10x for the input gradient
+(session 29, experiments/sweep_nf4_train.py, H100), 0.89-1.22x with their codes permuted and
+transposed per call. In the 8B batch-2 step (H100): 1.000x XLA's tokens/s with the LoRA's
+product added after the kernel's (session 29), 1.029x with gate/up's LoRA pair inside the
+kernel (``extra``; session 30, two runs each), 6.2 GiB less at the peak; the 1B at 8 x 2,048
+tokens 0.971x (XLA's dequantization shared by 4x the tokens; the kernels 0.86-1.15x cuBLAS
+forward, 1.11-1.43x dx on its shapes); 8B DPO 0.89x. Under a multi-device mesh the kernel
+would need a shard_map wrapper that is not written yet. kernel.py imports Mosaic GPU, so it
+is loaded the first time "kernel" or "interpret" runs.
 
 The forward kernel's table lookup on the GPU: where the caller passes the codes in word order
 (``word_codes``, made once for many calls: jaxtune's decode loop does where the copy fits)
@@ -37,7 +36,6 @@ over the codes whatever the tokens, so below that it costs more than the lookup 
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -135,13 +133,11 @@ def _table_lookup(cfg, lookup: str, extra_cols: int = 0) -> str:
   return next((t for t in (lookup, "lut") if _lut_applies(cfg, t, extra_cols)), "word")
 
 
-def uses_kernel(tokens: int, weights: int) -> bool:
-  """Whether dispatch (``impl=None``) sends ``tokens`` rows times a weight of ``weights``
-  values to the kernel: a single Hopper GPU, few tokens, a large weight."""
-  single = jax.device_count() == 1
-  return (
-    _gpu.on_hopper() and single and tokens <= KERNEL_MAX_TOKENS and weights >= KERNEL_MIN_WEIGHTS
-  )
+def kernel_pays(tokens: int, weights: int) -> bool:
+  """Whether a call of ``tokens`` rows times a weight of ``weights`` values ran faster on the
+  kernel than on XLA where it was measured (one Hopper GPU): few tokens, a large weight. A
+  shape rule only: whether the kernel can run at all (the device) is the caller's to know."""
+  return tokens <= KERNEL_MAX_TOKENS and weights >= KERNEL_MIN_WEIGHTS
 
 
 def kernel_scales(absmax: jax.Array, nested_absmax: jax.Array, offset: jax.Array) -> jax.Array:
@@ -320,19 +316,17 @@ def training_operands(
 
 
 def prepared_matmul(
-  x: jax.Array, word: jax.Array, scales: jax.Array, *, impl: str | None = None
+  x: jax.Array, word: jax.Array, scales: jax.Array, *, impl: str = "xla"
 ) -> jax.Array:
   """x [..., K] @ W^T -> [..., N], forward only (decoding), W [N, K] given as the forward
   kernel's prepared operands: codes uint8 [N, K/2] in "word" order (``word_codes``) and bf16
   scales [K/64, N] (``kernel_scales``). Several weights of one input concatenated along N
-  (q/k/v, gate/up) so run as one launch. ``impl`` as in ``nf4_matmul`` (None: dispatch by
-  the combined weight's size). Off the kernel, XLA forms the weight from the same operands
-  as the kernel does (``reference.prepared_dot``), not bitsandbytes' exact values."""
+  (q/k/v, gate/up) so run as one launch. ``impl`` as in ``nf4_matmul``. Off the kernel, XLA
+  forms the weight from the same operands as the kernel does (``reference.prepared_dot``),
+  not bitsandbytes' exact values."""
   *lead, k = x.shape
   n = word.shape[0]
   x2 = x.reshape(-1, k)
-  if impl is None:
-    impl = "kernel" if uses_kernel(x2.shape[0], n * k) else "xla"
   if impl not in IMPLS:
     raise ValueError(f"prepared_matmul impl must be one of {', '.join(IMPLS)}, got {impl!r}.")
   use = impl != "xla" and x2.dtype == jnp.bfloat16
@@ -474,7 +468,7 @@ def nf4_matmul(
   nested_absmax: jax.Array,
   offset: jax.Array,
   *,
-  impl: str | None = None,
+  impl: str = "xla",
   scales: jax.Array | None = None,
   lookup: str | None = None,
   word_codes: jax.Array | None = None,
@@ -497,7 +491,7 @@ def nf4_matmul(
   exact values).
 
   ``lookup``: the forward kernel's table lookup, one of ``LOOKUPS``, where the kernel runs on the
-  GPU (``impl`` "kernel", or dispatch's choice of it): where ``word_codes`` (the codes in word
+  GPU (``impl`` "kernel"): where ``word_codes`` (the codes in word
   order, ``word_codes(codes)``, made once for many calls) are given, ``PREPARED_LOOKUP`` ("plut")
   at tiles of at most ``LUT_MAX_TILE`` tokens or of ``TRAIN_TILE`` where its table fits, else
   "lut" where that table fits, else "word" (an asked-for "plut" or "lut" falls back the same
@@ -521,14 +515,11 @@ def nf4_matmul(
   (Llama-3.1-8B, batch 2 x 2,048, full remat: 0.13 GiB less, 3% slower on an H100). The
   kernels hold no dequantized W, so it changes nothing there."""
   lead = x.shape[:-1]
-  tokens = math.prod(lead)
   if lookup is not None and (lookup not in LOOKUPS or impl in ("xla", "interpret")):
     raise ValueError(
       f"nf4_matmul lookup must be one of {', '.join(LOOKUPS)}, for the kernel on the GPU; "
       f"got {lookup!r} with impl {impl!r}."
     )
-  if impl is None:
-    impl = "kernel" if uses_kernel(tokens, codes.shape[0] * codes.shape[1] * 2) else "xla"
   if impl not in IMPLS:
     raise ValueError(f"nf4_matmul impl must be one of {', '.join(IMPLS)}, got {impl!r}.")
   x2 = x.reshape(-1, x.shape[-1])

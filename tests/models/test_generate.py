@@ -13,6 +13,7 @@ import jaxtune
 from jaxtune.models import kernel_operands
 from jaxtune.models.decoding import generate_ids, init_cache, sample
 from jaxtune.models.lora import iter_linears
+from jaxtune.parallel.runtime import Decode
 
 
 def _hf_greedy(hf, prompt, n):
@@ -158,10 +159,9 @@ def test_the_wide_batch_loop_generates_the_same_tokens(hf_llama_dir, monkeypatch
   model = jaxtune.from_pretrained(path, quantization=None, dtype="float32")
   prompts = [[5, 6, 7, 8, 9, 10, 11], [100, 3]]
   narrow = generate_ids(model, prompts, max_new_tokens=6)
-  monkeypatch.setattr(decoding, "WIDE_ROWS", 2)
-  monkeypatch.setattr(decoding, "WIDE_PLATFORMS", (jax.devices()[0].platform,))
   decoding._decode_wide.clear_cache()
-  assert generate_ids(model, prompts, max_new_tokens=6) == narrow
+  wide = Decode(wide_rows=2)  # the plan's on a GPU: Decode(wide_rows=decoding.WIDE_ROWS)
+  assert generate_ids(model, prompts, max_new_tokens=6, decode=wide) == narrow
   assert decoding._decode_wide._cache_size() == 1  # the wide loop ran
 
 
@@ -346,7 +346,7 @@ def test_codes_put_in_word_order_in_place_for_the_loop_and_back(hf_llama_dir):
 
 @pytest.mark.slow
 def test_generate_with_codes_in_place_gives_the_same_tokens(hf_llama_dir, monkeypatch):
-  """generate_ids(word_lookup="inplace") where no copy fits (no free-memory figure here): the
+  """generate_ids(decode=Decode(word_codes="inplace")), the plan where no copy fits: the
   decode loop runs on the model's own codes permuted in place (every NF4 layer taken as a
   kernel layer; the op's XLA path reads them back in order), gives the tokens of a plain
   call, and leaves the codes as they were."""
@@ -354,14 +354,15 @@ def test_generate_with_codes_in_place_gives_the_same_tokens(hf_llama_dir, monkey
   path, _ = hf_llama_dir(seed=37)
   model = jaxtune.from_pretrained(path, dtype="float32")
   prompts = [[5, 17, 99, 3], [42, 7]]
-  plain = generate_ids(model, prompts, max_new_tokens=6, word_lookup=False)
+  plain = generate_ids(model, prompts, max_new_tokens=6)
   linears = [lin for _, lin in iter_linears(model) if lin.quantized]
   before = [np.array(lin.codes.get_value(), copy=True) for lin in linears]
   swaps = []
   swap = kernel_operands._swap_word_order
-  monkeypatch.setattr(kernel_operands, "uses_kernel", lambda tokens, weights: True)
+  monkeypatch.setattr(kernel_operands, "call_impl", lambda nf4_matmul, tokens, weights: "kernel")
   monkeypatch.setattr(kernel_operands, "_swap_word_order", lambda c: swaps.append(1) or swap(c))
-  got = generate_ids(model, prompts, max_new_tokens=6, word_lookup="inplace")
+  decode = Decode(word_codes="inplace", nf4_matmul="few-tokens")
+  got = generate_ids(model, prompts, max_new_tokens=6, decode=decode)
   assert got == plain
   assert len(swaps) == 2 * len(linears)  # each layer's codes out of order and back
   for lin, old in zip(linears, before, strict=True):

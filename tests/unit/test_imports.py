@@ -250,7 +250,7 @@ import jaxtune
 assert "jax" not in sys.modules and "converters" not in sys.modules, sorted(sys.modules)
 assert set(jaxtune.__all__) <= set(dir(jaxtune))
 import jaxtune.generate
-from jaxtune.models.decoding import generate
+from jaxtune.run.api import generate
 from jaxtune.generate import main
 assert jaxtune.generate is generate, jaxtune.generate
 assert main.__module__ == "jaxtune.generate"
