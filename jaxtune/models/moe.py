@@ -1,0 +1,137 @@
+"""A mixture of experts' MLP as functions of its arrays: the router (which experts each token
+goes to, with what weight), dropless routing (every token's assignments sorted by expert,
+each expert's rows through its own weights by one grouped product, the results weighted and
+summed back per token) and the load-balancing loss.
+
+The families differ only in their router (``Routing``) and their experts' activation
+(``Activation``): Qwen3-MoE and Mixtral take the top k of the softmax over all experts
+(Qwen3-MoE renormalises them where ``norm_topk_prob`` says, Mixtral always); gpt-oss takes
+the top k router logits (its router has a bias) and a softmax over those k, and its experts
+run a clamped SwiGLU with biases. Read from transformers' modeling code
+(``Qwen3MoeTopKRouter``, ``MixtralTopKRouter``, ``GptOssTopKRouter``, ``GptOssExperts``).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.grouped_matmul import grouped_matmul
+
+ROUTERS = ("softmax_topk", "topk_softmax")
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_clamped")
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+  """``kind`` "softmax_topk": softmax over every expert's logit, then the top k
+  (``normalize``: divided by their sum); "topk_softmax": the top k logits, then a softmax
+  over those."""
+
+  num_experts: int
+  top_k: int
+  kind: str = "softmax_topk"
+  normalize: bool = True
+
+  def __post_init__(self):
+    if self.kind not in ROUTERS:
+      raise ValueError(f"router kind must be one of {ROUTERS}, got {self.kind!r}")
+    if not 1 <= self.top_k <= self.num_experts:
+      raise ValueError(f"top_k must be 1 .. {self.num_experts} experts, got {self.top_k}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+  """The experts' gated activation: act(gate) * up for "silu" and "gelu_tanh";
+  "swiglu_clamped" (gpt-oss): gate clamped above at ``limit``, up to [-limit, limit], then
+  (up + 1) * gate * sigmoid(alpha * gate)."""
+
+  kind: str = "silu"
+  alpha: float = 1.702
+  limit: float = 7.0
+
+  def __post_init__(self):
+    if self.kind not in ACTIVATIONS:
+      raise ValueError(f"expert activation must be one of {ACTIVATIONS}, got {self.kind!r}")
+
+  def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+    if self.kind == "silu":
+      return jax.nn.silu(gate) * up
+    if self.kind == "gelu_tanh":
+      return jax.nn.gelu(gate, approximate=True) * up
+    gate = jnp.minimum(gate, self.limit)
+    up = jnp.clip(up, -self.limit, self.limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))
+
+
+def route(logits: jax.Array, routing: Routing) -> tuple[jax.Array, jax.Array]:
+  """(weights [T, k] in the logits' dtype, experts [T, k] int32) of router ``logits`` [T, E];
+  the softmax in float32, as transformers computes it."""
+  if routing.kind == "softmax_topk":
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, routing.top_k)
+    if routing.normalize:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  else:
+    top, experts = jax.lax.top_k(logits, routing.top_k)
+    weights = jax.nn.softmax(top.astype(jnp.float32), axis=-1)
+  return weights.astype(logits.dtype), experts.astype(jnp.int32)
+
+
+def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+  """(order [T * k]: the flat assignments sorted by expert, stably; group_sizes [E]: each
+  expert's count). Assignment ``a`` is token ``a // k``'s choice ``a % k``."""
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  return order, sizes
+
+
+def experts_mlp(
+  x: jax.Array,
+  weights: jax.Array,
+  experts: jax.Array,
+  gate: jax.Array,
+  up: jax.Array,
+  down: jax.Array,
+  activation: Activation = Activation(),
+  biases: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+  impl: str = "ragged_dot",
+) -> jax.Array:
+  """sum over each token's k experts of weight * expert(x): x [T, D]; ``weights``,
+  ``experts`` [T, k] (``route``); gate and up [E, D, I], down [E, I, D] (input-major, the
+  grouped product's layout); ``biases`` (gate [E, I], up [E, I], down [E, D]) or None.
+  Dropless: every assignment computed, none dropped for capacity. ``impl``: the grouped
+  product's (pallas_kernels.grouped_matmul)."""
+  t, k = experts.shape
+  order, sizes = sort_by_expert(experts, gate.shape[0])
+  token = order // k
+  rows = x[token]  # [T * k, D], sorted by expert
+  g = grouped_matmul(rows, gate, sizes, impl=impl)
+  u = grouped_matmul(rows, up, sizes, impl=impl)
+  if biases is not None:
+    which = jnp.sort(experts.reshape(-1))  # each sorted row's expert
+    g = g + biases[0][which].astype(g.dtype)
+    u = u + biases[1][which].astype(u.dtype)
+  h = activation(g, u)
+  y = grouped_matmul(h, down, sizes, impl=impl)
+  if biases is not None:
+    y = y + biases[2][jnp.sort(experts.reshape(-1))].astype(y.dtype)
+  y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
+  return jax.ops.segment_sum(y, token, num_segments=t).astype(x.dtype)
+
+
+def load_balancing_loss(
+  logits: jax.Array, routing: Routing, valid: jax.Array | None = None
+) -> jax.Array:
+  """The auxiliary loss that pushes a router towards using its experts evenly, as
+  transformers' ``load_balancing_loss_func`` computes it: E * sum over experts of (its
+  assignments per token) times (its mean router probability), over the tokens ``valid``
+  [T] marks (None: all). ``logits`` [T, E], every layer's tokens stacked; float32."""
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  _, experts = jax.lax.top_k(probs, routing.top_k)
+  w = jnp.ones(probs.shape[:1], jnp.float32) if valid is None else valid.astype(jnp.float32)
+  rows = jnp.sum(w)
+  counts = jnp.sum(jax.nn.one_hot(experts, routing.num_experts) * w[:, None, None], axis=(0, 1))
+  prob_per_expert = jnp.sum(probs * w[:, None], axis=0) / rows
+  return jnp.sum(counts / rows * prob_per_expert) * routing.num_experts
