@@ -251,6 +251,25 @@ def dequantize_linear(
   return (values * scale[..., None]).reshape(out_features, 2 * half).astype(dtype)
 
 
+def quantize_experts(w: jax.Array) -> NF4Quantized:
+  """A mixture of experts' weights [E, out, in], each expert quantized as its own linear
+  layer (``quantize_linear``: its own double-quantization offset, as bitsandbytes quantizes
+  each expert's Linear4bit), stacked: codes [E, out, in / 2], absmax [E, out, in / 64],
+  nested_absmax [E, nested], offset [E]."""
+  check_linear_shape(w.shape)
+  parts = [quantize_linear(w[e]) for e in range(w.shape[0])]
+  return NF4Quantized(*(jnp.stack(field) for field in zip(*parts, strict=True)))
+
+
+def dequantize_experts(
+  codes: jax.Array, absmax: jax.Array, nested_absmax: jax.Array, offset: jax.Array, dtype: DTypeLike
+) -> jax.Array:
+  """[E, out, in] from ``quantize_experts``' stack, each expert as ``dequantize_linear``."""
+  return jax.vmap(lambda c, a, n, o: dequantize_linear(c, a, n, o, dtype))(
+    codes, absmax, nested_absmax, offset
+  )
+
+
 def nested_size(out_features: int, in_features: int) -> int:
   blocks = out_features * in_features // BLOCKSIZE
   return -(-blocks // NESTED_BLOCKSIZE)

@@ -12,6 +12,7 @@ run a clamped SwiGLU with biases. Read from transformers' modeling code
 """
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,15 @@ class Routing:
       raise ValueError(f"router kind must be one of {ROUTERS}, got {self.kind!r}")
     if not 1 <= self.top_k <= self.num_experts:
       raise ValueError(f"top_k must be 1 .. {self.num_experts} experts, got {self.top_k}")
+
+
+class ExpertLora(NamedTuple):
+  """One projection's adapters for every expert: a [E, in, r], b [E, r, out] (input-major, as
+  the grouped product takes them), and the LoRA scale (alpha / r, or alpha / sqrt(r))."""
+
+  a: jax.Array
+  b: jax.Array
+  scale: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,28 +107,40 @@ def experts_mlp(
   activation: Activation = Activation(),
   biases: tuple[jax.Array, jax.Array, jax.Array] | None = None,
   impl: str = "ragged_dot",
+  lora: dict[str, ExpertLora] | None = None,
 ) -> jax.Array:
   """sum over each token's k experts of weight * expert(x): x [T, D]; ``weights``,
   ``experts`` [T, k] (``route``); gate and up [E, D, I], down [E, I, D] (input-major, the
   grouped product's layout); ``biases`` (gate [E, I], up [E, I], down [E, D]) or None.
   Dropless: every assignment computed, none dropped for capacity. ``impl``: the grouped
-  product's (pallas_kernels.grouped_matmul)."""
+  product's (pallas_kernels.grouped_matmul). ``lora``: per-expert adapters by projection
+  ("gate", "up", "down"), each added as (x A_e) B_e times its scale by two more grouped
+  products, never forming W + A B."""
+  lora = lora or {}
   t, k = experts.shape
   order, sizes = sort_by_expert(experts, gate.shape[0])
   token = order // k
   rows = x[token]  # [T * k, D], sorted by expert
-  g = grouped_matmul(rows, gate, sizes, impl=impl)
-  u = grouped_matmul(rows, up, sizes, impl=impl)
+  g = _project(rows, gate, sizes, lora.get("gate"), impl)
+  u = _project(rows, up, sizes, lora.get("up"), impl)
   if biases is not None:
     which = jnp.sort(experts.reshape(-1))  # each sorted row's expert
     g = g + biases[0][which].astype(g.dtype)
     u = u + biases[1][which].astype(u.dtype)
   h = activation(g, u)
-  y = grouped_matmul(h, down, sizes, impl=impl)
+  y = _project(h, down, sizes, lora.get("down"), impl)
   if biases is not None:
     y = y + biases[2][jnp.sort(experts.reshape(-1))].astype(y.dtype)
   y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
   return jax.ops.segment_sum(y, token, num_segments=t).astype(x.dtype)
+
+
+def _project(rows, w, sizes, lora: "ExpertLora | None", impl: str) -> jax.Array:
+  y = grouped_matmul(rows, w, sizes, impl=impl)
+  if lora is not None:
+    low = grouped_matmul(rows, lora.a.astype(rows.dtype), sizes, impl=impl)
+    y = y + lora.scale * grouped_matmul(low, lora.b.astype(rows.dtype), sizes, impl=impl)
+  return y
 
 
 def load_balancing_loss(

@@ -115,3 +115,40 @@ def test_load_balancing_loss_matches_transformers():
   want = float(load_balancing_loss_func(tuple(layers), 4, 2, attention_mask=mask))
   valid = jnp.tile(jnp.asarray(_np(mask)[0]), 3)
   np.testing.assert_allclose(moe.load_balancing_loss(stacked, routing, valid), want, rtol=1e-6)
+
+
+def test_lora_on_experts_equals_the_merged_weights_with_their_gradients():
+  """(x A_e) B_e added per expert by grouped products equals the experts with W_e + s A_e B_e
+  merged, in value and in the gradients of A and B; an expert no token chose gets none."""
+  import jax
+
+  rng = np.random.default_rng(8)
+  t, d, i, e, r = 11, 64, 24, 4, 3
+  x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+  w = {n: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32)
+       for n, s in (("gate", (e, d, i)), ("up", (e, d, i)), ("down", (e, i, d)))}  # fmt: skip
+  logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32).at[:, 3].set(-1e9)  # 3 unused
+  weights, experts = moe.route(logits, moe.Routing(e, 2))
+  shapes = {"gate": (d, i), "up": (d, i), "down": (i, d)}
+  ab = {n: (jnp.asarray(rng.standard_normal((e, k, r)) * 0.3, jnp.float32),
+            jnp.asarray(rng.standard_normal((e, r, m)) * 0.3, jnp.float32))
+        for n, (k, m) in shapes.items()}  # fmt: skip
+  scale = 0.5
+  probe = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+
+  def adapted(ab):
+    lora = {n: moe.ExpertLora(a, b, scale) for n, (a, b) in ab.items()}
+    y = moe.experts_mlp(x, weights, experts, w["gate"], w["up"], w["down"], lora=lora)
+    return jnp.sum(jnp.tanh(y) * probe)
+
+  def merged(ab):
+    m = {n: w[n] + scale * jnp.einsum("ekr,erm->ekm", a, b) for n, (a, b) in ab.items()}
+    y = moe.experts_mlp(x, weights, experts, m["gate"], m["up"], m["down"], impl="reference")
+    return jnp.sum(jnp.tanh(y) * probe)
+
+  np.testing.assert_allclose(adapted(ab), merged(ab), rtol=1e-5)
+  got, want = jax.grad(adapted)(ab), jax.grad(merged)(ab)
+  for n in ab:
+    for g1, g2 in zip(got[n], want[n], strict=True):
+      np.testing.assert_allclose(g1, g2, rtol=1e-4, atol=1e-5)
+      assert not np.any(np.asarray(g1[3])) and np.any(np.asarray(g1[:3]))

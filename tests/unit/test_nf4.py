@@ -114,3 +114,23 @@ def test_dynamic_map_table_is_the_midpoint_rule():
 def test_linear_rejects_inputs_not_multiple_of_64():
   with pytest.raises(ValueError, match="multiple of 64"):
     nf4.quantize_linear(jnp.zeros((8, 100)))
+
+
+def test_experts_are_quantized_one_by_one_as_bitsandbytes_does():
+  """A mixture of experts' [E, out, in]: each expert's codes and absmax as bitsandbytes
+  quantizes that expert alone (its own double-quantization offset, not the stack's), and
+  dequantized each as bitsandbytes does."""
+  rng = np.random.default_rng(21)
+  w = (rng.standard_normal((3, 64, 128)) * np.array([0.5, 1.0, 4.0])[:, None, None]).astype(
+    np.float32
+  )
+  q = nf4.quantize_experts(jnp.asarray(w))
+  assert q.codes.shape == (3, 64, 64) and q.offset.shape == (3,)
+  back = np.asarray(nf4.dequantize_experts(*q, jnp.float32))
+  for e in range(3):
+    packed, state = _bnb(w[e])
+    np.testing.assert_array_equal(np.asarray(q.codes[e]).reshape(-1), packed.numpy().reshape(-1))
+    np.testing.assert_array_equal(np.asarray(q.absmax[e]).reshape(-1), state.absmax.numpy())
+    want = bnbf.dequantize_4bit(packed, state).numpy()
+    np.testing.assert_allclose(back[e], want, rtol=1e-6, atol=1e-7)
+  assert len({float(o) for o in np.asarray(q.offset)}) == 3  # one offset per expert
