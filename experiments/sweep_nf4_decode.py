@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.bench_nf4_matmul import LLAMA_8B, rel_err, time_per_call, weights  # noqa: E402
 from experiments.record import record  # noqa: E402
-from pallas_kernels.nf4_matmul import kernel, kernel_scales, ops, reference  # noqa: E402
+from pallas_kernels.nf4_matmul import configs, kernel, kernel_scales, ops, reference  # noqa: E402
 
 
 def main():
@@ -87,7 +87,7 @@ def main():
           if m != 1 or kernel.COLUMNS % sub:
             continue
         elif base.blocks_as_columns and not args.block_ms:
-          bm = ops._block_m(m)  # one token padded to a tile (as dispatched before session 28)
+          bm = configs._block_m(m)  # one token padded to a tile (as dispatched before session 28)
         if n % (kernel.WG_ROWS * wgs) or bm < m or (delay and bm > 16):
           continue
         word_order = lookup in ops.WORD_ORDER

@@ -23,20 +23,22 @@ from pallas_kernels.flash_attention.kernel import (
   COMPUTE_WGS,
   Blocks,
   Options,
-  _compiler_params,
   _kv_blocks,
   _log2_scores,
   _mask_invisible,
   _mask_segments,
-  _mma,
   _narrow_kv,
   _narrow_q,
   _q_blocks,
   _read_window,
+  _uniform_id,
+)
+from pallas_kernels.flash_attention.kernel_pipeline import (
+  _compiler_params,
+  _mma,
   _row_ids,
   _smem,
   _stream,
-  _uniform_id,
 )
 
 # ---------------------------------------------------------------------------------------------

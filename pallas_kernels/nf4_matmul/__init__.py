@@ -1,5 +1,7 @@
-"""Fused NF4 dequant-matmul: Mosaic GPU kernels (kernel.py) and their table lookups
-(lookups.py), the differentiable op (ops.py), pure-jnp twins (reference.py)."""
+"""Fused NF4 dequant-matmul: Mosaic GPU kernels (kernel.py's forward, kernel_backward.py, what
+they share in kernel_common.py) and their table lookups (lookups.py), their operands
+(operands.py), the differentiable op (ops.py) and its launch configurations (configs.py),
+pure-jnp twins (reference.py)."""
 
 from pallas_kernels.nf4_matmul.ops import (
   IMPLS,

@@ -48,9 +48,7 @@ bfloat16 (with ``Config.blocks_as_columns`` the scale multiplies the float32 pro
 the fallback path keeps bitsandbytes' exact values.
 """
 
-import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -60,131 +58,25 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _gpu, nf4
-from pallas_kernels.nf4_matmul.lookups import TABLE_LOOKUPS, levels, lookup_table
-from pallas_kernels.nf4_matmul.reference import word_bytes
-
-BLOCK_K = nf4.BLOCKSIZE  # one scale per 64 inputs: the natural k step
-WG_ROWS = 64  # rows of wgmma's register operand per warpgroup
-SMEM_BYTES = 232_448  # dynamic shared memory one block may have on Hopper (227 KiB)
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-  block_m: int = 128  # tokens per tile (forward: wgmma N, 8..256; backward: wgmma M, x64)
-  block_n: int = 64  # backward: the contraction step over N
-  block_k_out: int = 64  # backward: output columns per compute warpgroup (multiple of 64)
-  compute_wgs: int = 2
-  max_concurrent_steps: int = 4
-  # Forward: dequantized tiles go to wgmma from registers (fastest), or through shared memory
-  # (what Mosaic GPU's interpreter supports, so the path the CPU tests run).
-  a_from_smem: bool = False
-  # Forward: the K range split over this many grid cells, partial sums added by XLA. Decoding
-  # has few tiles of N (N / 128 cells for one token); splitting K fills the GPU.
-  split_k: int = 1
-  # Forward: 64-wide k blocks per pipeline step; their wgmmas are issued back to back, so the
-  # next block's dequantization overlaps the previous block's matrix product.
-  k_sub: int = 1
-  # Forward: pipeline steps a step's shared-memory tiles stay held after it (0 or 1). With 1
-  # a step's wgmmas are left in flight across the step boundary (waited for one step later),
-  # so the next step's dequantization overlaps them too.
-  delay_release: int = 0
-  # Forward: store the output as y [M, N] (each tile written transposed into shared memory),
-  # not as y^T for XLA to transpose: a pass over the output less at training sizes.
-  out_rows: bool = False
-  # Forward with ``out_rows``: tokens of the output tile stored at a time (0: the whole tile).
-  # Two staging buffers of this many rows per warpgroup, each reused once its earlier copy to
-  # global memory has read it, instead of a whole tile: shared memory left for more pipeline
-  # stages (a 256-token tile's staging is 64 KiB, 64-token chunks' 32 KiB).
-  out_chunk: int = 0
-  # Forward: the codes are W^T's ([K, N], ``reference.transposed_codes``) and the scales W's
-  # ([K/64, N]), so a block's scale runs along the tile's columns: the forward's
-  # register-operand path then computes dy @ W, the input gradient (dy [M, N] in x's place).
-  transposed: bool = False
-  # Forward: the grid walks groups of this many rows of tiles (tokens), all their columns one
-  # group after another, instead of one row of tiles at a time: the cells in flight then share
-  # fewer distinct operand tiles (L2 reuse). 1: row by row.
-  group_m: int = 1
-  # Forward, one token: x is spread over COLUMNS rows (``spread_blocks``; block_m = COLUMNS),
-  # so each of a step's k blocks multiplies into its own column of a fresh accumulator; the
-  # tiles go to the tensor cores unscaled and each column is scaled by its block's scales after
-  # the product (a multiply per row and block, not per weight), summed over the columns at the
-  # end.
-  blocks_as_columns: bool = False
-
-
-def forward_smem_bytes(
-  config: Config, x_itemsize: int = 2, lookup: str = "word", extra_cols: int = 0
-) -> int:
-  """Shared memory the forward kernel asks for with ``config``, at most (a pipeline of fewer steps
-  than ``max_concurrent_steps`` has fewer stages): the pipeline's stages of x, codes and scales,
-  the output staging (a tile, or two chunks of ``out_chunk`` tokens; float32 with split K or
-  ``blocks_as_columns``), the dequantized-tile staging,
-  the table of ``lookup`` "lut" (32 KiB) or "plut" (64 KiB) and 1 KiB for Mosaic GPU's
-  barriers (64 bytes measured). 64 tokens, 4 k blocks a step and split K measured 241,728
-  bytes with an unused 8 KiB staging tile (no longer allocated), this counts 234,496 without
-  it: over ``SMEM_BYTES`` either way, so dispatch takes 2 blocks there. ``extra_cols``: the
-  width of ``forward``'s extra operands, which share the output staging's memory."""
-  bm, wgs, sub = config.block_m, config.compute_wgs, config.k_sub
-  bk, cta_n = BLOCK_K * sub, WG_ROWS * config.compute_wgs
-  stage = bm * bk * x_itemsize + cta_n * bk // 2 + sub * cta_n * 2
-  out = wgs * WG_ROWS * math.prod(_out_buffers(config))
-  out *= 4 if config.split_k > 1 or config.blocks_as_columns else x_itemsize
-  if extra_cols:  # x's extra columns and the weight's, each aligned as Mosaic GPU places them
-    ex, ew = (_smem_aligned(rows * extra_cols * x_itemsize) for rows in (bm, cta_n))
-    out = max(out, ex + ew)
-  staged = (wgs * sub if config.a_from_smem else 0) * WG_ROWS * BLOCK_K * x_itemsize
-  table = lookup_table(lookup).nbytes if lookup in TABLE_LOOKUPS else 0
-  return config.max_concurrent_steps * stage + out + staged + table + 1024
-
-
-def _smem_aligned(nbytes: int) -> int:
-  return -(-nbytes // 1024) * 1024  # Mosaic GPU's alignment of shared-memory allocations
-
-
-def _out_buffers(config: Config) -> tuple[int, int]:
-  """(buffers, tokens each) the forward stages its output in per warpgroup: one whole tile, or
-  two chunks (``out_chunk``)."""
-  chunk = config.out_chunk
-  return (2, chunk) if chunk and chunk < config.block_m else (1, config.block_m)
-
-
-def kernel_operands(
-  codes: jax.Array,
-  absmax: jax.Array,
-  nested_absmax: jax.Array,
-  offset: jax.Array,
-  *,
-  swap_nibbles: bool,
-) -> tuple[jax.Array, jax.Array]:
-  """(w4 int4 [N, K], scales bf16 [K/64, N]) from the 2-D layout of ``pallas_kernels.nf4``."""
-  scales = nf4.dequantize_absmax(absmax, nested_absmax, offset)  # [N, K/64] float32
-  return kernel_codes(codes, swap_nibbles=swap_nibbles), scales.T.astype(jnp.bfloat16)
-
-
-def kernel_codes(codes: jax.Array, *, swap_nibbles: bool) -> jax.Array:
-  """w4 int4 [..., N, K]: the codes uint8 [..., N, K/2] viewed as JAX int4 (nibbles swapped
-  for the "select" lookup)."""
-  if swap_nibbles:
-    codes = (codes << 4) | (codes >> 4)
-  *lead, half = codes.shape
-  return lax.bitcast_convert_type(codes, jnp.int4).reshape(*lead, 2 * half)
-
-
-def word_codes(codes: jax.Array) -> jax.Array:
-  """w4 int4 [..., N, K] for the "word", "lut" and "plut" lookups: the codes uint8
-  [..., N, K/2], each row's 16 bytes of every 32 columns transposed as a 4 x 4 matrix
-  (byte 4t + b <- byte 4b + t).
-
-  Why: in WGMMA_LAYOUT_UPCAST_4X thread t (of the 4 sharing a row) loads bytes 4t..4t+3 of
-  the 32 columns as one 32-bit register; WGMMA_LAYOUT, same thread -> row assignment, gives it
-  columns 8b + 2t and 8b + 2t + 1 of each 8-column core matrix b: bitsandbytes' byte 4b + t.
-  After the transpose the register holds exactly those bytes, core matrix b in byte b, and
-  bitsandbytes' nibble order is kept (even column in the high nibble; the lookup reads it so).
-  A pass over the codes: made once where one weight serves many calls (decoding), per call at
-  training sizes; x and the scales keep their order."""
-  return kernel_codes(word_bytes(codes), swap_nibbles=False)
-
+from pallas_kernels import _gpu
+from pallas_kernels.nf4_matmul.kernel_backward import backward  # noqa: F401 (re-exported)
+from pallas_kernels.nf4_matmul.kernel_common import (
+  _CODE_TRANSFORMS,
+  BLOCK_K,
+  SMEM_BYTES,
+  WG_ROWS,
+  Config,
+  _dequant_tile,
+  _out_buffers,
+  _transforms,
+  forward_smem_bytes,
+)
+from pallas_kernels.nf4_matmul.lookups import TABLE_LOOKUPS, lookup_table
+from pallas_kernels.nf4_matmul.operands import (  # noqa: F401 (re-exported)
+  kernel_codes,
+  kernel_operands,
+  word_codes,
+)
 
 COLUMNS = 8  # accumulator columns of ``Config.blocks_as_columns`` (wgmma's narrowest N)
 
@@ -231,27 +123,6 @@ def _column_scales(s_rows, sub: int, interpret: bool):
     return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
 
   return load(s_rows)
-
-
-def _dequant_tile(w_smem, s_smem, lookup: str, along: int = 0, table=None):
-  """[64, 64] codes in SMEM and their [64] scales in SMEM, one per row (``along`` 0) or per
-  column (1) -> bf16 tile in the WGMMA layout (``s_smem`` None: the levels unscaled).
-  ``table``: the "lut" or "plut" lookup's (SMEM)."""
-  w = levels(plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X), lookup, table)
-  if s_smem is None:
-    return w
-  s = plgpu.load(s_smem, (), layout=plgpu.Layout.WGMMA.reduce(1 - along))
-  return w * lax.broadcast_in_dim(s, w.shape, [along])
-
-
-def _transforms(minor: int, dtype) -> tuple:
-  bits = jnp.dtype(dtype).itemsize * 8 if dtype != jnp.int4 else 4
-  swizzle = plgpu.find_swizzle(minor * bits)
-  return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
-
-
-# Codes tiles are always tiled 64 wide, so that every [64, 64] sub-tile is whole.
-_CODE_TRANSFORMS = _transforms(BLOCK_K, jnp.int4)
 
 
 def forward(
@@ -543,86 +414,3 @@ def forward(
     out = out[..., :1]
   out = (out[0] if splits == 1 else jnp.sum(out, axis=0)).astype(x.dtype)
   return out if config.out_rows else out.T
-
-
-def backward(
-  dy: jax.Array,
-  w4: jax.Array,
-  scales: jax.Array,
-  *,
-  config: Config,
-  lookup: str = "prmt",
-  interpret: Any = None,
-) -> jax.Array:
-  """dx [M, K] = dy [M, N] @ dequant(w4, scales); M a multiple of block_m (x64), N of block_n,
-  K of block_k_out * wgs."""
-  if lookup in TABLE_LOOKUPS:
-    raise ValueError(f"nf4 backward kernel: the {lookup} lookup is the forward kernel's only")
-  m, n = dy.shape
-  k = w4.shape[1]
-  bm, bn, bko, wgs = config.block_m, config.block_n, config.block_k_out, config.compute_wgs
-  cta_k = bko * wgs
-  if m % bm or bm % 64 or n % bn or bn % 64 or k % cta_k or bko % BLOCK_K:
-    raise ValueError(f"nf4 backward kernel: shape {(m, n, k)} does not tile by {(bm, bn, cta_k)}")
-  sub = bko // BLOCK_K  # 64-wide scale blocks per warpgroup
-
-  def body(dy_gmem, w_gmem, s_gmem, o_gmem, wbf_smem, o_smem):
-    m0 = lax.axis_index("m") * bm
-    k0 = lax.axis_index("k") * cta_k
-    wg = lax.axis_index("wg")
-
-    def compute_context(run_pipeline):
-      @functools.partial(pl.run_scoped, acc=plgpu.ACC((bm, bko), jnp.float32))
-      def _(acc):
-        run_pipeline(acc)
-        o_smem.at[wg][...] = acc[...].astype(o_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[pl.ds(m0, bm), pl.ds(k0 + wg * bko, bko)])
-        plgpu.wait_smem_to_gmem(0)
-
-    def step(_, dy_smem, w_smem, s_smem, acc):
-      mine = wbf_smem.at[wg]
-      for j in range(sub):
-        for r in range(bn // WG_ROWS):
-          rows = pl.ds(r * WG_ROWS, WG_ROWS)
-          cols = pl.ds((wg * sub + j) * BLOCK_K, BLOCK_K)
-          tile = _dequant_tile(w_smem.at[rows, cols], s_smem.at[wg * sub + j, rows], lookup)
-          mine.at[rows, pl.ds(j * BLOCK_K, BLOCK_K)][...] = tile
-      plgpu.commit_smem()  # make the stores visible to the tensor cores
-      plgpu.wgmma(acc, dy_smem, mine)  # [bm, bn] @ [bn, bko]
-      plgpu.wgmma_wait(0)
-      return acc
-
-    pipeline = plgpu.emit_pipeline_warp_specialized(
-      step,
-      grid=(n // bn,),
-      memory_registers=40,
-      in_specs=[
-        plgpu.BlockSpec((bm, bn), lambda i: (0, i), transforms=_transforms(bn, dy.dtype)),
-        plgpu.BlockSpec((bn, cta_k), lambda i: (i, 0), transforms=_CODE_TRANSFORMS),
-        plgpu.BlockSpec((cta_k // BLOCK_K, bn), lambda i: (0, i)),
-      ],
-      wg_axis="wg",
-      num_compute_wgs=wgs,
-      max_concurrent_steps=config.max_concurrent_steps,
-      compute_context=compute_context,
-    )
-    pipeline(
-      dy_gmem.at[pl.ds(m0, bm)],
-      w_gmem.at[:, pl.ds(k0, cta_k)],
-      s_gmem.at[pl.ds(k0 // BLOCK_K, cta_k // BLOCK_K)],
-    )
-
-  return plgpu.kernel(
-    body,
-    out_type=jax.ShapeDtypeStruct((m, k), dy.dtype),
-    scratch_types=dict(
-      wbf_smem=plgpu.SMEM((wgs, bn, bko), dy.dtype, transforms=_transforms(bko, dy.dtype)),
-      o_smem=plgpu.SMEM((wgs, bm, bko), dy.dtype, transforms=_transforms(bko, dy.dtype)),
-    ),
-    grid=(k // cta_k, m // bm),
-    grid_names=("k", "m"),
-    num_threads=wgs + 1,
-    thread_name="wg",
-    interpret=interpret,
-  )(dy, w4, scales)

@@ -20,6 +20,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import _gpu, nf4
 from pallas_kernels.nf4_maps import NF4_CODE
 from pallas_kernels.nf4_matmul import (
+  configs,
   kernel,
   kernel_scales,
   lookups,
@@ -176,7 +177,8 @@ def test_input_gradient_from_operands_made_for_the_run(monkeypatch):
   """The op's input gradient on the interpreted transposed kernel reading W^T's codes made
   once (``training_operands``, word order, put back for the interpreter's lookup), at a
   training size lowered to 32 tokens: the reference's gradient."""
-  monkeypatch.setattr(ops, "WORD_PER_CALL_MIN_TOKENS", 32)
+  monkeypatch.setattr(configs, "WORD_PER_CALL_MIN_TOKENS", 32)  # the configurations'
+  monkeypatch.setattr(ops, "WORD_PER_CALL_MIN_TOKENS", 32)  # the op's lookups'
   rng = np.random.default_rng(15)
   n, k = 128, 256
   q = _weights(rng, n, k)
@@ -375,7 +377,7 @@ def test_decoding_dispatch_takes_the_swept_configurations():
     # One token: the same grid, its k blocks as the 8 columns, 3 stages, nothing in flight.
     cfg = ops._forward_config(1, n, k, interpret=False)
     assert (cfg.block_m, cfg.compute_wgs, cfg.split_k, cfg.k_sub) == (8, *want), (k, n)
-    assert cfg.blocks_as_columns and cfg.max_concurrent_steps == ops.COLUMN_STAGES == 3
+    assert cfg.blocks_as_columns and cfg.max_concurrent_steps == configs.COLUMN_STAGES == 3
     assert cfg.delay_release == 0
   cfg = ops._forward_config(1, 28672 + 128, 4096, interpret=False)  # 225 cells, N % 256 != 0
   assert (cfg.compute_wgs, cfg.split_k) == (2, 1)

@@ -21,7 +21,13 @@ PACKAGES = ("jaxtune", "converters", "pallas_kernels")
 # Loaded by the Mosaic GPU kernels only. (jax itself loads parts of jax._src.pallas.mosaic_gpu
 # and jaxlib's Mosaic dialect whenever flax is imported; those are not these.)
 MOSAIC = ("jax.experimental.pallas.mosaic_gpu", "jax.experimental.mosaic.gpu")
-KERNEL_FILES = ("kernel", "kernel_backward", "lookups")  # they import Mosaic GPU
+KERNEL_FILES = (  # they import Mosaic GPU
+  "kernel",
+  "kernel_backward",
+  "kernel_common",
+  "kernel_pipeline",
+  "lookups",
+)
 ENTRY_POINTS = ("jaxtune.train", "jaxtune.export", "jaxtune.generate")
 NF4_FORMAT = ("pallas_kernels.nf4", "pallas_kernels.nf4_maps")
 
