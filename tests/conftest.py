@@ -363,9 +363,13 @@ def _no_step_store_in_this_process(monkeypatch):
 
 
 # The persistent cache's settings that a command line's main() run in this process changes
-# (compile_cache.use_compile_cache: its directory, its size limit, which turns on JAX's
-# least-recently-used cache with a file lock), put back after each test, so that no test runs
-# under another's settings.
+# (compile_cache.use_compile_cache: its directory, and a size limit, which turns on JAX's
+# least-recently-used eviction: every write lists and stats the whole directory), put back
+# after each test, with JAX's cache object dropped so that the next compile opens it anew with
+# them (JAX keeps the one made at the process's first compile). Without this, when the first
+# compile of the session came inside such a main() (the command-line tier runs first), the
+# whole session wrote through the eviction pass: 36% of the quick tier's time in
+# LRUCache._evict_if_needed (py-spy), the tier 9-11 min against 5:11 before the tiers.
 _CACHE_SETTINGS = (
   "jax_compilation_cache_dir",
   "jax_compilation_cache_max_size",
@@ -376,12 +380,15 @@ _CACHE_SETTINGS = (
 @pytest.fixture(autouse=True)
 def _compile_cache_settings_restored():
   import jax
+  from jax.experimental.compilation_cache import compilation_cache
 
   saved = {name: getattr(jax.config, name) for name in _CACHE_SETTINGS}
   yield
-  for name, value in saved.items():
-    if getattr(jax.config, name) != value:
-      jax.config.update(name, value)
+  changed = {n: v for n, v in saved.items() if getattr(jax.config, n) != v}
+  for name, value in changed.items():
+    jax.config.update(name, value)
+  if changed:
+    compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -75,15 +75,18 @@ def from_pretrained(
   quantization: str | None = "nf4",
   dtype: str = "bfloat16",
   mesh: Mesh | None = None,
+  config_read: tuple[ModelConfig, dict] | None = None,
 ) -> nnx.Module:
-  """Load a HF checkpoint (dir or hub id) as a jaxtune model, NF4 frozen linears by default."""
+  """Load a HF checkpoint (dir or hub id) as a jaxtune model, NF4 frozen linears by default.
+  ``config_read``: its config.json as ``ModelConfig.read_hf`` read it already (a run's
+  session, which checked the run against it before loading), so it is not read again."""
   if quantization not in ("nf4", None, "none"):
     raise UserError(f"quantization must be 'nf4' or None, got {quantization!r}.")
   if dtype not in DTYPES:
     raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
   quantized = quantization == "nf4"
   ckpt = resolve_checkpoint(path_or_hub_id)
-  cfg, settings = ModelConfig.read_hf(ckpt)
+  cfg, settings = config_read or ModelConfig.read_hf(ckpt)
   files = safetensors_files(ckpt)
   try:
     prequantized_file = bnb.is_bnb_4bit(settings)

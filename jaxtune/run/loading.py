@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from jaxtune.errors import RunConfigError, UserError
 from jaxtune.hf.adapters import is_adapter_dir, load_adapter, read_config
 from jaxtune.hf.load import from_pretrained, resolve_checkpoint
+from jaxtune.models.config import ModelConfig
 from jaxtune.models.lora import apply_lora, parse_pattern
 from jaxtune.parallel import runtime
 from jaxtune.run import checks
@@ -77,12 +78,17 @@ def _tokenizer_by_class(ckpt: Path) -> Any | None:
 
 
 def build_model(
-  run: RunConfig, model_path: Path | str, mesh: Mesh | None = None, dtype: str | None = None
+  run: RunConfig,
+  model_path: Path | str,
+  mesh: Mesh | None = None,
+  dtype: str | None = None,
+  config_read: tuple[ModelConfig, dict] | None = None,
 ) -> nnx.Module:
   """The run's model: the checkpoint loaded as the run asks (in ``dtype``, default the run's),
-  with its LoRA adapters added (fresh, or --init-adapter's)."""
+  with its LoRA adapters added (fresh, or --init-adapter's). ``config_read``: as
+  ``from_pretrained``'s."""
   model = from_pretrained(
-    model_path, quantization=run.quantization, dtype=dtype or run.dtype, mesh=mesh
+    model_path, run.quantization, dtype or run.dtype, mesh, config_read=config_read
   )
   if run.init_adapter:
     return load_adapter(model, run.init_adapter)

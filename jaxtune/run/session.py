@@ -291,7 +291,8 @@ def _run_locked(
 ) -> Trained:
   t_start = time.perf_counter()
   run, out = previous.run, Path(previous.run.out)
-  cfg = ModelConfig.from_hf(model_path)
+  read = ModelConfig.read_hf(model_path)  # config.json, read once for the run
+  cfg = read[0]
   checks.check_targets(run, cfg)
   if distributed.is_main():
     run_dir.check_room(out, _needs_room(run, cfg, resume))
@@ -315,7 +316,7 @@ def _run_locked(
   the_plan = resolver.resolve(run.replace(batch_size=per_step), cfg, summary)
   rt = the_plan.runtime
   t_load = time.perf_counter()
-  model = build_model(run, model_path, rt.mesh, dtype=rt.dtype)
+  model = build_model(run, model_path, rt.mesh, dtype=rt.dtype, config_read=read)
   jax.block_until_ready(nnx.state(model))
   load_s = time.perf_counter() - t_load
   recorded = run.replace(model=str(model_path), dtype=rt.dtype)
