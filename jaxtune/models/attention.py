@@ -137,11 +137,13 @@ def masked_attention(
   scale: float,
   softcap: float | None = None,
   heads_first: bool = False,
+  sinks: jax.Array | None = None,
 ) -> jax.Array:
   """Attention under an explicit boolean ``mask`` [B, 1, 1, T, S] (the KV-cache path).
 
   k, v [B, S, K, H], or [B, K, S, H] with ``heads_first`` (the KV cache's layout: the two
-  products then read the keys and values as they lie, with no transposed copy of them)."""
+  products then read the keys and values as they lie, with no transposed copy of them).
+  ``sinks`` [N]: a logit per head in the softmax's denominator only (gpt-oss)."""
   b, t, n, h = q.shape
   kv = k.shape[1 if heads_first else 2]
   keys = "bksh" if heads_first else "bskh"
@@ -150,7 +152,14 @@ def masked_attention(
   if softcap is not None:
     scores = softcap * jnp.tanh(scores / softcap)
   scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  if sinks is None:
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  else:
+    sink = jnp.broadcast_to(
+      sinks.astype(jnp.float32).reshape(1, kv, n // kv, 1, 1), (*scores.shape[:-1], 1)
+    )
+    probs = jax.nn.softmax(jnp.concatenate([scores, sink], -1), axis=-1)[..., :-1]
+    probs = probs.astype(v.dtype)
   out = jnp.einsum(f"bkgts,{keys}->btkgh", probs, v)
   return out.reshape(b, t, n, h)
 

@@ -31,6 +31,57 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
   return inv
 
 
+def yarn_frequencies(
+  theta: float,
+  head_dim: int,
+  factor: float,
+  original_max_position_embeddings: int,
+  *,
+  beta_fast: float = 32.0,
+  beta_slow: float = 1.0,
+  truncate: bool = True,
+  attention_factor: float | None = None,
+  mscale: float | None = None,
+  mscale_all_dim: float | None = None,
+) -> tuple[np.ndarray, float]:
+  """YaRN (arXiv 2309.00071) as transformers' ``_compute_yarn_parameters`` computes it: the
+  inverse frequencies float32 [head_dim / 2], interpolated by ``factor`` below the correction
+  range (the dimensions that turn fewer than ``beta_slow`` times over the original context),
+  kept above it (more than ``beta_fast`` turns) and blended linearly between, and the factor
+  that scales cos and sin (0.1 ln(factor) + 1 unless given, or the ratio of the two mscales).
+  ``truncate``: the range's ends rounded outwards (gpt-oss turns it off)."""
+
+  def get_mscale(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+  if attention_factor is None:
+    if mscale and mscale_all_dim:
+      attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+    else:
+      attention_factor = get_mscale(factor)
+
+  def correction_dim(rotations: float) -> float:
+    turns = original_max_position_embeddings / (rotations * 2 * math.pi)
+    return head_dim * math.log(turns) / (2 * math.log(theta))
+
+  low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+  if truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, head_dim - 1)
+  if low == high:
+    high += 0.001  # as transformers: no zero-width ramp
+  exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+  pos_freqs = (np.float32(theta) ** exponents).astype(np.float32)
+  extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
+  interpolation = (np.float32(1.0) / (np.float32(factor) * pos_freqs)).astype(np.float32)
+  ramp = np.clip(
+    (np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1
+  ).astype(np.float32)
+  keep = (np.float32(1.0) - ramp).astype(np.float32)  # 1: extrapolate (high frequencies)
+  inv = interpolation * (np.float32(1.0) - keep) + extrapolation * keep
+  return inv.astype(np.float32), float(attention_factor)
+
+
 def cos_sin(
   positions: jax.Array, inv_freq: np.ndarray, dtype: DTypeLike
 ) -> tuple[jax.Array, jax.Array]:

@@ -46,12 +46,15 @@ def attention(
   softcap: float | None = None,
   scale: float | None = None,
   return_lse: bool = False,
+  sinks: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """q [B, T, N, H], k/v [B, T, K, H] (N a multiple of K) -> [B, T, N, H] in q's dtype.
 
   Scores, softmax and the weighted sum in float32. return_lse: also the log-sum-exp of each
   query's visible scores, [B, N, T] float32. A query that sees no key gets out 0 and lse -inf,
-  and passes no gradient.
+  and passes no gradient. ``sinks`` [N] (gpt-oss): a learned logit per head in every row's
+  softmax denominator, attending to nothing (the lse includes it; a row that sees no key
+  then gets out 0 and lse = its sink).
   """
   b, t, n, h = q.shape
   kv = k.shape[2]
@@ -66,11 +69,16 @@ def attention(
   )  # fmt: skip
   s = jnp.where(mask[:, None, None], s, -jnp.inf)
   m = s.max(axis=-1, keepdims=True)
+  if sinks is not None:
+    sink = sinks.astype(jnp.float32).reshape(1, kv, n // kv, 1, 1)
+    m = jnp.maximum(m, sink)
   # Rows that see nothing take m = 0 and l = 1, which no gradient reaches: no inf - inf, no 1/0.
   seen = m > -jnp.inf
   m = jax.lax.stop_gradient(jnp.where(seen, m, 0.0))
   e = jnp.exp(s - m)  # 0 at masked keys
   l = jnp.where(seen, e.sum(axis=-1, keepdims=True), 1.0)
+  if sinks is not None:
+    l = l + jnp.exp(sink - m)  # seen everywhere: m >= sink > -inf
   out = jnp.einsum("bkgts,bskh->btkgh", e / l, v.astype(jnp.float32))
   out = out.reshape(b, t, n, h).astype(q.dtype)
   if not return_lse:
