@@ -12,6 +12,7 @@ scales checkpoints hold).
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 # The 16 E2M1 values by code: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
 CODE = np.array(
@@ -31,7 +32,7 @@ def check_shapes(blocks_shape: tuple[int, ...], scales_shape: tuple[int, ...]) -
   return None
 
 
-def dequantize(blocks: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
+def dequantize(blocks: jax.Array, scales: jax.Array, dtype: DTypeLike = jnp.float32) -> jax.Array:
   """[..., G, 16] uint8 codes and [..., G] uint8 scales -> [..., G * 32] in ``dtype``."""
   problem = check_shapes(blocks.shape, scales.shape)
   if problem is not None:
