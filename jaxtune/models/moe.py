@@ -123,14 +123,14 @@ def experts_mlp(
   rows = x[token]  # [T * k, D], sorted by expert
   g = _project(rows, gate, sizes, lora.get("gate"), impl)
   u = _project(rows, up, sizes, lora.get("up"), impl)
+  which = experts.reshape(-1)[order]  # each sorted row's expert
   if biases is not None:
-    which = jnp.sort(experts.reshape(-1))  # each sorted row's expert
     g = g + biases[0][which].astype(g.dtype)
     u = u + biases[1][which].astype(u.dtype)
   h = activation(g, u)
   y = _project(h, down, sizes, lora.get("down"), impl)
   if biases is not None:
-    y = y + biases[2][jnp.sort(experts.reshape(-1))].astype(y.dtype)
+    y = y + biases[2][which].astype(y.dtype)
   y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
   return jax.ops.segment_sum(y, token, num_segments=t).astype(x.dtype)
 
