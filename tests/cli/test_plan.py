@@ -608,6 +608,7 @@ def _train(path, tmp_path, name, evaluate=False, **run_kw):
   return losses, plans[0], model, history[-1].get("eval_loss")
 
 
+@pytest.mark.slow
 @pytest.mark.beside
 def test_a_real_run_under_a_memory_limit_takes_a_leaner_setting_and_learns_the_same(
   tmp_path, monkeypatch

@@ -40,6 +40,7 @@ def _trained(directory, runs):
   return directory / "run"
 
 
+@pytest.mark.slow
 def test_every_export_has_a_model_card_with_metadata_and_results(trained):
   meta, body = model_card.read_card((trained / "export" / "README.md").read_text())
   config = (trained / "config.yaml").read_text()
@@ -56,6 +57,7 @@ def test_every_export_has_a_model_card_with_metadata_and_results(trained):
   assert "jaxtune.train(" in body  # the command, as given from Python
 
 
+@pytest.mark.slow
 def test_export_files_get_the_usual_modes(trained):
   export = trained / "export"
   assert stat.S_IMODE(export.stat().st_mode) == 0o755
@@ -63,6 +65,7 @@ def test_export_files_get_the_usual_modes(trained):
     assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
 
 
+@pytest.mark.slow
 def test_export_command_defaults_to_merged_with_a_card(trained, tmp_path, capsys):
   out = tmp_path / "again"
   assert export_main(["--checkpoint", str(trained), "--out", str(out)]) == 0
@@ -104,6 +107,7 @@ class StandInHub:
     self.calls.append(("upload_folder", repo_id, repo_type, files))
 
 
+@pytest.mark.slow
 def test_push_to_hub_creates_the_repo_and_uploads_the_export(trained):
   api = StandInHub()
   url = hub.push(trained / "export", "me/tiny-llama", private=True, api=api)
@@ -114,6 +118,7 @@ def test_push_to_hub_creates_the_repo_and_uploads_the_export(trained):
   assert {"README.md", "model.safetensors", "config.json"} <= set(files)
 
 
+@pytest.mark.slow
 def test_push_to_hub_offline_or_without_credentials_keeps_the_export(trained):
   export = trained / "export"
   code = f"""
@@ -170,6 +175,7 @@ def _wandb_records(path: str) -> list:
   return out
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_logs_what_tensorboard_gets(trained):
   (path,) = glob.glob(str(trained / "wandb" / "offline-run-*" / "*.wandb"))
   records = _wandb_records(path)

@@ -262,6 +262,7 @@ def test_extra_columns_fold_into_the_product_with_their_gradients():
   assert re.search(rf"dot_general.*tensor<10x{k + r}xf32>", text), "not one dot over K + r"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokens", [3, 1], ids=["in-the-kernel", "added-to-one-token"])
 def test_extra_columns_beside_the_kernel_are_added_with_their_gradients(tokens, monkeypatch):
   """Where the kernel runs (here its interpreter, bfloat16), the extra pair's product is the
@@ -299,6 +300,7 @@ def test_extra_columns_beside_the_kernel_are_added_with_their_gradients(tokens, 
     assert _rel(g, np.asarray(w, np.float32)) < 1e-2
 
 
+@pytest.mark.slow
 def test_dequantizing_again_in_the_backward_keeps_no_weight_from_the_recomputed_forward():
   """Under full remat XLA would share each dequantized weight between the recomputed forward
   product and the input gradient, so all of a block's weights wait together; with
@@ -796,6 +798,7 @@ def test_lut_path_dequantizes_a_tile(lookup):
   np.testing.assert_array_equal(got, _BF16_NF4[_logical_codes(codes)])
 
 
+@pytest.mark.slow
 def test_lut_kernel_lowers_with_its_table_and_refuses_what_does_not_fit():
   """Decoding's and training's dispatched configurations lower for the GPU with the lut and
   plut lookups (Mosaic GPU's lowering runs on the CPU), the table a kernel input; a

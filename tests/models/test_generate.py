@@ -33,6 +33,7 @@ def test_greedy_matches_transformers(hf_llama_dir):
   assert len(set(ours)) > 1  # not a degenerate repeat that any bug would reproduce
 
 
+@pytest.mark.slow
 def test_greedy_with_adapter_matches_transformers_on_merged(hf_llama_dir, tmp_path):
   from transformers import LlamaForCausalLM
 

@@ -321,6 +321,7 @@ def test_f16_file_loads_in_transformers_with_the_merged_weights(
   assert _rel(np.asarray(base(jnp.asarray(_ids()))), want) > 10 * 5e-3
 
 
+@pytest.mark.slow
 def test_family_metadata_llama_cpp_reads(trained, tmp_path):
   """Gemma 2/3's softcaps, window and rope; and a Llama that transformers configures from
   the GGUF metadata alone."""
@@ -345,6 +346,7 @@ def test_family_metadata_llama_cpp_reads(trained, tmp_path):
   assert _rel(got, np.asarray(llama(jnp.asarray(_ids())))) <= 5e-3
 
 
+@pytest.mark.slow
 def test_gemma_tensors_match_the_merged_export(trained, tmp_path):
   """transformers cannot load llama.cpp's "gemma": every tensor is checked instead."""
   model = trained("gemma")
@@ -355,6 +357,7 @@ def test_gemma_tensors_match_the_merged_export(trained, tmp_path):
   assert np.abs(np.asarray(norm.data) - 1).max() < 1.5  # stored as 1 + w, w near 0
 
 
+@pytest.mark.slow
 def test_tokenizer_round_trips_through_transformers(trained, checkpoint, tmp_path):
   """On a llama file: transformers rebuilds a qwen2 file's tokenizer with Qwen's own split
   regex whatever tokenizer.ggml.pre says, which is not the built-in tokenizer's."""
@@ -531,6 +534,7 @@ def test_llama3_rope_and_rows_that_do_not_split_into_blocks(checkpoint, tmp_path
   assert len(set(want)) > 2  # all three regimes appear
 
 
+@pytest.mark.slow
 def test_refusals_come_before_anything_is_written(checkpoint, trained, tmp_path):
   model = trained("llama")
   with pytest.raises(ExportError, match="--gguf-type must be one of"):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import max_rel_err
 
 from jaxtune.models import moe
 
@@ -51,7 +52,7 @@ def test_qwen3_moe_block_matches_transformers(norm_topk_prob):
     gate_up[:, :i].transpose(0, 2, 1), gate_up[:, i:].transpose(0, 2, 1),
     down.transpose(0, 2, 1),
   )  # fmt: skip
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert max_rel_err(got, want) <= 2e-6  # float32 sums of values up to ~60: scale-relative
   assert len(set(np.asarray(experts).reshape(-1).tolist())) > 1  # more than one expert ran
 
 
@@ -72,7 +73,7 @@ def test_mixtral_block_matches_transformers():
     gate_up[:, :24].transpose(0, 2, 1), gate_up[:, 24:].transpose(0, 2, 1),
     down.transpose(0, 2, 1),
   )  # fmt: skip
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert max_rel_err(got, want) <= 2e-6  # float32 sums of values up to ~60: scale-relative
 
 
 def test_gpt_oss_mlp_matches_transformers():
@@ -96,7 +97,7 @@ def test_gpt_oss_mlp_matches_transformers():
     xs, weights, experts, gate_up[..., ::2], gate_up[..., 1::2], _np(e.down_proj), act,
     biases=(gate_up_bias[:, ::2], gate_up_bias[:, 1::2], _np(e.down_proj_bias)),
   )  # fmt: skip
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert max_rel_err(got, want) <= 2e-6  # float32 sums of values up to ~60: scale-relative
   chosen = np.asarray(experts)
   gate = np.einsum("td,tkdi->tki", np.asarray(xs), gate_up[chosen][..., ::2])
   assert (gate + gate_up_bias[chosen][..., ::2]).max() > cfg.swiglu_limit  # the clamp ran

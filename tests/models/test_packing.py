@@ -85,9 +85,8 @@ def _use_kernels(on: bool) -> runtime.Runtime:
   return runtime.Runtime(attention="xla", nf4_matmul="xla")
 
 
-@pytest.mark.parametrize(
-  "kernels", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["xla", "interpret-kernels"]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("kernels", [False, True], ids=["xla", "interpret-kernels"])
 def test_packed_rows_give_each_example_its_own_loss(tmp_path, kernels):
   """Three examples packed into one row (segment ids, positions restarting) have the per-token
   losses they have alone; the sliding window, softcaps and rope all see the restart."""

@@ -275,6 +275,7 @@ def _dpo_cli_run(directory, runs):
   return out, run_cli(argv)
 
 
+@pytest.mark.slow
 def test_dpo_learns_to_prefer_the_right_answers_on_held_out_pairs(dpo_cli_run):
   out, proc = dpo_cli_run
   assert proc.returncode == 0, proc.stderr[-2000:]

@@ -188,6 +188,7 @@ def _metrics(out):
   return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_grpo_learns_a_toy_task_and_resumes_exactly(grpo_cli_runs):
   for name, (_, proc) in grpo_cli_runs.items():
     assert proc.returncode == 0, (name, proc.stderr[-2000:])
@@ -219,6 +220,7 @@ def test_grpo_learns_a_toy_task_and_resumes_exactly(grpo_cli_runs):
 # ---------------------------------------------------------------- meshes
 
 
+@pytest.mark.slow
 @pytest.mark.beside
 def test_dpo_and_grpo_under_meshes_equal_one_device(tmp_path):
   """The DPO loss (pairs packed two to a row) and its LoRA gradients under 2x4 and 1x2x2 (a

@@ -88,6 +88,7 @@ def _check_equal(path, specs, host, run) -> dict:
 RUN = RunConfig(batch_size=4, dtype="float32", lora_rank=4, remat="full", seq_len=SEQ)
 
 
+@pytest.mark.slow
 @pytest.mark.beside
 def test_context_meshes_train_like_one_device_in_a_quarter_of_the_memory(tmp_path):
   """Packed rows of 256 tokens (segments restarting positions, padding): loss and every LoRA
@@ -103,6 +104,7 @@ def test_context_meshes_train_like_one_device_in_a_quarter_of_the_memory(tmp_pat
   assert temps["context=4"] <= 1.5 / 4 * temps["1"], temps
 
 
+@pytest.mark.slow
 @pytest.mark.beside
 def test_context_keeps_sliding_windows_and_softcaps(tmp_path):
   """Gemma 2 (window 8 on alternate layers, attention and final softcaps): windows and

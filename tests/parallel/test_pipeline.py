@@ -336,6 +336,7 @@ def test_partitioned_flash_takes_tokens_whole_when_they_come_split():
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_mosaic_kernel_lowers_inside_stages_split_over_tensor(tmp_path):
   """The Mosaic kernel itself (interpreted: lowered only, since running it inside a pipeline
   deadlocks on fake CPU devices) through custom_partitioning in 2x2x2 stages, bf16, remat

@@ -126,6 +126,7 @@ def single(tiny, tmp_path_factory):
   return losses, seen, events
 
 
+@pytest.mark.slow
 def test_a_step_is_dispatched_before_the_previous_one_is_read(single):
   """The device never waits for the host between steps: step i + 1 is queued before step i's
   figures are read; the last step, which ends the run, is read at once."""
@@ -448,6 +449,7 @@ def _tiny_model(path):
   return jaxtune.apply_lora(jaxtune.from_pretrained(path, dtype="float32"), rank=4)
 
 
+@pytest.mark.slow
 def test_zero_loss_stops_or_is_skipped(tiny, tmp_path):
   masked = _dataset(masked=True)
   run = RunConfig(out=str(tmp_path), steps=3, batch_size=4, dtype="float32", lora_rank=4)
@@ -462,6 +464,7 @@ def test_zero_loss_stops_or_is_skipped(tiny, tmp_path):
   np.testing.assert_array_equal(np.asarray(model.layers.self_attn.q_proj.lora_a[...]), before)
 
 
+@pytest.mark.slow
 def test_overflow_stops_or_is_skipped(tiny, tmp_path):
   run = RunConfig(
     out=str(tmp_path),
@@ -514,6 +517,7 @@ def test_loss_scale_rule():
   assert seen == [4, 4, 4, 8, 4, 2, 1, 1, 1]
 
 
+@pytest.mark.slow
 def test_float16_skips_overflowing_steps_and_keeps_float32_master(tiny, tmp_path):
   """fp16 compute with dynamic loss scaling: a step whose scaled gradients overflow is skipped
   (nothing changes but the scale), the scale comes down, rises after good steps; adapters and

@@ -9,6 +9,7 @@ import pytest
 from conftest import BESIDE
 
 
+@pytest.mark.slow
 @pytest.mark.late
 def test_the_tests_marked_beside_pass_in_a_process_of_their_own(tests_beside):
   moved, code, report, tail = tests_beside

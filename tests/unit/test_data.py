@@ -244,6 +244,7 @@ def test_each_format_and_source_loads_and_trains(fmt, kind, extra, tmp_path, cap
   assert model.layers.self_attn.q_proj.lora_b is not None
 
 
+@pytest.mark.slow
 @pytest.mark.beside
 def test_train_takes_a_dataset_or_dicts_from_python(tmp_path, capsys):
   import datasets
