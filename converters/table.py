@@ -5,7 +5,13 @@ index and ``{proj}`` one of the entry's projections. ``target`` is the module pa
 jaxtune model (dots), with the same placeholders. ``kind`` says how values move:
   "linear": a Linear's frozen weight [out, in] (NF4-quantized on the way in when asked)
   "param":  a Param copied as is (norm weights, biases, embeddings)
-Layouts are identical on both sides (weights stay [out, in]), so no transform is needed.
+Layouts are identical on both sides (weights stay [out, in]), so no transform is needed, except
+for a mixture of experts' (``{expert}``: an expert index):
+  "expert": one expert's projection [out, in], into the stacked [layers, experts, ...] one
+  "experts_gate_up": gpt-oss's every expert's gate and up projections in one tensor
+            [experts, in, 2 * out], input-major, gate in the even columns and up in the odd
+  "experts_t": every expert's projection input-major [experts, in, out] (gpt-oss's down)
+  "experts_gate_up_bias": [experts, 2 * out], gate's bias in the even columns, up's in the odd
 """
 
 import dataclasses
@@ -26,6 +32,7 @@ class Entry:
   @property
   def regex(self) -> re.Pattern:
     pattern = re.escape(self.hf).replace(r"\{layer\}", r"(?P<layer>\d+)")
+    pattern = pattern.replace(r"\{expert\}", r"(?P<expert>\d+)")
     pattern = pattern.replace(r"\{proj\}", "(?P<proj>" + "|".join(self.projs) + ")")
     return re.compile(pattern + "$")
 
@@ -61,7 +68,48 @@ DECODER = (
   Entry("model.layers.{layer}.mlp.{proj}.bias", "layers.mlp.{proj}.bias", "param", MLP_PROJ),
 )
 
-TABLES = dict.fromkeys(("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"), DECODER)
+_ATTENTION = tuple(e for e in DECODER if ".mlp." not in e.hf)
+_EXPERTS = "layers.mlp.experts"
+QWEN3_MOE = (
+  *_ATTENTION,
+  Entry("model.layers.{layer}.mlp.gate.weight", "layers.mlp.router.weight", "param"),
+  Entry(
+    "model.layers.{layer}.mlp.experts.{expert}.{proj}.weight",
+    f"{_EXPERTS}.{{proj}}",
+    "expert",
+    MLP_PROJ,
+  ),
+)
+_MIXTRAL_EXPERT = "model.layers.{layer}.block_sparse_moe.experts.{expert}"
+MIXTRAL = (
+  *_ATTENTION,
+  Entry("model.layers.{layer}.block_sparse_moe.gate.weight", "layers.mlp.router.weight", "param"),
+  *(
+    Entry(f"{_MIXTRAL_EXPERT}.{w}.weight", target, "expert")
+    for w, target in (
+      ("w1", f"{_EXPERTS}.gate_proj"),
+      ("w3", f"{_EXPERTS}.up_proj"),
+      ("w2", f"{_EXPERTS}.down_proj"),
+    )
+  ),
+)
+GPT_OSS = (
+  *_ATTENTION,
+  Entry("model.layers.{layer}.self_attn.sinks", "layers.self_attn.sinks", "param"),
+  Entry("model.layers.{layer}.mlp.router.weight", "layers.mlp.router.weight", "param"),
+  Entry("model.layers.{layer}.mlp.router.bias", "layers.mlp.router.bias", "param"),
+  Entry("model.layers.{layer}.mlp.experts.gate_up_proj", _EXPERTS, "experts_gate_up"),
+  Entry("model.layers.{layer}.mlp.experts.gate_up_proj_bias", _EXPERTS, "experts_gate_up_bias"),
+  Entry("model.layers.{layer}.mlp.experts.down_proj", f"{_EXPERTS}.down_proj", "experts_t"),
+  Entry("model.layers.{layer}.mlp.experts.down_proj_bias", f"{_EXPERTS}.down_proj.bias", "param"),
+)
+
+TABLES = {
+  **dict.fromkeys(("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"), DECODER),
+  "qwen3_moe": QWEN3_MOE,
+  "mixtral": MIXTRAL,
+  "gpt_oss": GPT_OSS,
+}
 
 # Tensors some checkpoints carry that hold nothing a model needs (recomputed buffers).
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -72,6 +120,7 @@ class Match:
   entry: Entry
   target: tuple[str, ...]  # module path in the jaxtune model
   layer: int | None
+  expert: int | None = None
 
 
 def match(table: tuple[Entry, ...], name: str) -> Match | None:
@@ -81,7 +130,8 @@ def match(table: tuple[Entry, ...], name: str) -> Match | None:
       groups = m.groupdict()
       target = entry.target.replace("{proj}", groups.get("proj") or "")
       layer = int(groups["layer"]) if groups.get("layer") is not None else None
-      return Match(entry, tuple(target.split(".")), layer)
+      expert = int(groups["expert"]) if groups.get("expert") is not None else None
+      return Match(entry, tuple(target.split(".")), layer, expert)
   return None
 
 

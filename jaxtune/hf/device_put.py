@@ -10,6 +10,7 @@ devices (``sharding.incoming``) and is gathered into its variable's own layout o
 
 import collections
 import functools
+import itertools
 from typing import TYPE_CHECKING
 
 import jax
@@ -71,30 +72,32 @@ class DeviceBuffers:
     )
     self.buffers: dict[tuple, jax.Array] = dict(zip(stacked, _zeros(specs), strict=True))
 
-  def _sharding(self, path, drop_layer=False, shape=None):
-    return sharding.sharding_for(*self._axes_shape(path, drop_layer, shape), self.mesh)
+  def _sharding(self, path, drop=0, shape=None):
+    return sharding.sharding_for(*self._axes_shape(path, drop, shape), self.mesh)
 
-  def _axes_shape(self, path, drop_layer=False, shape=None):
+  def _axes_shape(self, path, drop=0, shape=None):
+    """(axes, shape) of a variable, or of its part past the ``drop`` leading (stacked) dims."""
     var = self.variables[path]
     value = var.get_value()
-    axes = tuple(var.get_metadata().get("axes") or (None,) * value.ndim)
-    if drop_layer:
-      axes = axes[1:]
+    axes = tuple(var.get_metadata().get("axes") or (None,) * value.ndim)[drop:]
     if shape is None:
-      shape = value.shape[1:] if drop_layer else value.shape
+      shape = value.shape[drop:]
     return axes, tuple(shape)
 
-  def _incoming(self, path, drop_layer=False, shape=None):
+  def _incoming(self, path, drop=0, shape=None):
     """Where a tensor from the file goes first (sharding.incoming)."""
-    _, shape = self._axes_shape(path, drop_layer, shape)
-    return sharding.incoming(self._sharding(path, drop_layer, shape), shape)
+    _, shape = self._axes_shape(path, drop, shape)
+    return sharding.incoming(self._sharding(path, drop, shape), shape)
 
   def _write(self, path, layer, value, hf_name: str):
-    """Place one tensor (numpy from the file, or a jax array) into its variable's buffer."""
+    """Place one tensor (numpy from the file, or a jax array) into its variable's buffer:
+    ``layer`` a layer index, or (layer, expert) for one expert's part of a stacked variable,
+    or None for an unstacked one."""
     var = self.variables[path]
     abstract = var.get_value()
-    stacked = _stacked(var)
-    expected = abstract.shape[1:] if stacked else abstract.shape
+    index = _index(layer)
+    stacked = bool(index)
+    expected = abstract.shape[len(index) :]
     if tuple(value.shape) != tuple(expected):
       raise CheckpointError(
         f"tensor {hf_name} has shape {tuple(value.shape)}, but config.json implies "
@@ -103,13 +106,23 @@ class DeviceBuffers:
     if isinstance(value, np.ndarray) and value.dtype.itemsize > 4:
       value = value.astype(abstract.dtype)  # float64: round once, here, not via float32
     # Copied as stored and cast on the device: no host-side conversion of a whole tensor.
-    value = jax.device_put(value, self._incoming(path, drop_layer=stacked))
+    value = jax.device_put(value, self._incoming(path, drop=len(index)))
     if stacked:
       buffer = self.buffers[path]
-      self.buffers[path] = _set_layer(buffer, value, np.int32(layer), buffer.sharding)
+      self.buffers[path] = _set_layer(buffer, value, _traced(index), buffer.sharding)
     else:  # gathered over the devices' links into the variable's own layout
       self.buffers[path] = jax.device_put(value.astype(abstract.dtype), self._sharding(path))
-    self.filled[path].add(layer if stacked else None)
+    self._fill(path, index)
+
+  def _fill(self, path, index: tuple) -> None:
+    """Mark ``index`` (and every cell of the stacked dims it leaves open) as written."""
+    lead = _lead(self.variables[path])
+    shape = self.variables[path].get_value().shape[len(index) : lead]
+    if not lead:
+      self.filled[path].add(None)
+      return
+    for rest in itertools.product(*map(range, shape)):
+      self.filled[path].add((*index, *rest))
 
   def put(
     self,
@@ -145,6 +158,7 @@ class DeviceBuffers:
       raise CheckpointError(f"tensor {hf_name} has no place in this model's configuration.")
     out_features, half = self.variables[codes_path].get_value().shape[-2:]
     expected = (out_features, half * 2)
+    index = _index(layer)
     shape = prequantized[1] if prequantized is not None else tuple(tensor.shape)
     if tuple(shape) != expected:
       raise CheckpointError(
@@ -157,35 +171,36 @@ class DeviceBuffers:
         self._write((*target, field), layer, value, hf_name)
       return
     nf4.check_linear_shape(expected)
-    stacked = _stacked(self.variables[codes_path])
-    if not stacked:
+    if not index:
       w = jax.device_put(tensor, self._sharding(codes_path, shape=expected))
       for field, value in zip(_NF4_FIELDS, nf4.quantize_linear(w), strict=True):
         self._write((*target, field), layer, value, hf_name)
       return
-    w = jax.device_put(tensor, self._incoming(codes_path, drop_layer=True, shape=expected))
+    drop = len(index)
+    w = jax.device_put(tensor, self._incoming(codes_path, drop=drop, shape=expected))
     buffer = self.buffers[codes_path]
     # absmax in the weight's own layout (whole over data), for the host mean to read.
     blocks = (expected[0], expected[1] // nf4.BLOCKSIZE)
-    absmax_at = self._sharding(codes_path, drop_layer=True, shape=blocks)
-    codes, absmax = _quantize_into(buffer, w, np.int32(layer), buffer.sharding, absmax_at)
+    absmax_at = self._sharding(codes_path, drop=drop, shape=blocks)
+    codes, absmax = _quantize_into(buffer, w, _traced(index), buffer.sharding, absmax_at)
     self.buffers[codes_path] = codes
-    self.filled[codes_path].add(layer)
+    self._fill(codes_path, index)
     absmax.copy_to_host_async()
-    self.pending.append((target, layer, absmax))
+    self.pending.append((target, index, absmax))
     while len(self.pending) > _MEAN_LAG:
       self._double_quantize(*self.pending.popleft())
 
-  def _double_quantize(self, target, layer, absmax):
-    """Second NF4 stage of one layer's weight, once its absmax has reached the host."""
+  def _double_quantize(self, target, index, absmax):
+    """Second NF4 stage of one layer's (one expert's) weight, once its absmax has reached the
+    host."""
     offset = nf4.host_mean(absmax)
     paths = [(*target, field) for field in _NF4_FIELDS[1:]]
     buffers = tuple(self.buffers[path] for path in paths)
     shardings = tuple(buffer.sharding for buffer in buffers)
-    updated = _double_quantize_into(buffers, absmax, offset, np.int32(layer), shardings)
+    updated = _double_quantize_into(buffers, absmax, offset, _traced(index), shardings)
     for path, buffer in zip(paths, updated, strict=True):
       self.buffers[path] = buffer
-      self.filled[path].add(layer)
+      self._fill(path, index)
 
   def finish(self) -> None:
     """Complete every quantization still waiting for its host mean."""
@@ -195,7 +210,8 @@ class DeviceBuffers:
   def missing(self) -> list[str]:
     out = []
     for path, var in self.variables.items():
-      want = set(range(var.get_value().shape[0])) if _stacked(var) else {None}
+      lead = var.get_value().shape[: _lead(var)]
+      want = set(itertools.product(*map(range, lead))) if lead else {None}
       if not want <= self.filled[path]:
         out.append(".".join(path))
     return out
@@ -205,7 +221,30 @@ class DeviceBuffers:
 
 
 def _stacked(var) -> bool:
-  return "layers" in (var.get_metadata().get("axes") or ())
+  return _lead(var) > 0
+
+
+# The leading dims a stacked variable is filled by: its layers, then its experts.
+_STACKED_AXES = ("layers", "experts")
+
+
+def _lead(var) -> int:
+  axes = tuple(var.get_metadata().get("axes") or ())
+  n = 0
+  while n < len(axes) and n < len(_STACKED_AXES) and axes[n] == _STACKED_AXES[n]:
+    n += 1
+  return n
+
+
+def _index(layer) -> tuple:
+  """() for an unstacked variable, (layer,) or (layer, expert)."""
+  if layer is None:
+    return ()
+  return tuple(layer) if isinstance(layer, tuple) else (layer,)
+
+
+def _traced(index: tuple) -> tuple:
+  return tuple(np.int32(i) for i in index)
 
 
 def _zeros(specs: tuple) -> tuple[jax.Array, ...]:
@@ -221,9 +260,12 @@ def _zeros_program(specs: tuple):
   )
 
 
-def _update(buffer: jax.Array, value: jax.Array, layer, out_sharding) -> jax.Array:
-  # The buffer keeps the layout its variable declares, whatever layout the value has.
-  updated = jax.lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), layer, 0)
+def _update(buffer: jax.Array, value: jax.Array, index: tuple, out_sharding) -> jax.Array:
+  """``buffer`` with ``value`` written at the leading ``index`` (a layer, or layer and
+  expert). The buffer keeps the layout its variable declares, whatever layout the value has."""
+  value = value.astype(buffer.dtype).reshape((1,) * len(index) + value.shape)
+  start = (*index, *(np.int32(0),) * (buffer.ndim - len(index)))
+  updated = jax.lax.dynamic_update_slice(buffer, value, start)
   return jax.lax.with_sharding_constraint(updated, out_sharding)
 
 

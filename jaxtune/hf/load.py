@@ -142,12 +142,19 @@ def from_pretrained(
           f"tensor {name} in {file.name} is for layer {m.layer}, but config.json says "
           f"num_hidden_layers={cfg.num_layers}."
         )
+      if m.expert is not None and m.expert >= cfg.num_experts:
+        raise CheckpointError(
+          f"tensor {name} in {file.name} is for expert {m.expert}, but config.json says "
+          f"{cfg.num_experts} experts."
+        )
       if m.entry.kind == "linear":
         buffers.put_linear(name, m.target, m.layer, tensor, quantized, prequantized)
       elif prequantized is not None:
         raise CheckpointError(f"{name} is 4-bit quantized, but jaxtune keeps it unquantized.")
-      else:
+      elif m.entry.kind == "param":
         buffers.put(name, m.target, m.layer, tensor)
+      else:
+        _put_experts(buffers, name, m, tensor, quantized)
     buffers.finish()
 
   if bnb_linears is not None:
@@ -157,6 +164,33 @@ def from_pretrained(
     shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
     raise CheckpointError(f"{ckpt} lacks weights for {shown}; the checkpoint is incomplete.")
   return nnx.merge(graphdef, nnx.from_flat_state(buffers.state()))
+
+
+def _put_experts(buffers: DeviceBuffers, name: str, m, tensor, quantized: bool) -> None:
+  """A mixture of experts' tensor (converters/table.py's expert kinds) into its experts'
+  stacked variables, one expert's [out, in] weight at a time."""
+  kind = m.entry.kind
+  if kind == "expert":
+    buffers.put_linear(name, m.target, (m.layer, m.expert), tensor, quantized)
+    return
+  if tensor.ndim != (2 if kind == "experts_gate_up_bias" else 3):
+    raise CheckpointError(
+      f"tensor {name} has shape {tuple(tensor.shape)}, but gpt-oss keeps it with "
+      f"{2 if kind == 'experts_gate_up_bias' else 3} dimensions; the checkpoint and config do "
+      "not belong together."
+    )
+  if kind == "experts_gate_up_bias":
+    for proj, part in (("gate_proj", tensor[:, 0::2]), ("up_proj", tensor[:, 1::2])):
+      buffers.put(name, (*m.target, proj, "bias"), m.layer, part)
+    return
+  if kind == "experts_gate_up":
+    parts = (("gate_proj", tensor[:, :, 0::2]), ("up_proj", tensor[:, :, 1::2]))
+  else:  # experts_t
+    parts = (((), tensor),)
+  for proj, part in parts:
+    target = (*m.target, proj) if proj else m.target
+    for e in range(part.shape[0]):
+      buffers.put_linear(name, target, (m.layer, e), part[e].T, quantized)  # [out, in]
 
 
 __all__ = ["CheckpointError", "ConfigError", "from_pretrained", "hub_id", "safetensors_files"]

@@ -50,6 +50,7 @@ def attention(
   softcap: float | None = None,
   runtime: Runtime = DEFAULT,
   positions: jax.Array | None = None,
+  sinks: jax.Array | None = None,
 ) -> jax.Array:
   """Causal self-attention within documents. q [B, T, N, H], k/v [B, T, K, H] -> [B, T, N, H].
 
@@ -58,10 +59,13 @@ def attention(
   positions back. ``softcap``: cap * tanh(scores / cap) (Gemma 2). "cudnn" reads neither
   segments, window nor softcap (``run.resolve`` uses it only where they do not matter).
   "ring" (a ``context`` mesh axis): tokens in zigzag order, masked by ``positions`` [B, T]
-  (jaxtune.parallel.ring_attention).
+  (jaxtune.parallel.ring_attention). ``sinks`` [N]: a logit per head in the softmax's
+  denominator (gpt-oss; "xla" only, as ``run.resolve`` chooses for such models).
   """
   with jax.named_scope("attention"):
     impl = runtime.attention
+    if sinks is not None and impl != "xla":
+      raise ValueError(f"attention sinks are applied by the xla attention only, not {impl!r}")
     if impl == "ring":
       if positions is None:  # the ring masks by them: natural-order ones would be wrong
         raise ValueError("ring attention needs the positions of the zigzag-ordered tokens")
@@ -79,7 +83,7 @@ def attention(
         q, k, v, scale=scale, is_causal=True, implementation="cudnn"
       )
     mask = window_mask(make_mask(segment_ids), window)
-    return kept(masked_attention(q, k, v, mask, scale, softcap))
+    return kept(masked_attention(q, k, v, mask, scale, softcap, sinks=sinks))
 
 
 def kept(out: jax.Array) -> jax.Array:

@@ -18,6 +18,7 @@ from jax.typing import DTypeLike
 
 from jaxtune.models import attention, rope
 from jaxtune.models.config import ModelConfig
+from jaxtune.models.experts import SparseMLP
 from jaxtune.models.layers import Linear, RMSNorm, lora_inputs
 from jaxtune.parallel.runtime import Runtime
 
@@ -65,6 +66,11 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(cfg.head_dim, **norm, param_dtype=param_dtype)
     else:
       self.q_norm = self.k_norm = None
+    if cfg.attention_sinks:  # a logit per head beside the keys' (gpt-oss)
+      sinks = jnp.zeros((cfg.num_layers, cfg.num_heads), param_dtype)
+      self.sinks = nnx.Param(sinks, axes=("layers", "heads"))
+    else:
+      self.sinks = None
     self.num_heads = cfg.num_heads
     self.num_kv_heads = cfg.num_kv_heads
     self.head_dim = cfg.head_dim
@@ -83,7 +89,7 @@ class Attention(nnx.Module):
     cache: Callable[..., tuple[jax.Array, Any]] | None = None,
     positions: jax.Array | None = None,
   ) -> jax.Array | tuple[jax.Array, Any]:
-    """With ``cache``, a function (q, k, v, scale, softcap) -> (out, new cache) that stores
+    """With ``cache``, a function (q, k, v, scale, softcap, sinks) -> (out, new cache) that stores
     this chunk's keys and attends over the cached ones, returns (out, new cache).
     ``positions`` [B, T]: what ring attention masks by (a ``context`` axis)."""
     b, t, _ = x.shape
@@ -98,6 +104,7 @@ class Attention(nnx.Module):
       q, k = checkpoint_name(q, "query_projected"), checkpoint_name(k, "key_projected")
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    sinks = None if self.sinks is None else self.sinks[...]
     if cache is None:
       q, k, v = (checkpoint_name(a, n) for a, n in ((q, "query"), (k, "key"), (v, "value")))
       out = attention.attention(  # [B, T, N, H], its ops under the "attention" scope
@@ -110,9 +117,10 @@ class Attention(nnx.Module):
         softcap=self.softcap,
         runtime=runtime,
         positions=positions,
+        sinks=sinks,
       )
     else:  # the decoder decides where keys are kept and which it attends to
-      out, cache = cache(q, k, v, self.scale, self.softcap)
+      out, cache = cache(q, k, v, self.scale, self.softcap, sinks)
     out = self.o_proj(out.reshape(b, t, -1), keys[3], mm, dequantize_again=again)
     return out if cache is None else (out, cache)
 
@@ -177,6 +185,7 @@ class Block(nnx.Module):
       eps=cfg.rms_norm_eps,
       layers=cfg.num_layers,
       plus_one=cfg.norm_plus_one,
+      f32_scale=cfg.norm_scale_f32,
       param_dtype=param_dtype,
     )
     self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
@@ -187,7 +196,9 @@ class Block(nnx.Module):
       self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, **norm)
     else:
       self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
-    self.mlp = MLP(cfg, quantized=quantized, param_dtype=param_dtype, rngs=rngs)
+    kw = dict(quantized=quantized, param_dtype=param_dtype, rngs=rngs)
+    self.sparse = cfg.is_moe
+    self.mlp = SparseMLP(cfg, **kw) if cfg.is_moe else MLP(cfg, **kw)
 
   def _residual(self, x, runtime: Runtime):
     """The residual stream after an add. Under sequence parallelism its tokens stay split over
@@ -209,7 +220,8 @@ class Block(nnx.Module):
     cache: Callable[..., tuple[jax.Array, Any]] | None = None,
     positions: jax.Array | None = None,
   ) -> jax.Array | tuple[jax.Array, Any]:
-    """The layer's output; with a KV ``cache`` (see Attention), (output, new cache)."""
+    """The layer's output; with a KV ``cache`` (see Attention), (output, new cache); for a
+    sparse MLP without a cache, (output, router statistics [2, E]: experts.SparseMLP)."""
     keys = [None] * len(PROJECTIONS)
     if key is not None:
       keys = [jax.random.fold_in(key, i) for i in range(len(PROJECTIONS))]
@@ -219,7 +231,15 @@ class Block(nnx.Module):
     h, new_cache = (h, None) if cache is None else h
     # Decoding (cache) runs on the model as it is: no training layout.
     res = (lambda x: self._residual(x, runtime)) if cache is None else (lambda x: x)  # noqa: E731
-    mlp = lambda x: self.mlp(x, keys, runtime)  # noqa: E731
+    stats = []
+
+    def mlp(x):
+      if not self.sparse:
+        return self.mlp(x, keys, runtime)
+      y, s = self.mlp(x, None if segment_ids is None else segment_ids != 0)
+      stats.append(s)
+      return y
+
     # The checkpoint names mark what remat="activations" keeps for the backward pass.
     if self.pre_feedforward_layernorm is None:
       x = checkpoint_name(res(x + h), "residual_mid")
@@ -229,4 +249,6 @@ class Block(nnx.Module):
       x = checkpoint_name(res(x + self.post_attention_layernorm(h)), "residual_mid")
       h = checkpoint_name(mlp(self.pre_feedforward_layernorm(x)), "mlp_out")
       x = res(x + self.post_feedforward_layernorm(h))
-    return x if cache is None else (x, new_cache)
+    if cache is not None:
+      return x, new_cache
+    return (x, stats[0]) if self.sparse else x

@@ -8,22 +8,44 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxtune.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+if TYPE_CHECKING:
+  from jaxtune.models import moe
+
+SUPPORTED_MODEL_TYPES = (
+  "llama",
+  "qwen2",
+  "qwen3",
+  "gemma",
+  "gemma2",
+  "gemma3_text",
+  "qwen3_moe",
+  "mixtral",
+  "gpt_oss",
+)
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "gpt_oss")
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
   theta: float = 10000.0
-  kind: str = "default"  # "default", "linear" or "llama3"
+  kind: str = "default"  # "default", "linear", "llama3" or "yarn"
   factor: float = 1.0
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_position_embeddings: int = 8192
+  # yarn (rope.yarn_frequencies): the correction range's bounds, whether they are rounded,
+  # and what scales cos and sin (None: computed from the factor and the mscales)
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  truncate: bool = True
+  attention_factor: float | None = None
+  mscale: float | None = None
+  mscale_all_dim: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +78,34 @@ class ModelConfig:
   layer_types: tuple[str, ...] = ()  # per layer: full_attention | sliding_attention
   sliding_window: int | None = None
   rope_local: RopeConfig | None = None  # rope of sliding layers when it differs (Gemma 3)
+  # Mixture of experts (num_experts > 0: every layer's MLP is sparse, models/experts.py).
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  router: str = "softmax_topk"  # moe.ROUTERS
+  norm_topk_prob: bool = True  # softmax_topk: the top k renormalised to sum to 1
+  router_bias: bool = False  # gpt-oss
+  expert_bias: bool = False  # gpt-oss: biases on every expert's projections
+  expert_activation: str = "silu"  # moe.ACTIVATIONS
+  swiglu_alpha: float = 1.702
+  swiglu_limit: float = 7.0
+  router_aux_loss_coef: float = 0.001  # the family's weight of the load-balancing loss
+  attention_sinks: bool = False  # gpt-oss: a learned logit per head in the softmax
+  norm_scale_f32: bool = False  # gpt-oss: RMSNorm multiplies by w in float32, then casts
 
   @property
   def attention_scale(self) -> float:
     return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+  @property
+  def is_moe(self) -> bool:
+    return self.num_experts > 0
+
+  def routing(self) -> "moe.Routing":
+    """The router's settings as models/moe.py takes them."""
+    from jaxtune.models import moe
+
+    return moe.Routing(self.num_experts, self.num_experts_per_tok, self.router, self.norm_topk_prob)
 
   @property
   def has_sliding_layers(self) -> bool:
@@ -74,8 +120,10 @@ class ModelConfig:
     return self.num_kv_heads * self.head_dim
 
   def linear_shapes(self) -> dict[str, tuple[int, int]]:
-    """PyTorch-layout [out, in] shape of every projection of one layer, by HF name."""
-    d, f = self.hidden_size, self.intermediate_size
+    """PyTorch-layout [out, in] shape of every projection of one layer, by HF name (of one
+    expert, for a mixture of experts' MLP)."""
+    d = self.hidden_size
+    f = self.moe_intermediate_size if self.is_moe else self.intermediate_size
     return {
       "q_proj": (self.q_size, d),
       "k_proj": (self.kv_size, d),
@@ -88,7 +136,11 @@ class ModelConfig:
 
   def linear_params(self) -> int:
     """The weights of every layer's projections (what NF4 stores as codes)."""
-    return self.num_layers * sum(o * i for o, i in self.linear_shapes().values())
+    shapes = self.linear_shapes()
+    experts = max(self.num_experts, 1)
+    return self.num_layers * sum(
+      o * i * (experts if name in _MLP_NAMES else 1) for name, (o, i) in shapes.items()
+    )
 
   def num_params(self) -> int:
     """All parameters of the unquantized model, counted as transformers counts them."""
@@ -100,6 +152,12 @@ class ModelConfig:
       per_layer += self.hidden_size
     if self.qk_norm:
       per_layer += 2 * self.head_dim
+    if self.attention_sinks:
+      per_layer += self.num_heads
+    if self.is_moe:
+      per_layer += self.num_experts * (self.hidden_size + self.router_bias)
+      if self.expert_bias:
+        per_layer += self.num_experts * (2 * self.moe_intermediate_size + self.hidden_size)
     embed = self.vocab_size * self.hidden_size
     head = 0 if self.tie_word_embeddings else embed
     return embed + head + self.linear_params() + self.num_layers * per_layer + self.hidden_size
@@ -169,6 +227,8 @@ class ModelConfig:
     return cfg, config
 
 
+_MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+_DEFAULT_THETA = {"mixtral": 1e6, "gpt_oss": 150000.0}
 MAX_LAYERS = 100_000
 MAX_PARAMS = 10**13  # 25 times the largest open model; more means a damaged config.json
 _INT32 = 2**31 - 1  # sizes used as int32 on the device (positions, window)
@@ -281,7 +341,9 @@ def _family_fields(c: _Fields) -> dict[str, Any]:
     embed_scale=gemma,
     sandwich_norms=model_type in ("gemma2", "gemma3_text"),
   )
-  if model_type.startswith("qwen") and c.flag("use_sliding_window", False):
+  if model_type in MOE_MODEL_TYPES:
+    fields.update(_moe_fields(c, layers))
+  elif model_type.startswith("qwen") and c.flag("use_sliding_window", False):
     raise ConfigError(
       f"this {model_type} config enables use_sliding_window, which jaxtune does not support "
       "for Qwen; set it to false (the released Qwen checkpoints do)."
@@ -318,8 +380,96 @@ def _family_fields(c: _Fields) -> dict[str, Any]:
   elif model_type == "gemma3_text":
     fields["rope"] = _rope_from_hf(c)  # global layers: rope_theta and rope_scaling
     fields["rope_local"] = RopeConfig(theta=c.number("rope_local_base_freq", 10000.0))
+  elif model_type == "gpt_oss" and not c.has("rope_parameters") and not c.has("rope_scaling"):
+    fields["rope"] = RopeConfig(  # transformers' GptOssConfig default
+      theta=c.number("rope_theta", 150000.0),
+      kind="yarn",
+      factor=32.0,
+      original_max_position_embeddings=4096,
+      truncate=False,
+    )
   else:
     fields["rope"] = _rope_from_hf(c)
+  return fields
+
+
+def _moe_fields(c: _Fields, layers: int) -> dict[str, Any]:
+  """A mixture of experts' settings (Qwen3-MoE, Mixtral, gpt-oss), each defaulted as
+  transformers defaults it; an option jaxtune does not build refused by name."""
+  model_type = c.model_type
+  # Qwen3-MoE's own name is num_experts, the others' num_local_experts; transformers 5 writes
+  # num_local_experts for all three (an attribute map), older checkpoints their own.
+  experts_key = "num_local_experts" if c.has("num_local_experts") else "num_experts"
+  defaults = {"qwen3_moe": (128, 8), "mixtral": (8, 2), "gpt_oss": (128, 4)}[model_type]
+  experts = c.count(experts_key, defaults[0], high=1 << 20)
+  top_k = c.count("num_experts_per_tok", defaults[1], high=experts)
+  fields: dict[str, Any] = dict(
+    num_experts=experts,
+    num_experts_per_tok=top_k,
+    router_aux_loss_coef=c.number("router_aux_loss_coef", 0.001, zero=True),
+  )
+  if model_type == "qwen3_moe":
+    if c.raw("mlp_only_layers", []) != [] or c.count("decoder_sparse_step", 1) != 1:
+      raise ConfigError(
+        f"{c.source} mixes dense and sparse layers (mlp_only_layers "
+        f"{json.dumps(c.raw('mlp_only_layers', []))[:40]}, decoder_sparse_step "
+        f"{c.raw('decoder_sparse_step', 1)}); jaxtune builds Qwen3-MoE models whose every "
+        "layer is sparse (the released ones: mlp_only_layers [] and decoder_sparse_step 1)."
+      )
+    fields.update(
+      moe_intermediate_size=c.count("moe_intermediate_size", 768),
+      norm_topk_prob=c.flag("norm_topk_prob", False),
+      qk_norm=True,
+    )
+    if c.flag("use_sliding_window", False):  # every layer, as transformers' Qwen3-MoE does
+      fields.update(
+        layer_types=(SLIDING,) * layers, sliding_window=c.count("sliding_window", 4096, _INT32)
+      )
+  elif model_type == "mixtral":
+    jitter = c.number("router_jitter_noise", 0.0, zero=True)
+    if jitter:
+      raise ConfigError(
+        f"router_jitter_noise={jitter} in {c.source} is not supported (jaxtune's Mixtral "
+        "routes without noise); set it to 0.0, as the released Mixtral checkpoints do."
+      )
+    fields.update(
+      moe_intermediate_size=c.count("intermediate_size", 14336),
+      norm_topk_prob=True,
+      rms_norm_eps=c.number("rms_norm_eps", 1e-5, zero=True),
+    )
+    if c.has("sliding_window"):  # every layer, as transformers' Mixtral does
+      window = c.count("sliding_window", high=_INT32)
+      fields.update(layer_types=(SLIDING,) * layers, sliding_window=window)
+  else:  # gpt_oss
+    attention_bias = c.flag("attention_bias", True)
+    default_types = [SLIDING if (i + 1) % 2 else FULL for i in range(layers)]
+    layer_types = c.raw("layer_types") or default_types
+    if (
+      not isinstance(layer_types, list)
+      or len(layer_types) != layers
+      or not all(t in (SLIDING, FULL) for t in layer_types)
+    ):
+      raise c.wrong(
+        "layer_types", f"a list of {FULL} or {SLIDING} for each of the {layers} layers", layer_types
+      )
+    fields.update(
+      moe_intermediate_size=c.count("intermediate_size", 2880),
+      router="topk_softmax",
+      router_bias=True,
+      expert_bias=True,
+      expert_activation="swiglu_clamped",
+      swiglu_alpha=c.number("swiglu_alpha", 1.702),
+      swiglu_limit=c.number("swiglu_limit", 7.0),
+      attention_sinks=True,
+      norm_scale_f32=True,
+      qkv_bias=attention_bias,
+      o_bias=attention_bias,
+      layer_types=tuple(layer_types),
+      sliding_window=c.count("sliding_window", 128, high=_INT32),
+      rms_norm_eps=c.number("rms_norm_eps", 1e-5, zero=True),
+    )
+  if SLIDING not in fields.get("layer_types", ()):
+    fields.update(layer_types=(), sliding_window=None)
   return fields
 
 
@@ -335,7 +485,13 @@ def _rope_from_hf(c: _Fields) -> RopeConfig:
     if name == "rope_parameters" and c.has("rope_scaling"):
       merged = {**c.mapping("rope_scaling").config, **params.config}
       params = _Fields(merged, c.source, c.model_type, params.prefix)
-  theta = params.number("rope_theta", 10000.0 if c.prefix else c.number("rope_theta", 10000.0))
+  default = _DEFAULT_THETA.get(c.model_type, 10000.0)  # transformers' config.default_theta
+  theta = params.number("rope_theta", default if c.prefix else c.number("rope_theta", default))
+  if params.number("partial_rotary_factor", 1.0) != 1.0:
+    raise ConfigError(
+      f"partial_rotary_factor={params.raw('partial_rotary_factor')} in {c.source} is not "
+      f"supported for a {c.model_type}; jaxtune rotates the whole head dimension."
+    )
   kind = params.raw("rope_type", params.raw("type", "default"))
   if kind == "default":
     return RopeConfig(theta=theta)
@@ -352,7 +508,22 @@ def _rope_from_hf(c: _Fields) -> RopeConfig:
         "original_max_position_embeddings", high=_INT32
       ),
     )
+  if kind == "yarn":
+    return RopeConfig(
+      theta=theta,
+      kind="yarn",
+      factor=params.number("factor"),
+      original_max_position_embeddings=params.count(
+        "original_max_position_embeddings", high=_INT32
+      ),
+      beta_fast=params.number("beta_fast", 32.0),
+      beta_slow=params.number("beta_slow", 1.0),
+      truncate=params.flag("truncate", True),
+      attention_factor=params.number("attention_factor", None),
+      mscale=params.number("mscale", None, zero=True),
+      mscale_all_dim=params.number("mscale_all_dim", None, zero=True),
+    )
   raise ConfigError(
     f"rope scaling type {kind!r} in {c.source} is not supported; jaxtune supports default, "
-    "linear and llama3."
+    "linear, llama3 and yarn."
   )

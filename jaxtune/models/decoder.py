@@ -19,7 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
-from jaxtune.models import rope
+from jaxtune.models import moe, rope
 from jaxtune.models.blocks import MLP, PROJECTIONS, Attention, Block
 from jaxtune.models.config import SLIDING, ModelConfig
 from jaxtune.models.layers import Embed, Linear, RMSNorm
@@ -112,7 +112,11 @@ class Decoder(nnx.Module):
     self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=param_dtype, rngs=rngs)
     self.layers = Block(cfg, quantized=quantized, param_dtype=param_dtype, rngs=rngs)
     self.norm = RMSNorm(
-      cfg.hidden_size, eps=cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, param_dtype=param_dtype
+      cfg.hidden_size,
+      eps=cfg.rms_norm_eps,
+      plus_one=cfg.norm_plus_one,
+      f32_scale=cfg.norm_scale_f32,
+      param_dtype=param_dtype,
     )
     if cfg.tie_word_embeddings:
       self.lm_head = None
@@ -146,22 +150,33 @@ class Decoder(nnx.Module):
       x = inputs_embeds.astype(self.dtype)
     if cfg.embed_scale:  # Gemma rounds sqrt(hidden) to the compute dtype first
       x = x * jnp.asarray(math.sqrt(cfg.hidden_size), self.dtype)
-    cos, sin = rope.cos_sin(positions, rope.inverse_frequencies(cfg.rope, cfg.head_dim), self.dtype)
-    local = cfg.rope_local or cfg.rope
-    local_cs = rope.cos_sin(positions, rope.inverse_frequencies(local, cfg.head_dim), self.dtype)
-    return x, (cos, sin), local_cs
+    ropes = (cfg.rope, cfg.rope_local or cfg.rope)
+    cos_sin = [
+      rope.cos_sin(
+        positions,
+        rope.inverse_frequencies(r, cfg.head_dim),
+        self.dtype,
+        rope.attention_scaling(r, cfg.head_dim),
+      )
+      for r in ropes
+    ]
+    return x, cos_sin[0], cos_sin[1]
 
   def _layers(
     self, x, rope_global, rope_local, segment_ids, positions, dropout_key, runtime: Runtime
   ):
     """Run the stacked layers under scan (training and plain forward); pipelined over the
-    mesh's ``pipe`` axis when it has one (pipeline.py)."""
+    mesh's ``pipe`` axis when it has one (pipeline.py). The layers' output and, for a mixture
+    of experts, their router statistics summed (experts.SparseMLP; None otherwise)."""
     window, local = self.per_layer()
     n = self.config.num_layers
     layer_keys = None if dropout_key is None else jax.random.split(dropout_key, n)
     graphdef, state = nnx.split(self.layers)
+    sparse = self.config.is_moe
 
-    def step(x, xs, side):
+    def step(carry, xs, side):
+      # A sparse model's carry holds its router statistics beside the residual stream.
+      x, stats = carry if sparse else (carry, None)
       layer_state, key, w, is_local = xs
       (cos_g, sin_g), (cos_l, sin_l), seg, pos = side
       # The residual stream's layout at each block boundary.
@@ -172,7 +187,8 @@ class Decoder(nnx.Module):
       x = checkpoint_name(x, "layer_input")  # what remat="offload" keeps on the host
       c = jnp.where(is_local, cos_l, cos_g)
       s = jnp.where(is_local, sin_l, sin_g)
-      return nnx.merge(graphdef, layer_state)(x, c, s, seg, w, key, runtime, positions=pos)
+      out = nnx.merge(graphdef, layer_state)(x, c, s, seg, w, key, runtime, positions=pos)
+      return (out[0], stats + out[1]) if sparse else out
 
     def scan(body, x, xs):
       """x through body(x, xs[i]) for each i, under scan or (scan_layers off) a loop."""
@@ -228,8 +244,10 @@ class Decoder(nnx.Module):
 
     xs = (state, layer_keys, jnp.asarray(window), jnp.asarray(local))
     side = (rope_global, rope_local, segment_ids, positions)
+    if sparse:  # (resolve refuses pipelines and layer groups for these)
+      return run((x, jnp.zeros((2, self.config.num_experts), jnp.float32)), xs, side)
     if not runtime.pipelined:
-      return run(x, xs, side)
+      return run(x, xs, side), None
 
     def stage(x, xs, side, j):
       state, keys, w, is_local = xs
@@ -245,7 +263,7 @@ class Decoder(nnx.Module):
       stage, xs, x, side, mesh=mesh, microbatches=runtime.microbatches,
       manual=runtime.manual_stages,
     )  # fmt: skip
-    return jax.lax.with_sharding_constraint(x, sharding.after_pipeline(mesh, x.shape[0]))
+    return jax.lax.with_sharding_constraint(x, sharding.after_pipeline(mesh, x.shape[0])), None
 
   def hidden_states(
     self,
@@ -258,14 +276,36 @@ class Decoder(nnx.Module):
   ) -> jax.Array:
     """Final-norm hidden states [B, T, D] in the compute dtype, computed as ``runtime`` says.
     ``inputs_embeds``: the embedding rows of ``input_ids`` [B, T, D], gathered elsewhere."""
+    return self.hidden_and_balance(
+      input_ids, positions, segment_ids, dropout_key, runtime, inputs_embeds
+    )[0]
+
+  def hidden_and_balance(
+    self,
+    input_ids: jax.Array,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    dropout_key: jax.Array | None = None,
+    runtime: Runtime = DEFAULT,
+    inputs_embeds: jax.Array | None = None,
+  ) -> tuple[jax.Array, jax.Array | None]:
+    """(``hidden_states``, the load-balancing loss over every layer's router and the tokens
+    that are no padding, as transformers' ``load_balancing_loss_func`` computes it; None for
+    a model without experts)."""
     b, t = input_ids.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     if segment_ids is None:
       segment_ids = jnp.ones((b, t), jnp.int32)
     x, rope_global, rope_local = self.embed(input_ids, positions, inputs_embeds)
-    h = self._layers(x, rope_global, rope_local, segment_ids, positions, dropout_key, runtime)
-    return self.norm(h)
+    h, stats = self._layers(
+      x, rope_global, rope_local, segment_ids, positions, dropout_key, runtime
+    )
+    balance = None
+    if stats is not None:
+      rows = jnp.sum(segment_ids != 0) * self.config.num_layers
+      balance = moe.balance_loss(stats, rows)
+    return self.norm(h), balance
 
   def logits_from_hidden(self, h: jax.Array) -> jax.Array:
     with jax.named_scope("output_layer"):

@@ -96,7 +96,7 @@ def forward_cached(
   )
   q_slot = start + jnp.arange(t)  # [T]
 
-  def attend_global(cache, i, q, k, v, scale, softcap):
+  def attend_global(cache, i, q, k, v, scale, softcap, sinks):
     ks, vs = cache["global"]
     # Only the new slots are written, into the whole stack (in place in the loop's carry).
     at = (i, 0, 0, start, 0)
@@ -104,15 +104,15 @@ def forward_cached(
     vs = jax.lax.dynamic_update_slice(vs, v.astype(vs.dtype).swapaxes(1, 2)[None], at)
     slots = jnp.arange(ks.shape[3])
     mask = key_valid[:, None, :] & (slots[None, None, :] <= q_slot[None, :, None])
-    if t == 1 and q.shape[0] == 1:  # a token step of one row
+    if t == 1 and q.shape[0] == 1 and sinks is None:  # a token step of one row
       out = _one_token_attention(q, ks, vs, i, mask[:, 0], scale, softcap)
     else:
       out = attention.masked_attention(
-        q, ks[i], vs[i], mask[:, None, None], scale, softcap, heads_first=True
+        q, ks[i], vs[i], mask[:, None, None], scale, softcap, heads_first=True, sinks=sinks
       )
     return out, {**cache, "global": (ks, vs)}
 
-  def attend_local(cache, i, q, k, v, scale, softcap):
+  def attend_local(cache, i, q, k, v, scale, softcap, sinks):
     ks, vs = cache["local"]
     ring = ks.shape[3]
     # Slot held by each ring entry before this chunk (negative: never written).
@@ -124,7 +124,7 @@ def forward_cached(
     distance = q_slot[:, None] - slots[None, :]
     mask = valid[:, None, :] & ((distance >= 0) & (distance < ring))[None]
     out = attention.masked_attention(
-      q, k_all, v_all, mask[:, None, None], scale, softcap, heads_first=True
+      q, k_all, v_all, mask[:, None, None], scale, softcap, heads_first=True, sinks=sinks
     )
     keep = min(t, ring)  # only the newest `ring` keys survive
     where = jnp.mod(start + t - keep + jnp.arange(keep), ring)

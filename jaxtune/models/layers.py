@@ -249,7 +249,8 @@ class LoRAConstant(nnx.Variable):
 
 
 class RMSNorm(nnx.Module):
-  """x / rms(x) scaled by w (or by 1 + w, Gemma), in float32, as transformers computes it."""
+  """x / rms(x) scaled by w (or by 1 + w, Gemma), in float32, as transformers computes it:
+  cast to x's dtype before the scale (Llama) or after it (Gemma, gpt-oss)."""
 
   def __init__(
     self,
@@ -258,6 +259,7 @@ class RMSNorm(nnx.Module):
     eps: float,
     layers: int | None = None,
     plus_one: bool = False,
+    f32_scale: bool = False,
     param_dtype: DTypeLike = jnp.float32,
   ):
     shape, axes = _stacked(layers, (dim,), ("embed",))
@@ -265,6 +267,7 @@ class RMSNorm(nnx.Module):
     self.weight = nnx.Param(init(shape, param_dtype), axes=axes)
     self.eps = eps
     self.plus_one = plus_one
+    self.f32_scale = f32_scale  # w times the float32 normalised x, then cast (gpt-oss)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     with jax.named_scope("rms_norm"):
@@ -272,6 +275,8 @@ class RMSNorm(nnx.Module):
       h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
       if self.plus_one:  # Gemma scales in float32, then casts
         return (h * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+      if self.f32_scale:
+        return (self.weight[...].astype(jnp.float32) * h).astype(x.dtype)
       return self.weight[...].astype(x.dtype) * h.astype(x.dtype)
 
 

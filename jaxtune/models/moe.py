@@ -157,3 +157,23 @@ def load_balancing_loss(
   counts = jnp.sum(jax.nn.one_hot(experts, routing.num_experts) * w[:, None, None], axis=(0, 1))
   prob_per_expert = jnp.sum(probs * w[:, None], axis=0) / rows
   return jnp.sum(counts / rows * prob_per_expert) * routing.num_experts
+
+
+def router_stats(
+  logits: jax.Array, experts: jax.Array, num_experts: int, valid: jax.Array | None = None
+) -> jax.Array:
+  """One layer's share of the load-balancing loss, summable over layers: [2, E] float32, each
+  expert's assignments (over the top k) and its summed router probability, over the tokens
+  ``valid`` [T] marks (None: all). ``logits`` [T, E], ``experts`` [T, k] (``route``)."""
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  w = jnp.ones(probs.shape[:1], jnp.float32) if valid is None else valid.astype(jnp.float32)
+  counts = jnp.sum(jax.nn.one_hot(experts, num_experts) * w[:, None, None], axis=(0, 1))
+  return jnp.stack([counts, jnp.sum(probs * w[:, None], axis=0)])
+
+
+def balance_loss(stats: jax.Array, rows: jax.Array) -> jax.Array:
+  """``load_balancing_loss`` from the ``router_stats`` of every layer summed, ``rows`` the
+  number of valid tokens times the layers: E * sum over experts of (assignments per row)
+  times (mean probability)."""
+  rows = jnp.maximum(rows.astype(jnp.float32), 1.0)
+  return jnp.sum(stats[0] / rows * (stats[1] / rows)) * stats.shape[-1]

@@ -11,7 +11,9 @@ from jaxtune.models.config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
-  """float32 [head_dim / 2], with llama3 frequency scaling where configured."""
+  """float32 [head_dim / 2], with linear, llama3 or YaRN frequency scaling where configured."""
+  if rope.kind == "yarn":
+    return _yarn(rope, head_dim)[0]
   exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
   inv = (1.0 / (np.float32(rope.theta) ** exponents)).astype(np.float32)
   if rope.kind == "linear":
@@ -82,13 +84,37 @@ def yarn_frequencies(
   return inv.astype(np.float32), float(attention_factor)
 
 
+def attention_scaling(rope: RopeConfig, head_dim: int) -> float:
+  """What cos and sin are multiplied by (YaRN's attention factor; 1 otherwise)."""
+  return _yarn(rope, head_dim)[1] if rope.kind == "yarn" else 1.0
+
+
+def _yarn(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float]:
+  return yarn_frequencies(
+    rope.theta,
+    head_dim,
+    rope.factor,
+    rope.original_max_position_embeddings,
+    beta_fast=rope.beta_fast,
+    beta_slow=rope.beta_slow,
+    truncate=rope.truncate,
+    attention_factor=rope.attention_factor,
+    mscale=rope.mscale,
+    mscale_all_dim=rope.mscale_all_dim,
+  )
+
+
 def cos_sin(
-  positions: jax.Array, inv_freq: np.ndarray, dtype: DTypeLike
+  positions: jax.Array, inv_freq: np.ndarray, dtype: DTypeLike, scale: float = 1.0
 ) -> tuple[jax.Array, jax.Array]:
-  """[B, T] integer positions -> cos, sin of shape [B, T, head_dim] in ``dtype``."""
+  """[B, T] integer positions -> cos, sin of shape [B, T, head_dim] in ``dtype``, times
+  ``scale`` in float32 first (``attention_scaling``)."""
   freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
   emb = jnp.concatenate([freqs, freqs], axis=-1)
-  return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+  cos, sin = jnp.cos(emb), jnp.sin(emb)
+  if scale != 1.0:
+    cos, sin = cos * np.float32(scale), sin * np.float32(scale)
+  return cos.astype(dtype), sin.astype(dtype)
 
 
 def apply(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -107,6 +107,13 @@ def resolve_attention(
   special = bool(cfg.attn_logit_softcap) or cfg.has_sliding_layers
   cudnn_exact = gpu and not (special or packed)
   kernel_ok = hopper and mosaic_supports(dtype, cfg.head_dim)
+  if cfg.attention_sinks:  # only XLA's attention adds the sinks to the softmax yet
+    if requested in ("fused", "pallas"):
+      raise UserError(
+        f"--attention {requested} cannot apply {cfg.model_type}'s attention sinks; use "
+        "--attention xla (the default for this model)."
+      )
+    return "xla", None
   if requested == "fused" and pipelined:
     raise MeshError(
       "--attention fused (cuDNN) cannot run inside the pipeline yet; use --attention xla or "

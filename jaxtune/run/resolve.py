@@ -79,6 +79,16 @@ def check(run: RunConfig, cfg: ModelConfig, devices: Sequence | None = None) -> 
   cp = mesh.shape[context.AXIS]
   if cp > 1:
     _check_context(run, cp, pp, seq_len)
+  if cfg.is_moe and (pp > 1 or run.remat_group > 1 or run.mlp_chunk):
+    what = "a pipe axis" if pp > 1 else "--remat-group" if run.remat_group > 1 else "--mlp-chunk"
+    raise MeshError(
+      f"{what} does not run with a mixture-of-experts model ({cfg.model_type}) yet; drop it."
+    )
+  if cfg.attention_sinks and cp > 1:
+    raise MeshError(
+      f"--mesh {run.mesh} splits each sequence over context={cp}, but ring attention does not "
+      f"apply {cfg.model_type}'s attention sinks yet; drop the context axis."
+    )
   if run.remat_group > 1:
     _check_remat_group(run, cfg.num_layers, pp)
   if run.layer_loop == "unrolled" and pp > 1:
