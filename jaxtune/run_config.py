@@ -104,6 +104,8 @@ class RunConfig:
   warmup_steps: int = _in("optimizer", 5)
   weight_decay: float = _in("optimizer", 0.0)
   max_grad_norm: float = _in("optimizer", 1.0)
+  # a mixture of experts' load-balancing loss weight (None: the family's router_aux_loss_coef)
+  router_aux_loss_coef: float | None = _in("optimizer", None)
   # batch_size sequences per optimizer step, in grad_accum micro-batches
   batch_size: int = _in("optimizer", 8)
   grad_accum: int = _in("optimizer", 1)

@@ -57,6 +57,7 @@ MINIMUM = {
   "warmup_steps": 0,
   "weight_decay": 0.0,
   "max_grad_norm": 0.0,  # exclusive
+  "router_aux_loss_coef": 0.0,
   "batch_size": 1,
   "grad_accum": 1,
   "seq_len": 2,

@@ -90,6 +90,9 @@ _HELP = {
   "quantization": "frozen weights: nf4 or none",
   "dtype": "compute dtype: bfloat16, float32, or float16 (dynamic loss scaling; chosen "
   "automatically on GPUs without bfloat16)",
+  "router_aux_loss_coef": "weight of a mixture of experts' load-balancing loss in the loss "
+  "(default: the model's router_aux_loss_coef, 0.001 for Qwen3-MoE, Mixtral and gpt-oss); "
+  "reported as router_balance",
   "lora_rank": "LoRA rank r",
   "lora_alpha": "LoRA alpha (scale alpha/r, or alpha/sqrt(r) with --rslora)",
   "lora_dropout": "dropout on the LoRA input",

@@ -155,7 +155,10 @@ def apply_lora(
   targets = tuple(targets)
   rank_pattern = dict(rank_pattern or {})
   alpha_pattern = dict(alpha_pattern or {})
-  found = {path[-1] for path, _ in iter_linears(model)}
+  from jaxtune.models.experts import expert_linears
+
+  experts = expert_linears(model)
+  found = {path[-1] for path, _ in (*iter_linears(model), *experts)}
   named = {_parse_key(k)[1] for k in (*rank_pattern, *alpha_pattern)} - {None}
   num_layers = model.config.num_layers
   for key in (*rank_pattern, *alpha_pattern):
@@ -182,6 +185,7 @@ def apply_lora(
     tuple(sorted(alpha_pattern.items())),
   )
   key = jax.random.key(seed)
+  _expert_lora(experts, config, jax.random.fold_in(key, 1 << 20))
   for i, (path, linear) in enumerate(iter_linears(model)):
     name = path[-1]
     if name not in targets:
@@ -217,6 +221,42 @@ def apply_lora(
     linear.lora_dropout = float(dropout)
   model.lora_config = config
   return model
+
+
+def _expert_lora(experts, config: LoraConfig, key: jax.Array) -> None:
+  """A and B per expert on every targeted expert projection (as PEFT's target_parameters
+  gives them: one pair per expert, A Kaiming-uniform with bound 1/sqrt(in), B zero)."""
+  for i, (path, lin) in enumerate(experts):
+    name = path[-1]
+    if name not in config.targets:
+      continue
+    ranks = {config.rank_of(name, layer) for layer in range(lin.layers)}
+    alphas = {config.alpha_of(name, layer) for layer in range(lin.layers)}
+    if len(ranks) > 1 or len(alphas) > 1:
+      raise UserError(
+        f"--lora-rank-pattern/--lora-alpha-pattern give the experts' {name} different ranks "
+        "or alphas by layer, which jaxtune does not build for expert projections yet; give "
+        f"{name} one rank and alpha for every layer."
+      )
+    if config.dropout:
+      raise UserError(
+        f"LoRA dropout ({config.dropout}) cannot apply to the experts' {name} (as in PEFT, "
+        "whose expert adapters refuse it too); set --lora-dropout 0 or leave the experts' "
+        "projections out of --lora-targets."
+      )
+    (r,), (alpha,) = ranks, alphas
+    if r <= 0:
+      raise UserError(f"LoRA rank must be positive, got {r} for {name}.")
+    lead = (lin.layers, lin.experts)
+    bound = 1.0 / math.sqrt(lin.in_features)
+    a = jax.random.uniform(
+      jax.random.fold_in(key, i), (*lead, lin.in_features, r), jnp.float32, -bound, bound
+    )
+    out_axis, in_axis = lin.axes
+    lin.lora_a = nnx.LoRAParam(a, axes=("layers", "experts", in_axis, None))
+    b = jnp.zeros((*lead, r, lin.out_features), jnp.float32)
+    lin.lora_b = nnx.LoRAParam(b, axes=("layers", "experts", None, out_axis))
+    lin.lora_scale = alpha / math.sqrt(r) if config.rslora else alpha / r
 
 
 def layer_scale(linear: Linear, layer: int | None) -> float:

@@ -34,7 +34,7 @@ from jaxtune.run import report as run_report
 from jaxtune.run import resolve as resolver
 from jaxtune.run.loading import build_model, load_tokenizer
 from jaxtune.run_config import RunConfig
-from jaxtune.training import checkpoint, plan, preference, rewards, rl, step
+from jaxtune.training import checkpoint, objective, plan, preference, rewards, rl, step
 from jaxtune.training import loop as trainer
 from jaxtune.training.files import write_error
 
@@ -104,12 +104,18 @@ def _load_data(run: RunConfig, tokenizer, positions: int, data: Any, eval_data: 
 
 
 def make_objective(
-  run: RunConfig, dataset: data_lib.Dataset, eval_dataset: data_lib.Dataset | None
+  run: RunConfig,
+  dataset: data_lib.Dataset,
+  eval_dataset: data_lib.Dataset | None,
+  cfg: ModelConfig | None = None,
 ) -> step.Objective:
-  """What the run minimises: SFT's cross-entropy, GRPO's clipped objective, or the
-  preference objective of --method, sized for the most examples a row of either dataset
-  holds."""
+  """What the run minimises: SFT's cross-entropy (with a mixture of experts' load-balancing
+  loss, ``cfg`` being one), GRPO's clipped objective, or the preference objective of
+  --method, sized for the most examples a row of either dataset holds."""
   if run.method == "sft":
+    if cfg is not None and cfg.is_moe:
+      coef = run.router_aux_loss_coef
+      return objective.SFT(cfg.router_aux_loss_coef if coef is None else coef)
     return step.sft_objective
   if run.method == "grpo":
     return rl.GRPO.from_run(run)
@@ -187,7 +193,12 @@ def _needs_room(run: RunConfig, cfg: ModelConfig, resume: bool) -> dict:
   of them, one for a resumed run, which has the others already) and the export."""
   shapes = {**cfg.linear_shapes(), "lm_head": (cfg.vocab_size, cfg.hidden_size)}
   rank = max([run.lora_rank, *parse_pattern(run.lora_rank_pattern).values()])
-  per_layer = sum(rank * sum(shapes[t]) for t in run.lora_targets if t != "lm_head")
+  experts = max(cfg.num_experts, 1)  # a mixture of experts' MLP: an adapter per expert
+  per_layer = sum(
+    rank * sum(shapes[t]) * (experts if t in ("gate_proj", "up_proj", "down_proj") else 1)
+    for t in run.lora_targets
+    if t != "lm_head"
+  )
   lora = cfg.num_layers * per_layer
   if "lm_head" in run.lora_targets:
     lora += rank * sum(shapes["lm_head"])
@@ -390,7 +401,7 @@ def _run_locked(
         stop,
         previous_steps=was_steps,
         announce=announce,
-        objective=make_objective(run, dataset, eval_dataset),
+        objective=make_objective(run, dataset, eval_dataset, cfg),
         rollouts=rl.Rollouts(dataset, tokenizer, run, rt, the_plan.decode) if grpo else None,
       )
   except TrainingError as e:

@@ -29,22 +29,35 @@ def loss_sums(
   ``runtime.loss_chunk`` > 0: the float32 logits exist that many tokens per row at a time
   (``chunked_loss_sums``), trading one recomputation of the output layer for their memory.
   """
+  return balanced_loss_sums(graphdef, lora, frozen, batch, key, runtime)[:2]
+
+
+def balanced_loss_sums(
+  graphdef: Any,
+  lora: nnx.State,
+  frozen: nnx.State,
+  batch: dict[str, jax.Array],
+  key: jax.Array | None,
+  runtime: Runtime = DEFAULT,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """``loss_sums`` and the forward's load-balancing loss over its routers (a mixture of
+  experts: Decoder.hidden_and_balance; None for other models)."""
   model = nnx.merge(graphdef, lora, frozen)
   labels = batch["labels"]
   chunk = runtime.loss_chunk
+  h, balance = _hidden(model, batch, key, runtime)
   if chunk:
-    h = _hidden(model, batch, key, runtime)
     vocab = _vocab(model)
     with jax.named_scope("loss"):
       # Not in float16: the pieces' gradients would be taken before the loss scale.
       if vocab is None and h.dtype != jnp.float16 and not _head_trains(model, lora):
-        return fused_loss_sums(model.logits_from_hidden, h, labels, chunk)
-      return chunked_loss_sums(model.logits_from_hidden, h, labels, chunk, vocab)
-  logits = _logits(model, batch, key, runtime)
+        return (*fused_loss_sums(model.logits_from_hidden, h, labels, chunk), balance)
+      return (*chunked_loss_sums(model.logits_from_hidden, h, labels, chunk, vocab), balance)
+  logits = model.logits_from_hidden(h).astype(jnp.float32)
   with jax.named_scope("loss"):
     mask = labels != IGNORE
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels, 0))
-    return jnp.sum(ce * mask), jnp.sum(mask)
+    return jnp.sum(ce * mask), jnp.sum(mask), balance
 
 
 def token_log_probs(
@@ -55,7 +68,7 @@ def token_log_probs(
   labels = batch["labels"]
   chunk = runtime.loss_chunk
   if chunk:
-    h = _hidden(model, batch, key, runtime)
+    h = _hidden(model, batch, key, runtime)[0]
     with jax.named_scope("loss"):
       return -chunked_token_losses(model.logits_from_hidden, h, labels, chunk, _vocab(model))
   logits = _logits(model, batch, key, runtime)
@@ -66,7 +79,8 @@ def token_log_probs(
 
 
 def _hidden(model, batch, key, runtime):
-  return model.hidden_states(
+  """(final-norm hidden states, the load-balancing loss or None)."""
+  return model.hidden_and_balance(
     batch["input_ids"],
     batch.get("positions"),  # packed rows restart positions at each example
     batch["segment_ids"],

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtune.parallel.runtime import DEFAULT, Runtime
-from jaxtune.training.losses import loss_sums
+from jaxtune.training.losses import balanced_loss_sums, loss_sums
 
 
 class Objective(Protocol):
@@ -47,11 +47,21 @@ class Objective(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class SFT(Objective):
-  """Next-token cross-entropy, averaged over trained tokens (losses.loss_sums)."""
+  """Next-token cross-entropy, averaged over trained tokens (losses.loss_sums).
+
+  ``router_aux_loss_coef`` (a mixture of experts; None for other models): the load-balancing
+  loss over the routers (Decoder.hidden_and_balance) is added with this weight, as
+  transformers' MoE models add ``router_aux_loss_coef * aux_loss`` to the mean cross-entropy,
+  and reported as the figure ``router_balance`` (its mean over the step's micro-batches,
+  weighted by their trained tokens)."""
+
+  router_aux_loss_coef: float | None = None
 
   @property
   def figures(self) -> dict[str, Any]:
-    return {"tokens": jnp.int32}
+    if self.router_aux_loss_coef is None:
+      return {"tokens": jnp.int32}
+    return {"tokens": jnp.int32, "router_balance": jnp.float32}
 
   def __call__(
     self,
@@ -63,8 +73,13 @@ class SFT(Objective):
     runtime: Runtime = DEFAULT,
   ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """(sum of token losses, trained tokens, {"tokens": trained tokens})."""
-    s, n = loss_sums(graphdef, lora, frozen, batch, key, runtime)
-    return s, n, {"tokens": n}
+    if self.router_aux_loss_coef is None:
+      s, n = loss_sums(graphdef, lora, frozen, batch, key, runtime)
+      return s, n, {"tokens": n}
+    s, n, balance = balanced_loss_sums(graphdef, lora, frozen, batch, key, runtime)
+    weighted = balance * n.astype(jnp.float32)  # the step divides by all micro-batches' tokens
+    total = s + self.router_aux_loss_coef * weighted
+    return total, n, {"tokens": n, "router_balance": weighted}
 
 
 sft_objective = SFT()  # the default objective (--method sft)

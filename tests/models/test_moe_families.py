@@ -10,11 +10,13 @@ shorter than the sequences, its clamp (2.0) bites, and its rope is YaRN.
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import max_rel_err, torch_logits
+from conftest import assert_lora_grads_match_peft, copy_peft_lora_into, max_rel_err, torch_logits
+from flax import nnx
 
 import jaxtune
 from jaxtune.errors import ConfigError
@@ -206,3 +208,100 @@ def test_options_jaxtune_does_not_build_are_refused_by_name(tmp_path, family, se
   (path / "config.json").write_text(json.dumps({**cfg, **setting}))
   with pytest.raises(ConfigError, match=named):
     jaxtune.ModelConfig.from_hf(path)
+
+
+def _peft_experts(peft_model, layer: int) -> dict:
+  """PEFT's two expert adapters of ``layer`` (target_parameters: gate_up_proj's wraps the
+  experts, down_proj's wraps that)."""
+  modules = dict(peft_model.named_modules())
+  prefix = f"base_model.model.model.layers.{layer}.mlp.experts"
+  return {"gate_up_proj": modules[prefix + ".base_layer"], "down_proj": modules[prefix]}
+
+
+def _columns(family: str, peft_name: str, out: int) -> dict:
+  """Which output columns of PEFT's adapter are each of jaxtune's projections': gpt-oss
+  interleaves gate and up, the others put gate's rows first."""
+  if peft_name == "down_proj":
+    return {"down_proj": slice(None)}
+  if family == "gpt_oss":
+    return {"gate_proj": slice(0, None, 2), "up_proj": slice(1, None, 2)}
+  return {"gate_proj": slice(0, out // 2), "up_proj": slice(out // 2, None)}
+
+
+def _per_expert(weight: np.ndarray, rank: int, experts: int, which: str) -> np.ndarray:
+  """PEFT's ParamWrapper factors as jaxtune holds them: A [E * r, in] -> [E, in, r] (expert
+  e's rows e*r .. e*r + r - 1), B [out, r * E] -> [E, r, out] (expert e's columns e, e + E,
+  ...)."""
+  if which == "A":
+    return weight.reshape(experts, rank, -1).transpose(0, 2, 1)
+  return weight.reshape(weight.shape[0], rank, experts).transpose(2, 1, 0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_lora_gradients_match_peft_target_parameters(tmp_path, family):
+  """LoRA on attention and on every expert (PEFT's target_parameters on the fused experts:
+  one A per expert for gate and up together, which jaxtune holds as gate's and up's A alike)
+  gives PEFT's loss and gradients: A's gradient the sum of gate's and up's."""
+  from peft import LoraConfig, get_peft_model
+
+  from jaxtune.models.lora import iter_linears
+
+  wide = {"moe_intermediate_size": 128} if family == "qwen3_moe" else {"intermediate_size": 128}
+  path, hf = write_moe(tmp_path, family, seed=5, **wide)  # intermediate != hidden: no square
+  rank, alpha = 4, 12
+  peft_model = get_peft_model(
+    hf,
+    LoraConfig(
+      r=rank,
+      lora_alpha=alpha,
+      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    ),
+  )
+  torch.manual_seed(0)
+  with torch.no_grad():
+    for name, p in peft_model.named_parameters():
+      if "lora_" in name:
+        p.copy_(0.05 * torch.randn_like(p))
+  model = jaxtune.from_pretrained(path, quantization=None, dtype="float32")
+  model = jaxtune.apply_lora(model, rank=rank, alpha=alpha)
+  copy_peft_lora_into(model, peft_model)
+  experts, lins = model.config.num_experts, {p[-1]: (p, x) for p, x in expert_linears(model)}
+  for layer in range(model.config.num_layers):
+    for name, wrapper in _peft_experts(peft_model, layer).items():
+      a = _per_expert(wrapper.lora_A["default"].weight.detach().numpy(), rank, experts, "A")
+      b = _per_expert(wrapper.lora_B["default"].weight.detach().numpy(), rank, experts, "B")
+      for ours, cols in _columns(family, name, b.shape[-1]).items():
+        lin = lins[ours][1]
+        lin.lora_a[...] = lin.lora_a[...].at[layer].set(a)
+        lin.lora_b[...] = lin.lora_b[...].at[layer].set(b[..., cols])
+
+  ids = _ids(3)
+  out = peft_model(torch.from_numpy(ids[:, :-1]).long())
+  torch_loss = torch.nn.functional.cross_entropy(
+    out.logits.reshape(-1, out.logits.shape[-1]), torch.from_numpy(ids[:, 1:]).reshape(-1).long()
+  )
+  torch_loss.backward()
+  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+
+  def loss(lo):
+    logits = nnx.merge(graphdef, lo, frozen)(jnp.asarray(ids[:, :-1]))
+    picked = jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.asarray(ids[:, 1:])[..., None], -1)
+    return -jnp.mean(picked)
+
+  value, grads = jax.jit(jax.value_and_grad(loss))(lora)
+  np.testing.assert_allclose(float(value), torch_loss.item(), rtol=1e-5)
+  assert assert_lora_grads_match_peft(model, grads, peft_model) == 4 * 2
+  assert sum(lin.lora_a is not None for _, lin in iter_linears(model)) == 4
+  grad_of = dict(grads.flat_state())
+  for layer in range(model.config.num_layers):
+    for name, wrapper in _peft_experts(peft_model, layer).items():
+      want_a = _per_expert(wrapper.lora_A["default"].weight.grad.numpy(), rank, experts, "A")
+      want_b = _per_expert(wrapper.lora_B["default"].weight.grad.numpy(), rank, experts, "B")
+      got_a = 0
+      for ours, cols in _columns(family, name, want_b.shape[-1]).items():
+        p = lins[ours][0]
+        got_a = got_a + np.asarray(grad_of[(*p, "lora_a")].get_value())[layer]
+        got_b = np.asarray(grad_of[(*p, "lora_b")].get_value())[layer]
+        assert max_rel_err(got_b, want_b[..., cols]) <= 1e-5, (layer, ours)
+      assert max_rel_err(got_a, want_a) <= 1e-5, (layer, name)
