@@ -136,16 +136,20 @@ def match(table: tuple[Entry, ...], name: str) -> Match | None:
 
 
 def hf_names(
-  table: tuple[Entry, ...], num_layers: int
-) -> Iterator[tuple[str, tuple[str, ...], int | None, Entry]]:
-  """Every (hf name, target path, layer, entry) the table can produce, for export."""
+  table: tuple[Entry, ...], num_layers: int, num_experts: int = 0
+) -> Iterator[tuple[str, tuple[str, ...], int | tuple[int, int] | None, Entry]]:
+  """Every (hf name, target path, layer, entry) the table can produce, for export. ``layer``
+  is (layer, expert) for one expert's tensor."""
   for entry in table:
     layers = range(num_layers) if "{layer}" in entry.hf else [None]
-    projs = entry.projs or ("",)
+    experts = range(num_experts) if "{expert}" in entry.hf else [None]
     for layer in layers:
-      for proj in projs:
-        name = entry.hf.replace("{proj}", proj)
-        if layer is not None:
-          name = name.replace("{layer}", str(layer))
-        target = tuple(entry.target.replace("{proj}", proj).split("."))
-        yield name, target, layer, entry
+      for expert in experts:
+        for proj in entry.projs or ("",):
+          name = entry.hf.replace("{proj}", proj)
+          if layer is not None:
+            name = name.replace("{layer}", str(layer))
+          if expert is not None:
+            name = name.replace("{expert}", str(expert))
+          target = tuple(entry.target.replace("{proj}", proj).split("."))
+          yield name, target, layer if expert is None else (layer, expert), entry

@@ -28,6 +28,7 @@ from converters import bnb
 from converters import table as tables
 from converters.safetensors_read import safetensors_files
 from jaxtune.errors import ExportError, UserError
+from jaxtune.hf import write_experts
 from jaxtune.models.layers import dense
 from jaxtune.models.lora import layer_scale
 from pallas_kernels import nf4
@@ -49,6 +50,9 @@ _TOKENIZER_FILES = (
 )
 
 
+_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
 def _module(model, path: tuple[str, ...]):
   node = model
   for name in path:
@@ -65,14 +69,15 @@ def model_tensors(model: nnx.Module) -> Iterator[tuple[str, tuple[str, ...], int
   the checkpoint table's order: the Linear for a linear weight, else the Variable (a model
   without that tensor, e.g. a bias or a tied lm_head, is skipped)."""
   cfg = model.config
-  for name, target, layer, entry in tables.hf_names(tables.TABLES[cfg.model_type], cfg.num_layers):
+  table = tables.TABLES[cfg.model_type]
+  for name, target, layer, entry in tables.hf_names(table, cfg.num_layers, cfg.num_experts):
     if target == ("lm_head",) and model.lm_head is None:
       continue
     try:
       node = _module(model, target[:-1] if entry.kind == "param" else target)
     except AttributeError:
       continue
-    if entry.kind != "linear":
+    if entry.kind == "param":
       node = getattr(node, target[-1], None)
       if node is None:
         continue
@@ -285,6 +290,12 @@ def _export(
   for name, _, layer, entry, node in model_tensors(model):
     if entry.kind == "linear":
       tensors = _linear_tensors(node, layer, name, dtype, bnb4, source)
+    elif entry.kind in write_experts.EXPERT_KINDS:  # dense, also in a bnb-4bit export (as
+      # bitsandbytes leaves transformers' fused experts)
+      tensors = {  # C order: safetensors writes an array's buffer as it lies
+        k: np.ascontiguousarray(v.astype(_NP[dtype]))
+        for k, v in write_experts.expert_tensors(entry.kind, node, layer, name, source).items()
+      }
     else:
       tensors = {name: _host(param_value(node, layer, name, source), dtype)}
     current.update(tensors)
@@ -368,6 +379,8 @@ def export_peft(model: nnx.Module, out_dir: str | Path) -> Path:
     b = np.asarray(_layer(linear.lora_b[...], layer), np.float32)[:r]  # [r, out]
     tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a.T)
     tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b.T)
+  expert_tensors, target_parameters, expert_ranks, expert_alphas = write_experts.peft_experts(model)
+  tensors.update(expert_tensors)
   save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
   adapter_config = {
     "peft_type": "LORA",
@@ -376,15 +389,20 @@ def export_peft(model: nnx.Module, out_dir: str | Path) -> Path:
     "r": lora_cfg.rank,
     "lora_alpha": lora_cfg.alpha,
     "lora_dropout": lora_cfg.dropout,
-    "target_modules": list(lora_cfg.targets),
+    # A mixture of experts' MLP projections are PEFT's target_parameters, not modules.
+    "target_modules": [
+      t for t in lora_cfg.targets if not (target_parameters and t in _EXPERT_PROJECTIONS)
+    ],
     "use_rslora": lora_cfg.rslora,
-    "rank_pattern": _peft_pattern(ranks, lora_cfg.rank),
-    "alpha_pattern": _peft_pattern(alphas, lora_cfg.alpha),
+    "rank_pattern": {**_peft_pattern(ranks, lora_cfg.rank), **expert_ranks},
+    "alpha_pattern": {**_peft_pattern(alphas, lora_cfg.alpha), **expert_alphas},
     "bias": "none",
     "fan_in_fan_out": False,
     "inference_mode": True,
     "init_lora_weights": True,
     "modules_to_save": None,
   }
+  if target_parameters:
+    adapter_config["target_parameters"] = target_parameters
   (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
   return out

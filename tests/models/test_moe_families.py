@@ -305,3 +305,58 @@ def test_expert_lora_gradients_match_peft_target_parameters(tmp_path, family):
         got_b = np.asarray(grad_of[(*p, "lora_b")].get_value())[layer]
         assert max_rel_err(got_b, want_b[..., cols]) <= 1e-5, (layer, ours)
       assert max_rel_err(got_a, want_a) <= 1e-5, (layer, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_training_and_exports_reload_in_transformers_and_peft(tmp_path, family):
+  """Three steps of NF4 QLoRA on attention and every expert, the load-balancing loss in the
+  metrics; the merged export (into the dequantized and into the original weights, in the
+  checkpoint's own layout: per expert, or gpt-oss's fused experts) and the PEFT adapter
+  (target_parameters) reload in transformers and peft with the trained model's logits."""
+  from peft import PeftModel
+  from transformers import AutoModelForCausalLM
+
+  from jaxtune.data.rows import Dataset
+  from jaxtune.run import resolve as resolver
+  from jaxtune.run.session import make_objective
+  from jaxtune.run_config import RunConfig
+  from jaxtune.training import loop as trainer
+
+  path, _ = write_moe(tmp_path, family, seed=2)
+  model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32")
+  model = jaxtune.apply_lora(model, rank=4, alpha=8)
+  ids = np.random.default_rng(0).integers(0, 256, (8, 24)).astype(np.int32)
+  data = Dataset.from_rows(ids, np.roll(ids, -1, axis=1))
+  run = RunConfig(
+    out=str(tmp_path), steps=3, batch_size=4, learning_rate=1e-2, warmup_steps=0,
+    dtype="float32", lora_rank=4,
+  )  # fmt: skip
+  plan = resolver.resolve(run, model.config, devices=jax.devices()[:1])
+  objective = make_objective(run, data, None, model.config)
+  assert objective.router_aux_loss_coef == 0.001  # the family's default
+  model, history = trainer.train(model, data, run, plan, objective=objective)
+  assert history[-1]["loss"] < history[0]["loss"]
+  assert all(1.0 < h["router_balance"] < 4.0 for h in history)  # E * sum p f: 1 when even
+
+  test_ids = _ids(2)
+  ours = model(jnp.asarray(test_ids))
+  for merge_into in ("dequantized", "original"):
+    jaxtune.export_merged(model, tmp_path / merge_into, dtype="float32", merge_into=merge_into)
+  hf = AutoModelForCausalLM.from_pretrained(
+    tmp_path / "dequantized", dtype=torch.float32, attn_implementation="eager"
+  ).eval()
+  assert max_rel_err(torch_logits(hf, test_ids), ours) <= 1e-5
+  adapter = jaxtune.export_peft(model, tmp_path / "peft")
+  config = json.loads((adapter / "adapter_config.json").read_text())
+  assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+  assert config["rank_pattern"] == {"gate_up_proj": 8}  # gate's and up's pairs side by side
+  base = AutoModelForCausalLM.from_pretrained(
+    path, dtype=torch.float32, attn_implementation="eager"
+  )
+  peft_model = PeftModel.from_pretrained(base.eval(), adapter).eval()
+  merged = AutoModelForCausalLM.from_pretrained(
+    tmp_path / "original", dtype=torch.float32, attn_implementation="eager"
+  ).eval()
+  # PEFT on the original weights is the merge into the original weights.
+  assert max_rel_err(torch_logits(peft_model, test_ids), torch_logits(merged, test_ids)) <= 1e-5
