@@ -67,6 +67,14 @@ ARCHITECTURES = {
 }
 
 
+def refusal(model_type: str) -> str:
+  """The sentence for a family GGUF export does not write yet."""
+  return (
+    f"GGUF export does not support model_type {model_type!r} yet; export merged "
+    "(--export merged) and convert that with llama.cpp's convert_hf_to_gguf.py."
+  )
+
+
 def gguf_file_name(gguf_type: str) -> str:
   """The file export_gguf writes: ``model-<gguf_type>.gguf``."""
   return f"model-{gguf_type}.gguf"
@@ -113,7 +121,7 @@ def export_gguf(
   gguf = _import_gguf()
   cfg = model.config
   if cfg.model_type not in ARCHITECTURES:
-    raise ExportError(f"GGUF export does not support model_type {cfg.model_type!r}.")
+    raise ExportError(refusal(cfg.model_type))
   arch = ARCHITECTURES[cfg.model_type]
   src = Path(model.provenance.checkpoint_dir or "")
   vocab = tokenizer_writer(src, cfg.vocab_size)

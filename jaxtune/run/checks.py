@@ -99,6 +99,11 @@ def check_resume(
 
 
 def check_targets(run: RunConfig, cfg: "ModelConfig") -> None:
+  """The run's adapters and export fit the model (before anything is loaded)."""
+  from jaxtune.hf.gguf import ARCHITECTURES, refusal
+
+  if run.export == "gguf" and cfg.model_type not in ARCHITECTURES:
+    raise UserError(refusal(cfg.model_type))
   known = (*cfg.linear_shapes(), "lm_head")
   unknown = [t for t in run.lora_targets if t not in known]
   if unknown:
