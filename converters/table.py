@@ -12,6 +12,8 @@ for a mixture of experts' (``{expert}``: an expert index):
             [experts, in, 2 * out], input-major, gate in the even columns and up in the odd
   "experts_t": every expert's projection input-major [experts, in, out] (gpt-oss's down)
   "experts_gate_up_bias": [experts, 2 * out], gate's bias in the even columns, up's in the odd
+  "mxfp4_gate_up_proj", "mxfp4_down_proj": gpt-oss's MXFP4 experts, each weight two tensors
+            (``_blocks``, ``_scales``) dequantized together when both have come
 """
 
 import dataclasses
@@ -102,6 +104,13 @@ GPT_OSS = (
   Entry("model.layers.{layer}.mlp.experts.gate_up_proj_bias", _EXPERTS, "experts_gate_up_bias"),
   Entry("model.layers.{layer}.mlp.experts.down_proj", f"{_EXPERTS}.down_proj", "experts_t"),
   Entry("model.layers.{layer}.mlp.experts.down_proj_bias", f"{_EXPERTS}.down_proj.bias", "param"),
+  # The released checkpoints' experts in MXFP4 (pallas_kernels/mxfp4.py): [E, out, in / 32, 16]
+  # codes and [E, out, in / 32] scales, gate and up rows interleaved; read only.
+  *(
+    Entry(f"model.layers.{{layer}}.mlp.experts.{proj}_{part}", target, f"mxfp4_{proj}")
+    for proj, target in (("gate_up_proj", _EXPERTS), ("down_proj", f"{_EXPERTS}.down_proj"))
+    for part in ("blocks", "scales")
+  ),
 )
 
 TABLES = {

@@ -30,6 +30,7 @@ from jaxtune.hf.device_put import DeviceBuffers, put_in_pieces
 from jaxtune.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from jaxtune.models.decoder import Decoder
 from jaxtune.models.provenance import Provenance
+from pallas_kernels import mxfp4
 
 log = logging.getLogger("jaxtune")
 
@@ -115,6 +116,7 @@ def from_pretrained(
     return put_in_pieces(tensor, device) if to_device and floating else tensor
 
   bnb_linears = bnb.Assembler() if prequantized_file else None
+  mxfp4_halves: dict = {}  # (layer, kind) -> (part, tensor): the first of a blocks/scales pair
   with Prefetcher(files, place) as tensors:  # reading starts now, while the buffers compile
     buffers = DeviceBuffers(variables, mesh)
     for name, file, tensor in tensors:
@@ -132,7 +134,8 @@ def from_pretrained(
           f"tensor {name} in {file.name} is not part of a {cfg.model_type} model as its "
           "config.json describes it; the checkpoint and config do not belong together."
         )
-      if tensor is not None and not jnp.issubdtype(tensor.dtype, jnp.floating):
+      packed = m.entry.kind.startswith("mxfp4_")  # codes and scales are bytes
+      if tensor is not None and not packed and not jnp.issubdtype(tensor.dtype, jnp.floating):
         raise CheckpointError(
           f"tensor {name} in {file.name} is stored as {tensor.dtype}, but model weights are "
           "floating point; the file is corrupt or not a model checkpoint."
@@ -153,6 +156,8 @@ def from_pretrained(
         raise CheckpointError(f"{name} is 4-bit quantized, but jaxtune keeps it unquantized.")
       elif m.entry.kind == "param":
         buffers.put(name, m.target, m.layer, tensor)
+      elif m.entry.kind.startswith("mxfp4_"):
+        _put_mxfp4(buffers, mxfp4_halves, name, m, tensor, quantized)
       else:
         _put_experts(buffers, name, m, tensor, quantized)
     buffers.finish()
@@ -191,6 +196,35 @@ def _put_experts(buffers: DeviceBuffers, name: str, m, tensor, quantized: bool) 
     target = (*m.target, proj) if proj else m.target
     for e in range(part.shape[0]):
       buffers.put_linear(name, target, (m.layer, e), part[e].T, quantized)  # [out, in]
+
+
+def _put_mxfp4(buffers: DeviceBuffers, halves: dict, name: str, m, tensor, quantized: bool):
+  """One half of an MXFP4 expert weight; with the other, the experts' weights dequantized
+  (exactly: pallas_kernels/mxfp4.py) into the stacked variables, NF4-quantized per expert
+  where the model is NF4."""
+  part = "blocks" if name.endswith("_blocks") else "scales"
+  key = (m.layer, m.entry.kind)
+  if key not in halves:
+    halves[key] = (part, name, tensor)
+    return
+  other, other_name, other_tensor = halves.pop(key)
+  if other == part:
+    raise CheckpointError(f"{name} appears twice in the checkpoint; re-download it.")
+  blocks, scales = (tensor, other_tensor) if part == "blocks" else (other_tensor, tensor)
+  problem = mxfp4.check_shapes(tuple(blocks.shape), tuple(scales.shape))
+  if problem is not None or blocks.ndim != 4:
+    raise CheckpointError(
+      f"{name} and {other_name} are no MXFP4 experts' weight ({problem or 'not 4-D'}); the "
+      "checkpoint is damaged, re-download it."
+    )
+  w = mxfp4.dequantize(jnp.asarray(blocks), jnp.asarray(scales), jnp.float32)  # [E, out, in]
+  if m.entry.kind == "mxfp4_gate_up_proj":
+    parts = (((*m.target, "gate_proj"), w[:, 0::2]), ((*m.target, "up_proj"), w[:, 1::2]))
+  else:
+    parts = ((m.target, w),)
+  for target, weights in parts:
+    for e in range(weights.shape[0]):
+      buffers.put_linear(name, target, (m.layer, e), weights[e], quantized)
 
 
 __all__ = ["CheckpointError", "ConfigError", "from_pretrained", "hub_id", "safetensors_files"]

@@ -73,6 +73,8 @@ def model_tensors(model: nnx.Module) -> Iterator[tuple[str, tuple[str, ...], int
   for name, target, layer, entry in tables.hf_names(table, cfg.num_layers, cfg.num_experts):
     if target == ("lm_head",) and model.lm_head is None:
       continue
+    if entry.kind.startswith("mxfp4_"):  # read only: exports write the experts dense
+      continue
     try:
       node = _module(model, target[:-1] if entry.kind == "param" else target)
     except AttributeError:
@@ -188,18 +190,23 @@ def merge_source(model: nnx.Module, merge_into: str) -> OriginalWeights | None:
   ckpt = Path(src)
   try:
     config = json.loads((ckpt / "config.json").read_text())
-    prequantized = isinstance(config, dict) and bnb.is_bnb_4bit(config)
+    prequantized = isinstance(config, dict) and (bnb.is_bnb_4bit(config) or _mxfp4(config))
   except (OSError, ValueError):  # gone or damaged since it loaded: OriginalWeights says so
     prequantized = False
   if prequantized:
+    kind = "an MXFP4" if _mxfp4(config) else "a bnb-4bit"
     print(
-      f"jaxtune: the source {ckpt.name} is a bnb-4bit checkpoint, with no original weights: "
+      f"jaxtune: the source {ckpt.name} is {kind} checkpoint, with no original weights: "
       "merged into its dequantized weights",
       file=sys.stderr,
       flush=True,
     )
     return None
   return OriginalWeights(ckpt)
+
+
+def _mxfp4(config: dict) -> bool:
+  return (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
 
 
 def linear_weight(

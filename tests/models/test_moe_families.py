@@ -360,3 +360,35 @@ def test_lora_training_and_exports_reload_in_transformers_and_peft(tmp_path, fam
   ).eval()
   # PEFT on the original weights is the merge into the original weights.
   assert max_rel_err(torch_logits(peft_model, test_ids), torch_logits(merged, test_ids)) <= 1e-5
+
+
+def test_gpt_oss_mxfp4_experts_load_exactly(tmp_path):
+  """A gpt-oss checkpoint as released (experts in MXFP4: ``*_blocks``, ``*_scales``,
+  quantization_config mxfp4) equals transformers holding the same experts dequantized; with
+  NF4, each expert quantized from those exact values."""
+  from safetensors.numpy import load_file, save_file
+
+  from pallas_kernels import mxfp4
+
+  path, hf = write_moe(tmp_path, "gpt_oss", seed=8)
+  tensors = load_file(str(path / "model.safetensors"))
+  for layer in range(3):
+    for proj in ("gate_up_proj", "down_proj"):
+      name = f"model.layers.{layer}.mlp.experts.{proj}"
+      w = tensors.pop(name).transpose(0, 2, 1)  # [E, in, out] -> [E, out, in], as stored
+      blocks, scales = mxfp4.quantize(jnp.asarray(w))
+      tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = np.asarray(blocks), np.asarray(scales)
+      exact = np.asarray(mxfp4.dequantize(blocks, scales)).transpose(0, 2, 1)
+      with torch.no_grad():
+        getattr(hf.model.layers[layer].mlp.experts, proj).copy_(torch.from_numpy(exact))
+  save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+  config = json.loads((path / "config.json").read_text())
+  config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": None}
+  (path / "config.json").write_text(json.dumps(config))
+
+  model = jaxtune.from_pretrained(path, quantization=None, dtype="float32")
+  assert max_rel_err(model(jnp.asarray(_ids(8))), torch_logits(hf, _ids(8))) <= 1e-5
+  quantized = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32")
+  for p, lin in expert_linears(quantized):
+    want = nf4.quantize_experts(jnp.asarray(_hf_expert_weight(hf, "gpt_oss", 1, p[-1])))
+    np.testing.assert_array_equal(np.asarray(lin.codes[...][1]), np.asarray(want.codes))
