@@ -131,6 +131,8 @@ class RunConfig:
     ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
   )
   rslora: bool = _in("adapters", False)
+  # a mixture of experts' routers trained too (full weights, float32), not only adapters
+  train_router: bool = _in("adapters", False)
   # e.g. "down_proj=64,layers.0-7=32" (lora.py keys)
   lora_rank_pattern: str | None = _in("adapters", None)
   lora_alpha_pattern: str | None = _in("adapters", None)  # the same keys, alphas

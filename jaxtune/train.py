@@ -98,6 +98,8 @@ _HELP = {
   "lora_dropout": "dropout on the LoRA input",
   "lora_targets": "comma-separated projections, HF names (q_proj,...,down_proj)",
   "rslora": "rank-stabilised LoRA scaling",
+  "train_router": "a mixture of experts' routers train too (their full weights; exported "
+  "merged, or as PEFT's modules_to_save)",
   "lora_rank_pattern": "ranks by projection and layer over --lora-rank, e.g. "
   "down_proj=64,layers.0-7=32,layers.0-7.down_proj=16 (the most specific key wins; exported "
   "as PEFT's rank_pattern)",

@@ -388,6 +388,8 @@ def export_peft(model: nnx.Module, out_dir: str | Path) -> Path:
     tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b.T)
   expert_tensors, target_parameters, expert_ranks, expert_alphas = write_experts.peft_experts(model)
   tensors.update(expert_tensors)
+  router_tensors, modules_to_save = write_experts.peft_routers(model)
+  tensors.update(router_tensors)
   save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
   adapter_config = {
     "peft_type": "LORA",
@@ -407,7 +409,7 @@ def export_peft(model: nnx.Module, out_dir: str | Path) -> Path:
     "fan_in_fan_out": False,
     "inference_mode": True,
     "init_lora_weights": True,
-    "modules_to_save": None,
+    "modules_to_save": modules_to_save or None,
   }
   if target_parameters:
     adapter_config["target_parameters"] = target_parameters

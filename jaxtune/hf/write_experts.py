@@ -176,3 +176,20 @@ def _cols(proj: str, out: int, gpt_oss: bool) -> slice:
   if gpt_oss:
     return slice(0 if first else 1, None, 2)
   return slice(0, out) if first else slice(out, 2 * out)
+
+
+def peft_routers(model: Any) -> tuple[dict[str, np.ndarray], list[str]]:
+  """(tensors, modules_to_save) of trained routers (--train-router) as PEFT saves a module
+  it keeps whole: ``mlp.gate`` (Qwen3-MoE, Mixtral) or ``mlp.router`` (gpt-oss) per layer."""
+  cfg, lora_cfg = model.config, model.lora_config
+  if not lora_cfg.train_router:
+    return {}, []
+  name = "router" if cfg.model_type == "gpt_oss" else "gate"
+  router = model.layers.mlp.router
+  tensors = {}
+  for layer in range(cfg.num_layers):
+    prefix = f"base_model.model.model.layers.{layer}.mlp.{name}"
+    tensors[f"{prefix}.weight"] = np.asarray(router.weight[...][layer], np.float32)
+    if router.bias is not None:
+      tensors[f"{prefix}.bias"] = np.asarray(router.bias[...][layer], np.float32)
+  return tensors, [name]

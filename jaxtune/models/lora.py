@@ -49,6 +49,7 @@ class LoraConfig:
   rslora: bool = False
   rank_pattern: tuple[tuple[str, int], ...] = ()
   alpha_pattern: tuple[tuple[str, float], ...] = ()
+  train_router: bool = False  # a mixture of experts' routers train too (full weights)
 
   def rank_of(self, name: str, layer: int | None = None) -> int:
     """The rank of projection ``name`` (in ``layer``, for stacked layers)."""
@@ -146,11 +147,13 @@ def apply_lora(
   seed: int = 0,
   rank_pattern: Mapping[str, int] | None = None,
   alpha_pattern: Mapping[str, float] | None = None,
+  train_router: bool = False,
 ) -> nnx.Module:
   """Add LoRA A/B to every linear whose name is in ``targets``; returns the same model.
 
   ``rank_pattern`` / ``alpha_pattern`` override the rank / alpha by projection and layer,
-  e.g. ``{"down_proj": 64, "layers.0-7": 32}`` (module docstring).
+  e.g. ``{"down_proj": 64, "layers.0-7": 32}`` (module docstring). ``train_router``: a
+  mixture of experts' router weights (and biases) become trainable too, in float32.
   """
   targets = tuple(targets)
   rank_pattern = dict(rank_pattern or {})
@@ -183,7 +186,10 @@ def apply_lora(
     rslora,
     tuple(sorted(rank_pattern.items())),
     tuple(sorted(alpha_pattern.items())),
+    train_router,
   )
+  if train_router:
+    _trainable_routers(model)
   key = jax.random.key(seed)
   _expert_lora(experts, config, jax.random.fold_in(key, 1 << 20))
   for i, (path, linear) in enumerate(iter_linears(model)):
@@ -221,6 +227,23 @@ def apply_lora(
     linear.lora_dropout = float(dropout)
   model.lora_config = config
   return model
+
+
+def _trainable_routers(model: nnx.Module) -> None:
+  """Every router's weight and bias as trainable parameters (LoRAParam: what the optimizer
+  sees), in float32."""
+  from jaxtune.models.experts import Router
+
+  routers = [node for _, node in nnx.iter_graph(model) if isinstance(node, Router)]
+  if not routers:
+    raise UserError("train_router: this model has no mixture-of-experts routers to train.")
+  for router in routers:
+    for name in ("weight", "bias"):
+      var = getattr(router, name)
+      if var is not None:
+        meta = var.get_metadata()
+        axes = meta.get("axes")
+        setattr(router, name, nnx.LoRAParam(var[...].astype(jnp.float32), axes=axes))
 
 
 def _expert_lora(experts, config: LoraConfig, key: jax.Array) -> None:

@@ -26,6 +26,7 @@ RESUME_KEYS = (
   "model", "quantization", "data", "data_config", "data_split", "data_format", "data_columns",
   "train_on_prompt", "packing", "long_examples", "eval_split", "lora_rank", "lora_alpha",
   "lora_targets", "lora_dropout", "rslora", "lora_rank_pattern", "lora_alpha_pattern",
+  "train_router",
   "seq_len", "batch_size", "seed",
 )  # fmt: skip
 
@@ -104,6 +105,11 @@ def check_targets(run: RunConfig, cfg: "ModelConfig") -> None:
 
   if run.export == "gguf" and cfg.model_type not in ARCHITECTURES:
     raise UserError(refusal(cfg.model_type))
+  if run.train_router and not cfg.is_moe:
+    raise UserError(
+      f"--train-router trains a mixture of experts' routers, and this {cfg.model_type} has "
+      "none; drop the flag."
+    )
   known = (*cfg.linear_shapes(), "lm_head")
   unknown = [t for t in run.lora_targets if t not in known]
   if unknown:

@@ -102,6 +102,7 @@ def build_model(
     seed=run.seed,
     rank_pattern=parse_pattern(run.lora_rank_pattern),
     alpha_pattern=parse_pattern(run.lora_alpha_pattern, float),
+    train_router=run.train_router,
   )
 
 

@@ -392,3 +392,56 @@ def test_gpt_oss_mxfp4_experts_load_exactly(tmp_path):
   for p, lin in expert_linears(quantized):
     want = nf4.quantize_experts(jnp.asarray(_hf_expert_weight(hf, "gpt_oss", 1, p[-1])))
     np.testing.assert_array_equal(np.asarray(lin.codes[...][1]), np.asarray(want.codes))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_trained_router_gradients_match_peft_modules_to_save_and_export(tmp_path, family):
+  """--train-router: the routers' weights (and gpt-oss's biases) train beside the adapters,
+  with the gradients of transformers + PEFT keeping the router whole (modules_to_save); the
+  PEFT export saves them so, and reloads with jaxtune's logits."""
+  from peft import LoraConfig, PeftModel, get_peft_model
+  from transformers import AutoModelForCausalLM
+
+  path, hf = write_moe(tmp_path, family, seed=9)
+  router = "router" if family == "gpt_oss" else "gate"
+  peft_model = get_peft_model(
+    hf, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=[router])
+  )
+  model = jaxtune.from_pretrained(path, quantization=None, dtype="float32")
+  model = jaxtune.apply_lora(model, rank=4, alpha=8, targets=["q_proj"], train_router=True)
+  copy_peft_lora_into(model, peft_model)
+  ids = _ids(9)
+  out = peft_model(torch.from_numpy(ids[:, :-1]).long())
+  torch_loss = torch.nn.functional.cross_entropy(
+    out.logits.reshape(-1, out.logits.shape[-1]), torch.from_numpy(ids[:, 1:]).reshape(-1).long()
+  )
+  torch_loss.backward()
+  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+
+  def loss(lo):
+    logits = nnx.merge(graphdef, lo, frozen)(jnp.asarray(ids[:, :-1]))
+    picked = jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.asarray(ids[:, 1:])[..., None], -1)
+    return -jnp.mean(picked)
+
+  value, grads = jax.jit(jax.value_and_grad(loss))(lora)
+  np.testing.assert_allclose(float(value), torch_loss.item(), rtol=1e-5)
+  grad_of = dict(grads.flat_state())
+  modules = dict(peft_model.named_modules())
+  fields = ("weight", "bias") if family == "gpt_oss" else ("weight",)
+  for field in fields:
+    got = np.asarray(grad_of[("layers", "mlp", "router", field)].get_value())
+    for layer in range(3):
+      saved = modules[f"base_model.model.model.layers.{layer}.mlp.{router}"]
+      want = getattr(saved.modules_to_save["default"], field).grad.numpy()
+      assert max_rel_err(got[layer], want) <= 1e-5, (field, layer)
+
+  trained = nnx.merge(graphdef, jax.tree.map(lambda p, g: p - 0.5 * g, lora, grads), frozen)
+  adapter = jaxtune.export_peft(trained, tmp_path / "peft")
+  assert json.loads((adapter / "adapter_config.json").read_text())["modules_to_save"] == [router]
+  base = AutoModelForCausalLM.from_pretrained(
+    path, dtype=torch.float32, attn_implementation="eager"
+  )
+  reloaded = PeftModel.from_pretrained(base.eval(), adapter).eval()
+  ours = trained(jnp.asarray(ids))
+  assert max_rel_err(torch_logits(reloaded, ids), ours) <= 1e-5
+  assert max_rel_err(ours, model(jnp.asarray(ids))) > 1e-3  # the update (routers, q_proj) shows
