@@ -152,6 +152,9 @@ def from_pretrained(
         )
       if m.entry.kind == "linear":
         buffers.put_linear(name, m.target, m.layer, tensor, quantized, prequantized)
+      elif m.entry.kind == "expert":  # one expert's Linear (a bnb-4bit one's bytes kept)
+        at = (m.layer, m.expert)
+        buffers.put_linear(name, m.target, at, tensor, quantized, prequantized)
       elif prequantized is not None:
         raise CheckpointError(f"{name} is 4-bit quantized, but jaxtune keeps it unquantized.")
       elif m.entry.kind == "param":
@@ -172,12 +175,9 @@ def from_pretrained(
 
 
 def _put_experts(buffers: DeviceBuffers, name: str, m, tensor, quantized: bool) -> None:
-  """A mixture of experts' tensor (converters/table.py's expert kinds) into its experts'
-  stacked variables, one expert's [out, in] weight at a time."""
+  """gpt-oss's fused experts' tensor (converters/table.py's experts_* kinds) into its
+  experts' stacked variables, one expert's [out, in] weight at a time."""
   kind = m.entry.kind
-  if kind == "expert":
-    buffers.put_linear(name, m.target, (m.layer, m.expert), tensor, quantized)
-    return
   if tensor.ndim != (2 if kind == "experts_gate_up_bias" else 3):
     raise CheckpointError(
       f"tensor {name} has shape {tuple(tensor.shape)}, but gpt-oss keeps it with "

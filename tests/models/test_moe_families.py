@@ -445,3 +445,33 @@ def test_trained_router_gradients_match_peft_modules_to_save_and_export(tmp_path
   ours = trained(jnp.asarray(ids))
   assert max_rel_err(torch_logits(reloaded, ids), ours) <= 1e-5
   assert max_rel_err(ours, model(jnp.asarray(ids))) > 1e-3  # the update (routers, q_proj) shows
+
+
+def test_bnb_4bit_experts_keep_their_bytes(tmp_path):
+  """A ``*-bnb-4bit`` Qwen3-MoE (every expert its own Linear4bit, as transformers 4 saved
+  them) loads with each expert's NF4 bytes as stored."""
+  from safetensors.numpy import load_file, save_file
+
+  from converters import bnb
+
+  path, _ = write_moe(tmp_path, "qwen3_moe", seed=10)
+  tensors = load_file(str(path / "model.safetensors"))
+  stored = {}
+  for name in [n for n in tensors if ".experts." in n or ".self_attn." in n and "norm" not in n]:
+    w = tensors.pop(name)
+    q = nf4.quantize(jnp.asarray(w))
+    stored[name] = q
+    packed = bnb.pack(q, w.shape, "float32")
+    tensors.update({name if k == "weight" else name + k: v for k, v in packed.items()})
+  save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+  config = json.loads((path / "config.json").read_text())
+  config["quantization_config"] = {
+    "quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+    "bnb_4bit_use_double_quant": True,
+  }  # fmt: skip
+  (path / "config.json").write_text(json.dumps(config))
+  model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32")
+  lins = {p[-1]: lin for p, lin in expert_linears(model)}
+  want = stored["model.layers.2.mlp.experts.3.down_proj.weight"]
+  got = lins["down_proj"].codes[...][2, 3]
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want.codes).reshape(got.shape))
