@@ -100,6 +100,7 @@ def test_forward_configs(cfg, k):
   assert _rel(got, np.asarray(nf4_matmul_reference(x, *q))) < 1e-2
 
 
+@pytest.mark.slow
 def test_blocks_as_columns_multiply_one_token():
   """One token spread over the columns (spread_blocks: row c holds the k blocks b with b % sub
   == c, so the rows add back to x; the kernel spreads it) and multiplied by unscaled tiles,
@@ -153,6 +154,7 @@ def test_backward_kernel(cfg):
   assert _rel(got, ref) < 1e-2
 
 
+@pytest.mark.slow
 def test_input_gradient_through_the_forward_kernel_on_transposed_codes():
   """dy @ W as the forward kernel on W^T's codes with W's scales along the tile's columns
   (``Config.transposed``): the register-operand path for the input gradient; two warpgroups,
@@ -173,6 +175,7 @@ def test_input_gradient_through_the_forward_kernel_on_transposed_codes():
   assert got.shape == (m, k) and _rel(got, ref) < 1e-2
 
 
+@pytest.mark.slow
 def test_input_gradient_from_operands_made_for_the_run(monkeypatch):
   """The op's input gradient on the interpreted transposed kernel reading W^T's codes made
   once (``training_operands``, word order, put back for the interpreter's lookup), at a
@@ -219,6 +222,7 @@ def test_transposed_codes_are_the_transposed_weights_codes():
     np.testing.assert_array_equal(_logical_codes(got[b]), _logical_codes(codes[b]).T)
 
 
+@pytest.mark.slow
 def test_gradient_matches_reference():
   rng = np.random.default_rng(5)
   k, n = 128, 256

@@ -401,6 +401,7 @@ def _sentencepiece_expected(checkpoint_dir):
   return tokens, scores, types
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("family", "style"), [("gemma2", "gemma"), ("llama", "llama")])
 def test_sentencepiece_tokenizer_is_written_as_llama_cpp_writes_it(
   family, style, trained, checkpoint, tmp_path

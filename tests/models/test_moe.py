@@ -118,6 +118,7 @@ def test_load_balancing_loss_matches_transformers():
   np.testing.assert_allclose(moe.load_balancing_loss(stacked, routing, valid), want, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_lora_on_experts_equals_the_merged_weights_with_their_gradients():
   """(x A_e) B_e added per expert by grouped products equals the experts with W_e + s A_e B_e
   merged, in value and in the gradients of A and B; an expert no token chose gets none."""

@@ -131,6 +131,7 @@ def _set_hf_expert_weight(hf, family: str, layer: int, name: str, w: np.ndarray)
       experts.gate_up_proj[:, rows].copy_(t)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_nf4_experts_are_quantized_per_expert_and_match_on_their_dequantized_weights(
   tmp_path, family
@@ -160,6 +161,7 @@ def test_nf4_experts_are_quantized_per_expert_and_match_on_their_dequantized_wei
   assert max_rel_err(model(jnp.asarray(_ids(1))), torch_logits(hf, _ids(1))) <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cached_greedy_generation_matches_transformers(tmp_path, family):
   path, hf = write_moe(tmp_path, family, seed=4)
@@ -172,6 +174,7 @@ def test_cached_greedy_generation_matches_transformers(tmp_path, family):
   assert len(set(ours)) > 2  # not a degenerate repeat that any bug would reproduce
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_load_balancing_loss_is_transformers_aux_loss(tmp_path, family):
   """Over every layer's router, padding left out (transformers' attention mask)."""
@@ -237,6 +240,7 @@ def _per_expert(weight: np.ndarray, rank: int, experts: int, which: str) -> np.n
   return weight.reshape(weight.shape[0], rank, experts).transpose(2, 1, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_expert_lora_gradients_match_peft_target_parameters(tmp_path, family):
   """LoRA on attention and on every expert (PEFT's target_parameters on the fused experts:
@@ -362,6 +366,7 @@ def test_lora_training_and_exports_reload_in_transformers_and_peft(tmp_path, fam
   assert max_rel_err(torch_logits(peft_model, test_ids), torch_logits(merged, test_ids)) <= 1e-5
 
 
+@pytest.mark.slow
 def test_gpt_oss_mxfp4_experts_load_exactly(tmp_path):
   """A gpt-oss checkpoint as released (experts in MXFP4: ``*_blocks``, ``*_scales``,
   quantization_config mxfp4) equals transformers holding the same experts dequantized; with
@@ -394,6 +399,7 @@ def test_gpt_oss_mxfp4_experts_load_exactly(tmp_path):
     np.testing.assert_array_equal(np.asarray(lin.codes[...][1]), np.asarray(want.codes))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_trained_router_gradients_match_peft_modules_to_save_and_export(tmp_path, family):
   """--train-router: the routers' weights (and gpt-oss's biases) train beside the adapters,
@@ -447,6 +453,7 @@ def test_trained_router_gradients_match_peft_modules_to_save_and_export(tmp_path
   assert max_rel_err(ours, model(jnp.asarray(ids))) > 1e-3  # the update (routers, q_proj) shows
 
 
+@pytest.mark.slow
 def test_bnb_4bit_experts_keep_their_bytes(tmp_path):
   """A ``*-bnb-4bit`` Qwen3-MoE (every expert its own Linear4bit, as transformers 4 saved
   them) loads with each expert's NF4 bytes as stored."""

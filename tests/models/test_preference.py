@@ -104,6 +104,7 @@ def parity_setup(tmp_path_factory):
   return model, peft_model, pairs, dataset
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["dpo", "ipo", "orpo"])
 def test_objective_and_lora_gradients_match_transformers(parity_setup, method):
   model, peft_model, pairs, dataset = parity_setup

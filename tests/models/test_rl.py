@@ -57,6 +57,7 @@ def _torch_token_log_probs(model, ids, labels) -> torch.Tensor:
   return logp.gather(-1, safe[..., None])[..., 0]
 
 
+@pytest.mark.slow
 def test_grpo_objective_and_lora_gradients_match_the_formula(tmp_path):
   """TRL 1.16's default GRPO loss ("dapo"), written out on transformers' logits: clipped
   ratios against fixed rollout log-probs (some ratios outside the clip range), the KL to the

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 
 from jaxtune.models import attention
@@ -53,6 +54,7 @@ def test_sinks_match_transformers_in_both_paths():
   assert np.abs(np.asarray(plain) - want).max() > 1e-2  # the sinks change the output
 
 
+@pytest.mark.slow
 def test_reference_gradients_with_sinks_over_packed_segments_and_padding():
   q, k, v, sinks = _case(1)
   scale = 0.3

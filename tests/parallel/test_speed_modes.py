@@ -102,6 +102,7 @@ def test_activations_remat_under_a_mesh_trains_like_one_device(tiny_checkpoint):
   _assert_same(_loss_and_grads(tiny_checkpoint, "activations", "2x4"), ref, "2x4", atol=1e-5)
 
 
+@pytest.mark.slow
 def test_activations_remat_keeps_what_the_backward_reads(checkpoint, capsys):
   """One layer under the policy saves its arguments and the named activations, nothing else
   (no unnamed matmul output, no NF4 weight dequantized in the forward)."""

@@ -591,6 +591,7 @@ def _optax_optimizer(run: RunConfig):
   return optax.chain(clip, optax.adamw(schedule, weight_decay=run.weight_decay)), schedule
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["cosine", "linear", "constant"])
 def test_the_learning_rate_schedule_is_optaxs_from_arrays(kind):
   """The schedule written out for numbers that are arrays gives optax's values at every

@@ -31,6 +31,7 @@ def test_dequantize_equals_transformers_bit_for_bit(dtype):
   )
 
 
+@pytest.mark.slow
 def test_quantize_gives_back_what_dequantize_made():
   blocks, scales = _random(1)
   values = mxfp4.dequantize(jnp.asarray(blocks), jnp.asarray(scales))

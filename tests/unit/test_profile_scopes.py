@@ -5,6 +5,7 @@ import collections
 
 import jax
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 
 import jaxtune
@@ -13,6 +14,7 @@ from jaxtune.parallel import runtime
 from jaxtune.training import losses
 
 
+@pytest.mark.slow
 def test_every_scope_is_found_in_both_passes(hf_llama_dir):
   ckpt, _ = hf_llama_dir(num_hidden_layers=2)
   model = jaxtune.from_pretrained(ckpt, quantization="nf4", dtype="float32")
