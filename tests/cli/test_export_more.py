@@ -63,6 +63,7 @@ def _main(argv: list[str]) -> int:
 # 1. The merge into the original weights
 
 
+@pytest.mark.slow
 def test_merged_export_is_the_peft_adapter_merged_into_the_original_weights(
   adapted,
   tiny_model,

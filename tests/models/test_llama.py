@@ -100,6 +100,7 @@ def test_nf4_logits_match_transformers_on_dequantized_weights(hf_llama_dir):
   assert max_rel_err(model(jnp.asarray(ids)), torch_logits(hf, ids)) <= 1e-5
 
 
+@pytest.mark.slow
 def test_scanned_and_unscanned_layers_agree(hf_llama_dir):
   path, _ = hf_llama_dir(seed=4)
   model = jaxtune.from_pretrained(path, quantization="nf4", dtype="float32")

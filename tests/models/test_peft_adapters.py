@@ -244,6 +244,7 @@ def _loss_torch(model, ids):
   return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+@pytest.mark.slow
 def test_per_layer_ranks_give_peft_loss_and_gradients(base, tmp_path):
   """A peft adapter with ranks and alphas per module and per layer: jaxtune (layers stacked,
   columns past each layer's rank masked) computes PEFT's loss and gradients."""
