@@ -3,7 +3,8 @@ what issue 59's grouped kernel must beat, in one run: Qwen3-30B-A3B's expert sha
 experts, top 8, hidden 2048, expert width 768), tokens routed at random (uniformly, or skewed
 so a few experts get most of them).
 
-  (a) ``ragged_dot``: the grouped product jaxtune's experts run (jax.lax.ragged_dot);
+  (a) ``ragged_dot``: the grouped product jaxtune's experts ran first (jax.lax.ragged_dot),
+      and ``tiles`` (groups padded to 64-row tiles of one group, XLA's batched matmul);
   (b) dense: every token through every expert, a batched einsum (E times the useful FLOPs);
   (c) bf16 dense matmul of the useful size (tokens*k x D x I): the FLOP-rate ceiling;
   (d) the whole sparse layer (router, sort, gate/up/down with NF4 experts dequantized per
@@ -80,6 +81,10 @@ def main() -> None:
         )
       )
       t_ragged = timed(ragged, x, w, sizes, reps=args.reps)
+      tiled = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, impl="tiles"))
+      diff = tiled(x, w, sizes).astype(jnp.float32) - ref(x, w, sizes).astype(jnp.float32)
+      err_tiles = float(jnp.max(jnp.abs(diff)))
+      t_tiles = timed(tiled, x, w, sizes, reps=args.reps)
       xe = x[:tokens].reshape(1, tokens, D)
       dense = jax.jit(lambda x, w: jnp.einsum("btd,edi->ebti", x, w))
       t_dense = timed(dense, xe, w, reps=args.reps)
@@ -88,8 +93,10 @@ def main() -> None:
       flops = 2 * m * D * I
       row = dict(
         tokens=tokens, skew=skew, experts=E, top_k=K, hidden=D, expert_width=I,
-        max_abs_err=err,
-        ragged_ms=t_ragged, dense_all_experts_ms=t_dense, bf16_same_flops_ms=t_useful,
+        max_abs_err=err, max_abs_err_tiles=err_tiles,
+        ragged_ms=t_ragged, tiles_ms=t_tiles, tiles_tflops=flops / t_tiles / 1e9,
+        tiles_vs_ragged=t_ragged / t_tiles,
+        dense_all_experts_ms=t_dense, bf16_same_flops_ms=t_useful,
         ragged_tflops=flops / t_ragged / 1e9, ceiling_tflops=flops / t_useful / 1e9,
         ragged_vs_ceiling=t_useful / t_ragged, ragged_vs_dense=t_dense / t_ragged,
       )  # fmt: skip
@@ -111,32 +118,49 @@ def main() -> None:
   x = jax.random.normal(jax.random.fold_in(key, 3), (tokens, D), jnp.float32).astype(jnp.bfloat16)
   routing = moe.Routing(E, K, "softmax_topk", normalize=True)
 
-  def layer(lora, x):
+  def layer(lora, x, impl):
     weights, experts = moe.route(x @ router.astype(x.dtype), routing)
     g, u, d = (jnp.swapaxes(nf4.dequantize_experts(*p, jnp.bfloat16), -1, -2) for p in q)
-    y = moe.experts_mlp(x, weights, experts, g, u, d, lora=lora)
+    y = moe.experts_mlp(x, weights, experts, g, u, d, impl=impl, lora=lora)
     return jnp.sum(y.astype(jnp.float32) ** 2)
 
-  step = jax.jit(jax.value_and_grad(layer))
-  t_layer = timed(step, lora, x, reps=args.reps)
   useful = 3 * 2 * tokens * K * D * I * 3  # forward + two backward products, 3 projections
-  row = dict(
-    tokens=tokens, experts=E, top_k=K, hidden=D, expert_width=I, what="sparse layer fwd+bwd",
-    layer_ms=t_layer, layer_tflops=useful / t_layer / 1e9,
-  )  # fmt: skip
-  rows_out.append(row)
-  print(row, flush=True)
+  grads = {}
+  for impl in ("tiles", "ragged_dot"):
+    step = jax.jit(jax.value_and_grad(lambda lo, x, impl=impl: layer(lo, x, impl)))
+    row = dict(
+      tokens=tokens, experts=E, top_k=K, hidden=D, expert_width=I,
+      what="sparse layer fwd+bwd", impl=impl,
+    )  # fmt: skip
+    try:
+      grads[impl] = jax.block_until_ready(step(lora, x))
+      t_layer = timed(step, lora, x, reps=args.reps)
+      row.update(layer_ms=t_layer, layer_tflops=useful / t_layer / 1e9)
+    except jax.errors.JaxRuntimeError as e:  # ragged_dot's backward: ~100 GiB at 4096 tokens
+      row.update(error=str(e).splitlines()[0][:200])
+    rows_out.append(row)
+    print(row, flush=True)
+  if len(grads) == 2:
+    a, b = (jax.tree.leaves(grads[i]) for i in ("ragged_dot", "tiles"))
+    rel = max(
+      float(jnp.max(jnp.abs(p - q)) / (jnp.max(jnp.abs(p)) + 1e-30))
+      for p, q in zip(a, b, strict=True)
+    )
+    rows_out[-1]["grads_rel_tiles_vs_ragged"] = rel
+    print("tiles vs ragged_dot, loss and LoRA gradients: max rel", rel, flush=True)
 
-  print(f"\n{'tokens':>7} {'skew':>5} {'ragged ms':>10} {'dense ms':>9} {'ceiling ms':>10} "
-        f"{'ragged TF/s':>11} {'vs ceiling':>10}")  # fmt: skip
+  print(f"\n{'tokens':>7} {'skew':>5} {'ragged ms':>10} {'tiles ms':>9} {'dense ms':>9} "
+        f"{'ceiling ms':>10} {'tiles x':>8} {'tiles TF/s':>10}")  # fmt: skip
   for r in rows_out:
     if "ragged_ms" in r:
-      print(f"{r['tokens']:>7} {r['skew']!s:>5} {r['ragged_ms']:>10.3f} "
+      print(f"{r['tokens']:>7} {r['skew']!s:>5} {r['ragged_ms']:>10.3f} {r['tiles_ms']:>9.3f} "
             f"{r['dense_all_experts_ms']:>9.3f} {r['bf16_same_flops_ms']:>10.3f} "
-            f"{r['ragged_tflops']:>11.1f} {r['ragged_vs_ceiling']:>10.2f}")  # fmt: skip
-    else:
-      print(f"sparse layer fwd+bwd, {r['tokens']} tokens: {r['layer_ms']:.2f} ms, "
+            f"{r['tiles_vs_ragged']:>8.1f} {r['tiles_tflops']:>10.1f}")  # fmt: skip
+    elif "layer_ms" in r:
+      print(f"sparse layer fwd+bwd, {r['tokens']} tokens, {r['impl']}: {r['layer_ms']:.2f} ms, "
             f"{r['layer_tflops']:.1f} TF/s useful")  # fmt: skip
+    else:
+      print(f"sparse layer fwd+bwd, {r['tokens']} tokens, {r['impl']}: {r['error']}")
   record("bench_moe", rows_out, "MoE expert products (Qwen3-30B-A3B shapes)",
          out_dir=args.results_dir)  # fmt: skip
 

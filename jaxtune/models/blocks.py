@@ -236,7 +236,8 @@ class Block(nnx.Module):
     def mlp(x):
       if not self.sparse:
         return self.mlp(x, keys, runtime)
-      y, s = self.mlp(x, None if segment_ids is None else segment_ids != 0)
+      valid = None if segment_ids is None else segment_ids != 0
+      y, s = self.mlp(x, valid, runtime.grouped_matmul)
       stats.append(s)
       return y
 

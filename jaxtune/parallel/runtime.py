@@ -35,6 +35,8 @@ from jaxtune.parallel import ring_attention as context
 from jaxtune.run_config import REMAT
 
 ATTENTION = ("xla", "cudnn", "mosaic", "interpret", "flash_xla", "ring")
+GROUPED_MATMUL = ("ragged_dot", "tiles")
+
 # How NF4 layers multiply (pallas_kernels.nf4_matmul's ``impl``, or "few-tokens": the kernel for
 # calls whose shape it measured faster on, ``kernel_pays``, XLA for the rest; resolve picks it
 # on one Hopper GPU). interpret: the kernel on CPU (tests).
@@ -68,6 +70,8 @@ class Runtime:
   # sliding window: the flash op per pair, merged by its log-sum-exp)
   ring_blocks: str = "xla"
   nf4_matmul: str = "xla"  # one of NF4_MATMUL
+  # how a mixture of experts' grouped products run (pallas_kernels.grouped_matmul's impl)
+  grouped_matmul: str = "ragged_dot"
   loss_chunk: int = 0  # > 0: float32 logits for this many tokens per row at a time
   mlp_chunk: int = 0  # > 0: the MLP runs this many tokens per row at a time
   # > 1: remat keeps the input of every group of this many layers only (models/decoder.py
@@ -102,6 +106,10 @@ class Runtime:
       raise ValueError(f"ring_blocks must be xla or one of {FLASH}, got {self.ring_blocks!r}")
     if self.nf4_matmul not in NF4_MATMUL:
       raise ValueError(f"nf4_matmul must be one of {NF4_MATMUL}, got {self.nf4_matmul!r}")
+    if self.grouped_matmul not in GROUPED_MATMUL:
+      raise ValueError(
+        f"grouped_matmul must be one of {GROUPED_MATMUL}, got {self.grouped_matmul!r}"
+      )
     if self.remat_group < 1:
       raise ValueError(f"remat_group must be at least 1, got {self.remat_group}")
     if self.remat_group > 1 and self.remat not in GROUPED_REMAT:

@@ -34,6 +34,15 @@ TRAIN_KERNEL_MAX_TOKENS = 4096
 TRAIN_KERNEL_MIN_HIDDEN = 4096  # the model's width, the K of most of its products
 
 
+def resolve_grouped_matmul(cfg: ModelConfig, device: jax.Device) -> str:
+  """How a mixture of experts' grouped products run: "tiles" (groups padded to tiles of one
+  group, XLA's batched matmul) on a GPU, where XLA's ragged_dot lowers to a slow loop (H200,
+  Qwen3-30B-A3B's expert shapes, experiments/bench_moe.py: the products 6.1x faster at 4,096
+  tokens, 11.1x at 16,384; a sparse layer's LoRA step 28 ms against 218, and ragged_dot's
+  backward needed ~100 GiB); "ragged_dot" elsewhere (CPUs: no padding)."""
+  return "tiles" if cfg.is_moe and device.platform == "gpu" else "ragged_dot"
+
+
 def resolve_nf4_matmul(
   requested: str | None, cfg: ModelConfig, *, method: str, quantized: bool, tokens: int | None,
   devices: int, device: jax.Device, dtype: str, free: int | None,

@@ -32,6 +32,7 @@ from jaxtune.run.choices import (  # noqa: F401 (the plan's choices, named here 
   loaded_bytes,
   resolve_attention,
   resolve_decode,
+  resolve_grouped_matmul,
   resolve_nf4_matmul,
   resolve_ring_blocks,
 )
@@ -160,6 +161,7 @@ def resolve(
       dtype=dtype,
       free=free,
     ),
+    grouped_matmul=resolve_grouped_matmul(cfg, devices[0]),
     loss_chunk=candidates[0][1],
     candidates=candidates if len(candidates) > 1 else (),
     memory_limit=run.memory_limit,

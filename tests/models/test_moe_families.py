@@ -8,6 +8,7 @@ swapped gate/up, a transposed expert or a missing bias shows; gpt-oss's sliding 
 shorter than the sequences, its clamp (2.0) bites, and its rope is YaRN.
 """
 
+import dataclasses
 import json
 
 import jax
@@ -132,7 +133,7 @@ def _set_hf_expert_weight(hf, family: str, layer: int, name: str, w: np.ndarray)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])  # Mixtral's is Qwen3-MoE's layout
 def test_nf4_experts_are_quantized_per_expert_and_match_on_their_dequantized_weights(
   tmp_path, family
 ):
@@ -151,7 +152,7 @@ def test_nf4_experts_are_quantized_per_expert_and_match_on_their_dequantized_wei
         hf, family, layer, p[-1], np.asarray(lin.dense_weight(jnp.float32)[layer])
       )
       found += 1
-  assert found == 3 * 3
+  assert found == 3 * 3  # three projections in each of three layers
   for p, lin in jaxtune.models.lora.iter_linears(model):
     if lin.quantized:
       for layer in range(lin.layers):
@@ -241,7 +242,7 @@ def _per_expert(weight: np.ndarray, rank: int, experts: int, which: str) -> np.n
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])  # Mixtral fuses as Qwen3-MoE does
 def test_expert_lora_gradients_match_peft_target_parameters(tmp_path, family):
   """LoRA on attention and on every expert (PEFT's target_parameters on the fused experts:
   one A per expert for gate and up together, which jaxtune holds as gate's and up's A alike)
@@ -482,3 +483,34 @@ def test_bnb_4bit_experts_keep_their_bytes(tmp_path):
   want = stored["model.layers.2.mlp.experts.3.down_proj.weight"]
   got = lins["down_proj"].codes[...][2, 3]
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want.codes).reshape(got.shape))
+
+
+@pytest.mark.slow
+def test_the_tiled_grouped_products_give_the_same_model_and_are_chosen_on_gpus(tmp_path):
+  """Runtime.grouped_matmul "tiles" (what resolve picks on a GPU, where ragged_dot is slow)
+  computes the model ragged_dot does, gradients included; CPUs keep ragged_dot."""
+  import types
+
+  from jaxtune.parallel.runtime import DEFAULT
+  from jaxtune.run.choices import resolve_grouped_matmul
+
+  path, _ = write_moe(tmp_path, "gpt_oss", seed=11)
+  model = jaxtune.apply_lora(jaxtune.from_pretrained(path, quantization=None, dtype="float32"))
+  rng = np.random.default_rng(11)
+  for _, lin in [*jaxtune.models.lora.iter_linears(model), *expert_linears(model)]:
+    if lin.lora_b is not None:  # every adapter live, so every gradient is
+      lin.lora_b[...] = jnp.asarray(0.1 * rng.standard_normal(lin.lora_b[...].shape), jnp.float32)
+  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  ids = jnp.asarray(_ids(11))
+  tiles = dataclasses.replace(DEFAULT, grouped_matmul="tiles")
+
+  def loss(lo, runtime):
+    return jnp.sum(nnx.merge(graphdef, lo, frozen)(ids, runtime=runtime) ** 2) * 1e-4
+
+  (a, ga), (b, gb) = (jax.value_and_grad(loss)(lora, rt) for rt in (DEFAULT, tiles))
+  np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
+  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+    assert max_rel_err(y, x) <= 1e-5
+  cfg = model.config
+  assert resolve_grouped_matmul(cfg, types.SimpleNamespace(platform="gpu")) == "tiles"
+  assert resolve_grouped_matmul(cfg, jax.devices()[0]) == "ragged_dot"
