@@ -1,10 +1,12 @@
-"""Decoder-only transformers (Llama 2/3, Qwen 2/2.5/3, Gemma 1/2/3) as Flax NNX modules.
+"""Decoder-only transformers (Llama 2/3, Qwen 2/2.5/3, Gemma 1/2/3, and the mixtures of
+experts Qwen3-MoE, Mixtral and gpt-oss) as Flax NNX modules.
 
 One module, not one per family: the families differ by switches in ModelConfig (q/k/v bias,
 q/k norms, (1 + w) norms, embedding scale, sandwich norms, softcaps, sliding windows, local
-rope). Layers (models/blocks.py) are stacked and run under ``jax.lax.scan``, rematerialised
-as the run's remat policy says; what differs from layer to layer (window size, which rope) is
-a scanned array, never a Python branch over layers.
+rope, attention sinks, a sparse MLP of experts: models/experts.py, whose router statistics the
+layer scan carries beside the residual stream). Layers (models/blocks.py) are stacked and run
+under ``jax.lax.scan``, rematerialised as the run's remat policy says; what differs from layer
+to layer (window size, which rope) is a scanned array, never a Python branch over layers.
 
 A model knows where it came from through one static attribute, ``provenance``
 (models/provenance.py), empty for a model built directly.
