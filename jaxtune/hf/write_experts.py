@@ -35,12 +35,9 @@ def merged_experts(lin: Any, layer: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=2)
 def _merged(frozen: tuple, lora: tuple, quantized: bool) -> jax.Array:
-  from pallas_kernels import nf4
+  from jaxtune.models.experts import dense_experts
 
-  if quantized:
-    w = jax.vmap(lambda *x: nf4.dequantize_linear(*x, jnp.float32))(*frozen)
-  else:
-    w = frozen[0].astype(jnp.float32)
+  w = dense_experts(frozen, quantized, jnp.float32)
   if lora:
     a, b, scale = lora  # [E, in, r], [E, r, out]
     w = w + scale * jnp.swapaxes(a @ b, -1, -2)

@@ -19,7 +19,7 @@ from jax.typing import DTypeLike
 from jaxtune.errors import ConfigError
 from jaxtune.models import moe
 from jaxtune.models.config import ModelConfig
-from jaxtune.nf4_storage import NF4Storage
+from jaxtune.models.layers import nf4_storage
 from pallas_kernels import nf4
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -58,17 +58,8 @@ class ExpertLinear(nnx.Module):
           f"NF4 needs the input size of an expert's projection to be a multiple of "
           f"{nf4.BLOCKSIZE}, got {in_features}; load this model with quantization=None."
         )
-      self.codes = NF4Storage(
-        jnp.full((*lead, out_features, in_features // 2), 0x77, jnp.uint8), axes=vaxes
-      )
-      self.absmax = NF4Storage(
-        jnp.zeros((*lead, out_features, in_features // nf4.BLOCKSIZE), jnp.uint8), axes=vaxes
-      )
-      self.nested_absmax = NF4Storage(
-        jnp.zeros((*lead, nf4.nested_size(out_features, in_features)), jnp.float32),
-        axes=(*lead_axes, None),
-      )
-      self.offset = NF4Storage(jnp.zeros(lead, jnp.float32), axes=lead_axes)
+      shape = (*lead, out_features, in_features)
+      self.codes, self.absmax, self.nested_absmax, self.offset = nf4_storage(shape, vaxes)
     else:
       std = in_features**-0.5
       shape = (*lead, out_features, in_features)
@@ -94,18 +85,21 @@ class ExpertLinear(nnx.Module):
     held = self.frozen_arrays()
     if layer is not None:
       held = tuple(x[layer] for x in held)
-    if not self.quantized:
-      return held[0].astype(dtype)
-    lead = held[1].ndim - 2  # absmax [..., out, in / 64]
-    f = lambda *x: nf4.dequantize_linear(*x, dtype)  # noqa: E731
-    for _ in range(lead):
-      f = jax.vmap(f)
-    return f(*held)
+    return dense_experts(held, self.quantized, dtype)
 
   def lora(self) -> moe.ExpertLora | None:
     if self.lora_a is None:
       return None
     return moe.ExpertLora(self.lora_a[...], self.lora_b[...], self.lora_scale)
+
+
+def dense_experts(frozen: tuple[jax.Array, ...], quantized: bool, dtype: DTypeLike) -> jax.Array:
+  """[..., experts, out, in] in ``dtype`` from ``ExpertLinear.frozen_arrays`` (of one layer
+  or of all): nf4.dequantize_experts per layer where NF4."""
+  if not quantized:
+    return frozen[0].astype(dtype)
+  f = lambda *x: nf4.dequantize_experts(*x, dtype)  # noqa: E731
+  return f(*frozen) if frozen[1].ndim == 3 else jax.vmap(f)(*frozen)  # absmax [E, out, in/64]
 
 
 class Router(nnx.Module):

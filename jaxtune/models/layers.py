@@ -36,6 +36,24 @@ def dense(frozen: tuple[jax.Array, ...], dtype: DTypeLike) -> jax.Array:
   return frozen[0].astype(dtype)
 
 
+def nf4_storage(shape: tuple[int, ...], axes: tuple) -> tuple[NF4Storage, ...]:
+  """(codes, absmax, nested_absmax, offset) of NF4 weights [..., out, in] (leading stacked
+  dims as ``shape`` has them, logical ``axes`` per dim), starting as exact zeros (code 7 is
+  0.0); from_pretrained fills them from a checkpoint."""
+  *lead, out_features, in_features = shape
+  return (
+    NF4Storage(jnp.full((*lead, out_features, in_features // 2), 0x77, jnp.uint8), axes=axes),
+    NF4Storage(
+      jnp.zeros((*lead, out_features, in_features // nf4.BLOCKSIZE), jnp.uint8), axes=axes
+    ),
+    NF4Storage(
+      jnp.zeros((*lead, nf4.nested_size(out_features, in_features)), jnp.float32),
+      axes=axes[:-2] + (None,),
+    ),
+    NF4Storage(jnp.zeros(lead, jnp.float32), axes=axes[:-2]),
+  )
+
+
 class Linear(nnx.Module):
   """y = x W^T (+ b) (+ scale * dropout(x) A B). W is frozen: NF4 storage or a dense Param."""
 
@@ -63,19 +81,7 @@ class Linear(nnx.Module):
           f"NF4 needs the input size of a linear layer to be a multiple of {nf4.BLOCKSIZE}, "
           f"got {in_features}; load this model with quantization=None."
         )
-      # Starts as exact zeros (code 7 is 0.0); from_pretrained fills it from a checkpoint.
-      lead = shape[:-2]
-      self.codes = NF4Storage(
-        jnp.full((*lead, out_features, in_features // 2), 0x77, jnp.uint8), axes=vaxes
-      )
-      self.absmax = NF4Storage(
-        jnp.zeros((*lead, out_features, in_features // nf4.BLOCKSIZE), jnp.uint8), axes=vaxes
-      )
-      self.nested_absmax = NF4Storage(
-        jnp.zeros((*lead, nf4.nested_size(out_features, in_features)), jnp.float32),
-        axes=vaxes[:-2] + (None,),
-      )
-      self.offset = NF4Storage(jnp.zeros(lead, jnp.float32), axes=vaxes[:-2])
+      self.codes, self.absmax, self.nested_absmax, self.offset = nf4_storage(shape, vaxes)
     else:
       std = 1.0 / math.sqrt(in_features)
       weight = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)

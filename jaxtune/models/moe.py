@@ -150,13 +150,9 @@ def load_balancing_loss(
   transformers' ``load_balancing_loss_func`` computes it: E * sum over experts of (its
   assignments per token) times (its mean router probability), over the tokens ``valid``
   [T] marks (None: all). ``logits`` [T, E], every layer's tokens stacked; float32."""
-  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-  _, experts = jax.lax.top_k(probs, routing.top_k)
-  w = jnp.ones(probs.shape[:1], jnp.float32) if valid is None else valid.astype(jnp.float32)
-  rows = jnp.sum(w)
-  counts = jnp.sum(jax.nn.one_hot(experts, routing.num_experts) * w[:, None, None], axis=(0, 1))
-  prob_per_expert = jnp.sum(probs * w[:, None], axis=0) / rows
-  return jnp.sum(counts / rows * prob_per_expert) * routing.num_experts
+  _, experts = jax.lax.top_k(logits, routing.top_k)  # the softmax's top k
+  rows = jnp.asarray(logits.shape[0]) if valid is None else jnp.sum(valid)
+  return balance_loss(router_stats(logits, experts, routing.num_experts, valid), rows)
 
 
 def router_stats(

@@ -214,6 +214,26 @@ def test_options_jaxtune_does_not_build_are_refused_by_name(tmp_path, family, se
     jaxtune.ModelConfig.from_hf(path)
 
 
+def _next_token_grads_against_peft(model, peft_model, ids: np.ndarray):
+  """jaxtune's gradients of the mean next-token loss of ``ids`` over its trainable
+  parameters, after checking the loss equals ``peft_model``'s (whose .grad it fills)."""
+  out = peft_model(torch.from_numpy(ids[:, :-1]).long())
+  torch_loss = torch.nn.functional.cross_entropy(
+    out.logits.reshape(-1, out.logits.shape[-1]), torch.from_numpy(ids[:, 1:]).reshape(-1).long()
+  )
+  torch_loss.backward()
+  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+
+  def loss(lo):
+    logits = nnx.merge(graphdef, lo, frozen)(jnp.asarray(ids[:, :-1]))
+    picked = jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.asarray(ids[:, 1:])[..., None], -1)
+    return -jnp.mean(picked)
+
+  value, grads = jax.jit(jax.value_and_grad(loss))(lora)
+  np.testing.assert_allclose(float(value), torch_loss.item(), rtol=1e-5)
+  return grads
+
+
 def _peft_experts(peft_model, layer: int) -> dict:
   """PEFT's two expert adapters of ``layer`` (target_parameters: gate_up_proj's wraps the
   experts, down_proj's wraps that)."""
@@ -282,20 +302,7 @@ def test_expert_lora_gradients_match_peft_target_parameters(tmp_path, family):
         lin.lora_b[...] = lin.lora_b[...].at[layer].set(b[..., cols])
 
   ids = _ids(3)
-  out = peft_model(torch.from_numpy(ids[:, :-1]).long())
-  torch_loss = torch.nn.functional.cross_entropy(
-    out.logits.reshape(-1, out.logits.shape[-1]), torch.from_numpy(ids[:, 1:]).reshape(-1).long()
-  )
-  torch_loss.backward()
-  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
-
-  def loss(lo):
-    logits = nnx.merge(graphdef, lo, frozen)(jnp.asarray(ids[:, :-1]))
-    picked = jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.asarray(ids[:, 1:])[..., None], -1)
-    return -jnp.mean(picked)
-
-  value, grads = jax.jit(jax.value_and_grad(loss))(lora)
-  np.testing.assert_allclose(float(value), torch_loss.item(), rtol=1e-5)
+  grads = _next_token_grads_against_peft(model, peft_model, ids)
   assert assert_lora_grads_match_peft(model, grads, peft_model) == 4 * 2
   assert sum(lin.lora_a is not None for _, lin in iter_linears(model)) == 4
   grad_of = dict(grads.flat_state())
@@ -418,20 +425,7 @@ def test_trained_router_gradients_match_peft_modules_to_save_and_export(tmp_path
   model = jaxtune.apply_lora(model, rank=4, alpha=8, targets=["q_proj"], train_router=True)
   copy_peft_lora_into(model, peft_model)
   ids = _ids(9)
-  out = peft_model(torch.from_numpy(ids[:, :-1]).long())
-  torch_loss = torch.nn.functional.cross_entropy(
-    out.logits.reshape(-1, out.logits.shape[-1]), torch.from_numpy(ids[:, 1:]).reshape(-1).long()
-  )
-  torch_loss.backward()
-  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
-
-  def loss(lo):
-    logits = nnx.merge(graphdef, lo, frozen)(jnp.asarray(ids[:, :-1]))
-    picked = jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.asarray(ids[:, 1:])[..., None], -1)
-    return -jnp.mean(picked)
-
-  value, grads = jax.jit(jax.value_and_grad(loss))(lora)
-  np.testing.assert_allclose(float(value), torch_loss.item(), rtol=1e-5)
+  grads = _next_token_grads_against_peft(model, peft_model, ids)
   grad_of = dict(grads.flat_state())
   modules = dict(peft_model.named_modules())
   fields = ("weight", "bias") if family == "gpt_oss" else ("weight",)
@@ -442,6 +436,7 @@ def test_trained_router_gradients_match_peft_modules_to_save_and_export(tmp_path
       want = getattr(saved.modules_to_save["default"], field).grad.numpy()
       assert max_rel_err(got[layer], want) <= 1e-5, (field, layer)
 
+  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
   trained = nnx.merge(graphdef, jax.tree.map(lambda p, g: p - 0.5 * g, lora, grads), frozen)
   adapter = jaxtune.export_peft(trained, tmp_path / "peft")
   assert json.loads((adapter / "adapter_config.json").read_text())["modules_to_save"] == [router]
