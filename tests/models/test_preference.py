@@ -283,9 +283,10 @@ def test_dpo_learns_to_prefer_the_right_answers_on_held_out_pairs(dpo_cli_run):
   assert "dpo (beta 0.1; reference: the adapters off)" in proc.stdout
   rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
   train = [r for r in rows if "loss" in r]
-  assert abs(train[0]["loss"] - math.log(2)) < 1e-3  # B = 0: the policy is the reference
-  # (bfloat16: the two forwards round differently, so the margin is ~0, not exactly 0)
+  # B = 0: the policy is the reference. bfloat16: the two forwards round differently, so the
+  # margin is ~0, not exactly 0, and the loss (log 2 - margin / 2 near 0) ~log 2.
   assert abs(train[0]["reward_margin"]) < 0.01
+  assert abs(train[0]["loss"] - math.log(2)) < 5e-3
   (final,) = [r for r in rows if "eval_loss" in r]
   assert final["eval_pairs"] == 16
   assert final["eval_reward_accuracy"] >= 0.9, final
