@@ -5,6 +5,7 @@ so a few experts get most of them).
 
   (a) ``ragged_dot``: the grouped product jaxtune's experts ran first (jax.lax.ragged_dot),
       and ``tiles`` (groups padded to 64-row tiles of one group, XLA's batched matmul);
+      and, for at most 1,024 rows, ``reference`` (each row's expert weight gathered: decoding);
   (b) dense: every token through every expert, a batched einsum (E times the useful FLOPs);
   (c) bf16 dense matmul of the useful size (tokens*k x D x I): the FLOP-rate ceiling;
   (d) the whole sparse layer (router, sort, gate/up/down with NF4 experts dequantized per
@@ -85,6 +86,9 @@ def main() -> None:
       diff = tiled(x, w, sizes).astype(jnp.float32) - ref(x, w, sizes).astype(jnp.float32)
       err_tiles = float(jnp.max(jnp.abs(diff)))
       t_tiles = timed(tiled, x, w, sizes, reps=args.reps)
+      # The per-row product (each row's expert weight gathered: k * D * I bytes a token), what
+      # decoding's few rows could take instead; its gathered weights outgrow memory past ~1k rows.
+      t_ref = timed(ref, x, w, sizes, reps=args.reps) if m <= 1024 else None
       xe = x[:tokens].reshape(1, tokens, D)
       dense = jax.jit(lambda x, w: jnp.einsum("btd,edi->ebti", x, w))
       t_dense = timed(dense, xe, w, reps=args.reps)
@@ -94,7 +98,8 @@ def main() -> None:
       row = dict(
         tokens=tokens, skew=skew, experts=E, top_k=K, hidden=D, expert_width=I,
         max_abs_err=err, max_abs_err_tiles=err_tiles,
-        ragged_ms=t_ragged, tiles_ms=t_tiles, tiles_tflops=flops / t_tiles / 1e9,
+        ragged_ms=t_ragged, tiles_ms=t_tiles, reference_ms=t_ref,
+        tiles_tflops=flops / t_tiles / 1e9,
         tiles_vs_ragged=t_ragged / t_tiles,
         dense_all_experts_ms=t_dense, bf16_same_flops_ms=t_useful,
         ragged_tflops=flops / t_ragged / 1e9, ceiling_tflops=flops / t_useful / 1e9,
@@ -150,12 +155,14 @@ def main() -> None:
     print("tiles vs ragged_dot, loss and LoRA gradients: max rel", rel, flush=True)
 
   print(f"\n{'tokens':>7} {'skew':>5} {'ragged ms':>10} {'tiles ms':>9} {'dense ms':>9} "
-        f"{'ceiling ms':>10} {'tiles x':>8} {'tiles TF/s':>10}")  # fmt: skip
+        f"{'ceiling ms':>10} {'tiles x':>8} {'tiles TF/s':>10} {'ref ms':>8}")  # fmt: skip
   for r in rows_out:
     if "ragged_ms" in r:
+      ref = "-" if r["reference_ms"] is None else f"{r['reference_ms']:.3f}"
       print(f"{r['tokens']:>7} {r['skew']!s:>5} {r['ragged_ms']:>10.3f} {r['tiles_ms']:>9.3f} "
             f"{r['dense_all_experts_ms']:>9.3f} {r['bf16_same_flops_ms']:>10.3f} "
-            f"{r['tiles_vs_ragged']:>8.1f} {r['tiles_tflops']:>10.1f}")  # fmt: skip
+            f"{r['tiles_vs_ragged']:>8.1f} {r['tiles_tflops']:>10.1f} "
+            f"{ref:>8}")  # fmt: skip
     elif "layer_ms" in r:
       print(f"sparse layer fwd+bwd, {r['tokens']} tokens, {r['impl']}: {r['layer_ms']:.2f} ms, "
             f"{r['layer_tflops']:.1f} TF/s useful")  # fmt: skip
