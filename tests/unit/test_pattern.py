@@ -31,6 +31,7 @@ def test_a_stack_without_a_shorter_period_is_its_own():
     p.slot(5)
 
 
+@pytest.mark.slow
 def test_qwen3_moe_kinds_follow_transformers_rule():
   import transformers
 
