@@ -37,10 +37,8 @@ class LayerPattern:
     """The shortest run of kinds that, repeated, gives every layer (the whole stack when no
     shorter one does)."""
     n = len(self.kinds)
-    for p in range(1, n + 1):
-      if n % p == 0 and self.kinds == self.kinds[:p] * (n // p):
-        return self.kinds[:p]
-    raise AssertionError("unreachable: the whole stack is a period")
+    sizes = (p for p in range(1, n + 1) if n % p == 0)
+    return next(self.kinds[:p] for p in sizes if self.kinds == self.kinds[:p] * (n // p))
 
   @property
   def num_periods(self) -> int:
@@ -51,6 +49,7 @@ class LayerPattern:
     return tuple(i for i, k in enumerate(self.kinds) if k == kind)
 
   def count(self, kind: str) -> int:
+    """The layers of ``kind`` (its stack's length)."""
     return self.kinds.count(kind)
 
   def slot(self, layer: int) -> tuple[str | None, int]:
